@@ -1,0 +1,33 @@
+"""Typed errors shared by every role.
+
+Bad input raises an `InvalidRequestError` (or a subclass) naming the offending parameter; the
+gateway maps these once to OpenAI-shaped HTTP errors. Loading problems raise `ModelLoadError`.
+Nothing here knows about HTTP or Ray.
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Base class of every error pdserve raises on purpose."""
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """A request the caller can fix: bad sampling parameters, empty or too-long prompts."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+class ModelLoadError(PdserveError):
+    """A checkpoint could not be loaded: missing files, a bad config, unsupported architecture."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture or one of its options is not implemented."""
