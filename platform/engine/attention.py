@@ -1,0 +1,97 @@
+"""The attention layer and the one forward context it reads.
+
+The runner packs a step's tokens as `[decode tokens..., prefill chunks...]` and describes them in
+an `AttentionMetadata`; it sets that, with the KV cache, through `forward_context(...)` for the
+duration of one forward pass. Attention layers read it instead of taking it as an argument, so
+the model code stays a plain `forward(input_ids, positions)` (STYLE.md point 12: the one explicit
+global, always set through the context manager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.engine.kernels.paged_attention import (GatherWorkspace, paged_decode_attention,
+                                                    paged_prefill_attention, write_kv)
+from pdserve.engine.kv_cache import KVCache
+
+
+@dataclass
+class PrefillChunkMeta:
+    query_start: int  # index of the chunk's first token in the step's flattened tokens
+    query_len: int
+    context_len: int  # cached prefix + query_len
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each token's K/V is written
+    num_decode_tokens: int  # the first tokens: one per decoding sequence
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
+    prefills: list[PrefillChunkMeta]
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_cache: KVCache
+    workspace: GatherWorkspace
+
+
+_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(attn: AttentionMetadata, kv_cache: KVCache, workspace: GatherWorkspace):
+    global _context
+    previous, _context = _context, ForwardContext(attn, kv_cache, workspace)
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("attention ran outside forward_context(...): the runner sets it per step")
+    return _context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's slice of the KV cache (no weights of its own)."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q `[tokens, heads*head_dim]`, k/v `[tokens, kv_heads*head_dim]` -> `[tokens, heads*head_dim]`."""
+        ctx = get_forward_context()
+        meta = ctx.attn
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, self.scale, ctx.workspace)
+        for p in meta.prefills:
+            s, e = p.query_start, p.query_start + p.query_len
+            out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
+                                               p.block_table, p.context_len, self.scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)

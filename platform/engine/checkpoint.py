@@ -1,0 +1,214 @@
+"""Deterministic random checkpoints in Hugging Face format, for tests, demos and benchmarks.
+
+`make_checkpoint(preset, out_dir, seed)` writes config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json (with a chat template). The tokenizer is a byte-level BPE trained here on a
+generated corpus: nothing is downloaded. `transformers` loads the result with its Auto classes.
+
+Random weights give near-uniform next-token distributions, where float rounding flips greedy
+choices between implementations. The presets therefore scale the embeddings and LM head up so
+the top token usually wins by a wide margin ("peaked" distributions); the layers keep enough
+weight to make the output depend on the whole context.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [UNK, BOS, EOS, IM_START, IM_END]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which were are be "
+    "had one all their has new more time when would about there can other into only after first "
+    "over also may where these many through most such some people before between world during "
+    "city state under school system group water light house river north south east west power "
+    "music model token cache block serve prefill decode request stream router engine batch queue "
+    "paris london tokyo cairo lima oslo rome delhi seoul nairobi quick brown fox jumps lazy dog "
+    "red green blue yellow black white small large early late high low hello world question answer"
+).split()
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int | None  # None: the tokenizer's size
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    tokenizer_vocab_size: int = 512
+    peaked: bool = True
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset("llama", 64, 160, 2, 4, 2, None, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    "tiny-qwen2": Preset("qwen2", 64, 160, 2, 4, 2, None, rope_theta=1000000.0, tie_word_embeddings=True),
+    "tiny-mixtral": Preset("mixtral", 64, 96, 2, 4, 2, None, num_experts=4, num_experts_per_tok=2),
+    # The ~56M-parameter Llama shape the engine benchmarks use.
+    "bench-llama-56m": Preset("llama", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
+                              tokenizer_vocab_size=1024, peaked=False),
+}
+
+
+def _corpus(num_lines: int = 4000) -> list[str]:
+    rng = random.Random(1234)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))) + rng.choice(".?!,")
+            for _ in range(num_lines)]
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer that prepends BOS, trained deterministically on a fixed corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return tok
+
+
+def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+    cfg = {
+        "architectures": [arch[p.model_type]],
+        "model_type": p.model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.hidden_size // p.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": p.rope_theta,
+        "rope_scaling": p.rope_scaling,
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if p.model_type == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if p.model_type == "mixtral":
+        cfg.update(num_local_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok)
+    return cfg
+
+
+def _weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, inter, hd = p.hidden_size, p.intermediate_size, p.hidden_size // p.num_heads
+    # Peaked presets: large embedding/head scale so top tokens win by wide margins (see module doc).
+    emb_std, head_std, layer_std = (1.0, 8.0 / h ** 0.5, 1.5 / h ** 0.5) if p.peaked else (0.02, 0.02, 0.02)
+
+    def randn(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    w = {"model.embed_tokens.weight": randn(vocab_size, h, std=head_std if p.tie_word_embeddings else emb_std)}
+    for i in range(p.num_layers):
+        pre = f"model.layers.{i}."
+        w[pre + "self_attn.q_proj.weight"] = randn(p.num_heads * hd, h, std=layer_std)
+        w[pre + "self_attn.k_proj.weight"] = randn(p.num_kv_heads * hd, h, std=layer_std)
+        w[pre + "self_attn.v_proj.weight"] = randn(p.num_kv_heads * hd, h, std=layer_std)
+        w[pre + "self_attn.o_proj.weight"] = randn(h, p.num_heads * hd, std=layer_std)
+        if p.model_type == "qwen2":
+            for proj, n in (("q", p.num_heads), ("k", p.num_kv_heads), ("v", p.num_kv_heads)):
+                w[pre + f"self_attn.{proj}_proj.bias"] = randn(n * hd, std=0.1)
+        if p.num_experts:
+            w[pre + "block_sparse_moe.gate.weight"] = randn(p.num_experts, h, std=1.0 / h ** 0.5)
+            for e in range(p.num_experts):
+                ex = pre + f"block_sparse_moe.experts.{e}."
+                w[ex + "w1.weight"] = randn(inter, h, std=layer_std)
+                w[ex + "w3.weight"] = randn(inter, h, std=layer_std)
+                w[ex + "w2.weight"] = randn(h, inter, std=layer_std)
+        else:
+            w[pre + "mlp.gate_proj.weight"] = randn(inter, h, std=layer_std)
+            w[pre + "mlp.up_proj.weight"] = randn(inter, h, std=layer_std)
+            w[pre + "mlp.down_proj.weight"] = randn(h, inter, std=layer_std)
+        w[pre + "input_layernorm.weight"] = 1.0 + randn(h, std=0.1)
+        w[pre + "post_attention_layernorm.weight"] = 1.0 + randn(h, std=0.1)
+    w["model.norm.weight"] = 1.0 + randn(h, std=0.1)
+    if not p.tie_word_embeddings:
+        w["lm_head.weight"] = randn(vocab_size, h, std=head_std)
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the preset's checkpoint to out_dir (created; files in it are overwritten)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(p.tokenizer_vocab_size)
+    vocab_size = p.vocab_size or tok.get_vocab_size()
+    bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": EOS,
+        "add_bos_token": True, "model_max_length": p.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2))
+    (out / "config.json").write_text(json.dumps(_config(p, vocab_size, bos_id, eos_id), indent=2))
+    save_file(_weights(p, vocab_size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
+    return Path(root)
+
+
+def default_model(preset: str = "tiny-llama", seed: int = 0) -> Path:
+    """The preset's checkpoint in the cache directory, generated on first use."""
+    target = cache_dir() / "models" / f"{preset}-seed{seed}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a concurrent first use never sees a half-written one.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
+    try:
+        make_checkpoint(preset, tmp, seed)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

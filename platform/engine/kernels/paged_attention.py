@@ -1,0 +1,93 @@
+"""Paged attention, torch path (CPU, and the reference the Triton kernels are checked against).
+
+Inputs are one layer's cache halves `k_cache`, `v_cache` of shape
+`[num_blocks, block_size, num_kv_heads, head_dim]`, block tables mapping each sequence's logical
+blocks to physical ones, and the queries of the current step. GQA: query head h reads KV head
+`h // (num_heads // num_kv_heads)`.
+
+- `write_kv`: scatter this step's K/V into their slots (`slot = block_id * block_size + offset`).
+- `paged_decode_attention`: one query token per sequence, any context lengths; gathers the
+  sequences' blocks into a reusable workspace (fresh large allocations cost page faults on CPU).
+- `paged_prefill_attention`: a chunk of queries per sequence attending to a cached prefix plus
+  itself, causal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class GatherWorkspace:
+    """Reusable buffers for gathered K/V; grows to the largest batch seen."""
+
+    def __init__(self):
+        self._k = torch.empty(0)
+        self._v = torch.empty(0)
+
+    def get(self, num_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, *like.shape[1:])
+        numel = like[0].numel() * num_blocks
+        if self._k.numel() < numel or self._k.dtype != like.dtype or self._k.device != like.device:
+            self._k = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._v = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self._k[:numel].view(shape), self._v[:numel].view(shape)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: `[num_tokens, num_kv_heads, head_dim]`; slot_mapping: `[num_tokens]` int64."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           workspace: GatherWorkspace | None = None) -> torch.Tensor:
+    """q: `[batch, num_heads, head_dim]`; block_tables: `[batch, max_blocks]` (padding entries may
+    be any valid block id); seq_lens: `[batch]`. Returns `[batch, num_heads, head_dim]`."""
+    batch, max_blocks = block_tables.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    max_len = max_blocks * block_size
+    idx = block_tables.reshape(-1)
+    if workspace is None:
+        k = k_cache.index_select(0, idx)
+        v = v_cache.index_select(0, idx)
+    else:
+        k, v = workspace.get(idx.numel(), k_cache)
+        torch.index_select(k_cache, 0, idx, out=k)
+        torch.index_select(v_cache, 0, idx, out=v)
+    k = k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                            context_len: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk: q `[q_len, num_heads, head_dim]`, its fresh K/V `[q_len, kv_heads,
+    head_dim]` (already written to the cache), `context_len` = cached prefix + q_len. Returns
+    `[q_len, num_heads, head_dim]`."""
+    q_len = q.shape[0]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    if context_len == q_len:
+        # Nothing cached before this chunk: attend to the fresh K/V, no gather needed.
+        k = k_new.transpose(0, 1).unsqueeze(0)
+        v = v_new.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_blocks = -(-context_len // block_size)
+    blocks = block_table[:num_blocks]
+    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+    # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
+    q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(qt, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

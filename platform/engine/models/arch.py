@@ -1,0 +1,143 @@
+"""`ModelArch`: the architecture facts the engine needs, read from a checkpoint's config.json.
+
+Accepts both config styles found in the wild: classic (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and transformers 5 (`rope_parameters`, `dtype`). Anything missing, malformed or
+unsupported raises `ModelLoadError` / `UnsupportedModelError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.errors import ModelLoadError, UnsupportedModelError
+
+# model_type -> the family file that implements it.
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral"}
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise UnsupportedModelError(f"dtype {name!r} is not supported (use float32, bfloat16 or float16)")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence the model handles as configured."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelArch":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir}: no config.json; pass a Hugging Face checkpoint directory")
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(cfg, source=str(path))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config") -> "ModelArch":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"{source}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+
+        def need(key: str, kind=int):
+            if key not in cfg or cfg[key] is None:
+                raise ModelLoadError(f"{source}: missing required field {key!r}")
+            try:
+                value = kind(cfg[key])
+            except (TypeError, ValueError):
+                raise ModelLoadError(f"{source}: field {key!r} has a bad value {cfg[key]!r}")
+            if kind is int and value <= 0:
+                raise ModelLoadError(f"{source}: field {key!r} must be positive, got {value}")
+            return value
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if hidden % heads or heads % kv_heads:
+            raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must divide hidden_size "
+                                 f"({hidden}) and be a multiple of num_key_value_heads ({kv_heads})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = rope or cfg.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        return cls(
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            dtype=parse_dtype(str(dtype_name)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
+            num_experts=int(cfg.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if model_type == "mixtral" else 0,
+        )

@@ -1,0 +1,227 @@
+"""Building blocks of the model files: norms, rotary embeddings, and linears named for their
+tensor-parallel role.
+
+Each parallel layer owns its shard and loads it itself (`weight_loader(param, full_tensor,
+shard_id)` narrows the checkpoint tensor to this rank's part), so tensor parallelism changes
+shapes and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
+Parameters are created empty; the loader fills them from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.errors import UnsupportedModelError
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _narrow(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    shard = loaded.shape[dim] // size
+    return loaded.narrow(dim, rank * shard, shard)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do, then scale in the input dtype.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = _param(out_features // tp_size, in_features)
+        self.bias = _param(out_features // tp_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(_narrow(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up projections); shard_id = index."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(_narrow(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul; heads split across ranks, KV heads replicated when
+    there are fewer KV heads than ranks. shard_id is "q", "k" or "v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.num_kv_replicas = max(1, tp_size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.num_kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = _param(out_features, in_features // tp_size)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        torch.distributed.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param is self.bias:
+            param.data.copy_(loaded)
+        else:
+            param.data.copy_(_narrow(loaded, 1, self.tp_rank, self.tp_size))
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding; its rows double as the LM head when the checkpoint ties them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = _param(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+
+class LMHead(VocabEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+# -- rotary position embedding --------------------------------------------------------------------
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
+                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for a rope config (HF semantics)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+    raise UnsupportedModelError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(dim: int, base: float, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = float(s["factor"])
+    original = s.get("original_max_position_embeddings") or max_pos
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1 / pos_freqs) * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
+                 max_position_embeddings: int):
+        super().__init__()
+        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q `[tokens, heads*head_dim]`, k `[tokens, kv_heads*head_dim]`; rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype).view(shape)

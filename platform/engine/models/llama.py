@@ -1,0 +1,158 @@
+"""Llama-family decoder in plain torch: Llama 2/3, Mistral, Qwen2 (qkv bias, tied embeddings).
+
+`forward(input_ids, positions)` takes a step's flattened tokens and returns hidden states;
+`compute_logits` maps the rows that need sampling to vocabulary logits. Attention metadata and
+the KV cache come from the forward context the runner sets. Weights load from Hugging Face
+checkpoint names through each layer's own `weight_loader`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.attention import Attention
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.layers import (LMHead, MergedColumnParallelLinear, QKVParallelLinear,
+                                          RMSNorm, RotaryEmbedding, RowParallelLinear, VocabEmbedding)
+from pdserve.errors import ModelLoadError
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, bias=arch.qkv_bias)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size)
+        self.q_size = self.qkv_proj.num_heads * arch.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * arch.head_dim
+        self.rotary = rotary
+        self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
+                              arch.head_dim, scale=arch.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, max_position: int, make_mlp):
+        super().__init__()
+        rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
+                                 arch.max_position_embeddings)
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, rotary, make_mlp(arch)) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our merged parameter, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, arch: ModelArch, max_position: int):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, max_position, self.make_mlp)
+        self.lm_head = None if arch.tie_word_embeddings else LMHead(arch.vocab_size, arch.hidden_size)
+
+    @staticmethod
+    def make_mlp(arch: ModelArch) -> nn.Module:
+        return LlamaMLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        """Our parameter name and shard id for a checkpoint tensor; None to skip it."""
+        if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
+            return None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.stacked_params:
+                merged, shard = self.stacked_params[part]
+                return ".".join(parts[:i] + [merged] + parts[i + 1:]), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        owners = {f"{mod_name}.{p_name}" if mod_name else p_name: mod
+                  for mod_name, mod in self.named_modules() for p_name, _ in mod.named_parameters(recurse=False)}
+        loaded: set[tuple[str, object]] = set()
+        for ckpt_name, tensor in weights:
+            mapped = self.map_weight_name(ckpt_name)
+            if mapped is None:
+                continue
+            name, shard = mapped
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} does not belong to a "
+                                     f"{self.arch.model_type} model of this shape")
+            param = params[name]
+            expected = self.expected_shape(param, owners[name], shard)
+            if expected is not None and tuple(tensor.shape) != expected:
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"config.json implies {expected}")
+            loader = getattr(owners[name], "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+            loaded.add((name, shard))
+        missing = sorted(n for n, s in self.expected_tensors() if (n, s) not in loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def expected_shape(self, param: nn.Parameter, owner: nn.Module, shard) -> tuple[int, ...] | None:
+        """The full (unsharded) checkpoint shape for a parameter shard, when cheap to state."""
+        if shard is None and getattr(owner, "tp_size", 1) == 1:
+            return tuple(param.shape)
+        return None
+
+    def expected_tensors(self) -> list[tuple[str, object]]:
+        out = []
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                out += [(name, s) for s in ("q", "k", "v")]
+            elif name.endswith("gate_up_proj.weight"):
+                out += [(name, 0), (name, 1)]
+            else:
+                out.append((name, None))
+        return out

@@ -1,0 +1,67 @@
+"""Load a local Hugging Face checkpoint into the matching model file.
+
+In: a directory with config.json and one or more *.safetensors files (sharded checkpoints are
+read through model.safetensors.index.json). Out: a model in eval mode on the requested device and
+dtype. Errors: `ModelLoadError` / `UnsupportedModelError` saying what is missing or wrong.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.mixtral import MixtralForCausalLM
+from pdserve.errors import ModelLoadError
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable index ({e})") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found (pytorch .bin files are not supported)")
+    return files
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from e
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               max_position: int | None = None) -> tuple[torch.nn.Module, ModelArch]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory; pass a local checkpoint directory")
+    arch = ModelArch.from_dir(model_dir)
+    files = safetensors_files(model_dir)
+    dtype = dtype or arch.dtype
+    model = MODEL_CLASSES[arch.family](arch, max_position or arch.context_len)
+    for p in model.parameters():  # buffers (rotary tables) stay fp32
+        p.data = p.data.to(dtype=dtype, device=device)
+    model.to(device)
+    model.load_weights(iter_weights(files))
+    return model.eval(), arch

@@ -1,0 +1,102 @@
+"""Turn a batch of next-token logits into sampled tokens, per-request parameters applied.
+
+Order (as vLLM): penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A request with a seed
+draws E from its own generator, consumed once per token, so its samples do not depend on what else
+is in the batch. Log-probabilities are those of the model's raw logits (vLLM's default).
+
+In: logits `[batch, vocab]` and the `Request`s they belong to (in the same order). Out: token ids
+and, where asked, `TokenLogprob`s. It does not know about stop conditions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        logits = logits.float()
+        params = [r.params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        if any(p.has_penalties for p in params):
+            logits = logits.clone()
+            for i, r in enumerate(requests):
+                if r.params.has_penalties:
+                    apply_penalties(logits[i], r)
+
+        if all(p.is_greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests)
+        token_list = tokens.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, want in enumerate(want_logprobs):
+                if want:
+                    logprobs[i] = token_logprob(raw_logprobs[i], token_list[i], params[i].logprobs)
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        greedy = torch.tensor([p.is_greedy for p in params])
+        temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params])
+        scaled = logits / temperature[:, None]
+        if any(p.has_filters for p in params):
+            scaled = apply_filters(scaled, params)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None and not params[i].is_greedy:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def apply_penalties(row: torch.Tensor, r: Request) -> None:
+    """In place. Repetition (HF/CTRL style) over prompt and output; presence and frequency
+    (OpenAI style) over the output only."""
+    p = r.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=row.shape[0])[: row.shape[0]]
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def apply_filters(logits: torch.Tensor, params) -> torch.Tensor:
+    """Mask to -inf whatever top-k, top-p and min-p exclude, row by row parameters."""
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    remove = ranks >= top_k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # Drop a token when the tokens strictly before it already cover top_p; the first always stays.
+    remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    remove |= probs < (min_p * probs[:, :1])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def token_logprob(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    lp = row[token_id].item()
+    rank = int((row > lp).sum().item()) + 1
+    top = ()
+    if num_top:
+        vals, ids = row.topk(num_top)
+        top = tuple(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token_id, lp, rank, top)

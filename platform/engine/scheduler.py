@@ -1,0 +1,153 @@
+"""Iteration-level continuous batching: which requests run in the next step, and how many tokens each.
+
+Every step gets a token budget (`max_num_batched_tokens`). Running requests are served first, in
+arrival order: a decoding request takes one token, a request still in (chunked) prefill takes
+what is left of the budget. Then waiting requests are admitted, their cached prefix taken from
+the prefix cache, while budget, `max_num_seqs` and free KV blocks allow. When a running request
+cannot get a block, the newest running request is preempted: its blocks are freed and it goes
+back to the front of the queue to be recomputed later (its full blocks usually survive in the
+prefix cache, so the recompute is mostly a cache hit).
+
+Input: `Request`s (via `add`/`abort`). Output: a tensor-free `SchedulerOutput` for the runner.
+It does not know about tensors, models or sampling.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `request`, starting at position `start`."""
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so its logits give the next one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Prefill tokens computed vs. served from the prefix cache, for tests and metrics.
+        self.num_computed_prompt_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is and free its blocks. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(request_id)
+        if not req.is_finished:
+            req.finish("abort")
+        return req
+
+    def finish(self, req: Request) -> None:
+        """Drop a request the engine marked finished; frees its blocks."""
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # No admissions in a step that had to preempt: the pool is full.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            hit_blocks = self.kv.match_prefix(req.block_hashes, req.num_tokens)
+            num_hit = len(hit_blocks) * self.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate(req.request_id, num_hit + n, hit_blocks):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit
+                self.num_prefix_hit_tokens += num_hit
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, num_hit, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts after the runner executed `out`; name newly full blocks."""
+        for chunk in out.chunks:
+            req = chunk.request
+            prompt_part = max(0, min(chunk.end, req.num_prompt_tokens) - chunk.start)
+            if req.num_preemptions == 0:
+                self.num_computed_prompt_tokens += prompt_part
+            req.num_computed_tokens = chunk.end
+            self.kv.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
