@@ -86,7 +86,7 @@ def apply_filters(logits: torch.Tensor, params) -> torch.Tensor:
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # Drop a token when the tokens strictly before it already cover top_p; the first always stays.
     remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    remove |= probs < (min_p * probs[:, :1])
+    remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

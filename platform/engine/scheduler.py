@@ -64,6 +64,7 @@ class Scheduler:
         # Prefill tokens computed vs. served from the prefix cache, for tests and metrics.
         self.num_computed_prompt_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -150,4 +151,5 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -19,6 +19,8 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"{model_dir}: not a directory; pass a local checkpoint directory")
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir}: no tokenizer.json (only fast tokenizers are supported)")

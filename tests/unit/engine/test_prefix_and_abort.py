@@ -1,0 +1,91 @@
+"""Prefix reuse computes only the suffix; aborts and finishes never leak KV blocks."""
+
+import random
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+def test_shared_prefix_computes_only_the_suffix(tiny_llama):
+    rng = random.Random(0)
+    prefix = [rng.randrange(5, 500) for _ in range(200)]
+    first = prefix + [rng.randrange(5, 500) for _ in range(30)]
+    second = prefix + [rng.randrange(5, 500) for _ in range(40)]
+
+    llm = LLM(tiny_llama)
+    llm.generate([first], GREEDY)
+    sched = llm.engine.scheduler
+    computed_before = sched.num_computed_prompt_tokens
+    [out] = llm.generate([second], GREEDY)
+    computed = sched.num_computed_prompt_tokens - computed_before
+
+    reused = (200 // 16) * 16  # full blocks of the shared prefix
+    assert out.num_cached_tokens == reused
+    assert computed == len(second) - reused
+
+    [expected] = LLM(tiny_llama, enable_prefix_caching=False).generate([second], GREEDY)
+    assert out.token_ids == expected.token_ids
+
+
+def test_identical_prompt_recomputes_only_the_last_block(tiny_llama):
+    prompt = list(range(5, 5 + 64))  # exactly 4 blocks
+    llm = LLM(tiny_llama)
+    [a] = llm.generate([prompt], GREEDY)
+    [b] = llm.generate([prompt], GREEDY)
+    # The last token's logits are needed, so its block is computed again, never written shared.
+    assert b.num_cached_tokens == 48
+    assert a.token_ids == b.token_ids
+
+
+def _assert_pool_empty(engine):
+    pool = engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(rc == 0 for rc in pool.ref_counts)
+    assert engine.kv_manager.block_tables == {}
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_mid_run_returns_every_block(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(f"r{i}", list(range(5, 5 + 40 * (i + 1))), SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    engine.step()
+    assert engine.block_pool.num_free_blocks < 64
+    for i in range(6):
+        assert engine.abort_request(f"r{i}")
+    assert not engine.abort_request("r0")  # already gone
+    _assert_pool_empty(engine)
+
+
+def test_no_block_leak_after_500_mixed_requests(tiny_llama):
+    rng = random.Random(1)
+    llm = LLM(tiny_llama, num_kv_blocks=48, max_num_seqs=16, max_num_batched_tokens=128)
+    engine = llm.engine
+    shared = [rng.randrange(5, 500) for _ in range(48)]
+    live: list[str] = []
+    finished = aborted = 0
+    next_id = 0
+    while next_id < 500 or engine.has_unfinished_requests():
+        while next_id < 500 and len(live) < 24:
+            n = rng.randint(1, 120)
+            prompt = (shared[: rng.randint(0, 48)] + [rng.randrange(5, 500) for _ in range(n)])[:200] or [7]
+            params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]),
+                                    seed=rng.choice([None, 3]), ignore_eos=rng.random() < 0.5)
+            rid = f"m{next_id}"
+            engine.add_request(rid, prompt, params)
+            live.append(rid)
+            next_id += 1
+        if live and rng.random() < 0.15:
+            victim = live.pop(rng.randrange(len(live)))
+            aborted += engine.abort_request(victim)
+        for out in engine.step():
+            if out.finished:
+                live.remove(out.request_id)
+                finished += 1
+    assert finished + aborted == 500
+    assert aborted > 20 and engine.scheduler.num_preemptions > 0
+    _assert_pool_empty(engine)
