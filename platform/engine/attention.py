@@ -35,6 +35,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunkMeta]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], built once a step
 
 
 @dataclass
@@ -75,21 +76,23 @@ class Attention(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q `[tokens, heads*head_dim]`, k/v `[tokens, kv_heads*head_dim]` -> `[tokens, heads*head_dim]`."""
+        """q `[tokens, heads, head_dim]`, k/v `[tokens, kv_heads, head_dim]` (views are fine)
+        -> `[tokens, heads * head_dim]`."""
         ctx = get_forward_context()
         meta = ctx.attn
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        if nd == num_tokens:  # a pure decode step, the common case: no staging copy
+            out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                         self.scale, ctx.workspace, meta.decode_mask)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         if nd:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_seq_lens, self.scale, ctx.workspace)
+                                              meta.decode_seq_lens, self.scale, ctx.workspace, meta.decode_mask)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
             out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forward_context
-from pdserve.engine.kernels.paged_attention import GatherWorkspace
+from pdserve.engine.kernels.paged_attention import GatherWorkspace, decode_mask
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import Sampler
@@ -54,18 +54,14 @@ class ModelRunner:
             bs = self.block_size
             slots += [table[p // bs] * bs + p % bs for p in pos]
 
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=None,
-            decode_seq_lens=None,
-            prefills=[],
-        )
+        decode_tables = decode_lens = mask = None
         if decodes:
             max_blocks = max(len(t) for t in tables[:len(decodes)])
-            # Pad with block 0: padded positions are masked out by seq_lens.
-            meta.decode_block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables[:len(decodes)]])
-            meta.decode_seq_lens = self._tensor([c.end for c in decodes])
+            # Pad with block 0: padded positions are masked out.
+            decode_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables[:len(decodes)]])
+            decode_lens = self._tensor([c.end for c in decodes])
+            mask = decode_mask(decode_lens, max_blocks * self.block_size, self.kv_cache.dtype)
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, decode_lens, [], mask)
         start = len(decodes)
         for c, table in zip(prefills, tables[len(decodes):]):
             meta.prefills.append(PrefillChunkMeta(start, c.num_new_tokens, c.end, self._tensor(table)))

@@ -44,9 +44,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           workspace: GatherWorkspace | None = None) -> torch.Tensor:
+                           workspace: GatherWorkspace | None = None,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """q: `[batch, num_heads, head_dim]`; block_tables: `[batch, max_blocks]` (padding entries may
-    be any valid block id); seq_lens: `[batch]`. Returns `[batch, num_heads, head_dim]`."""
+    be any valid block id); seq_lens: `[batch]`. `mask` (`decode_mask(seq_lens, max_blocks *
+    block_size)`) may be passed in so a step builds it once for all layers.
+    Returns `[batch, num_heads, head_dim]`."""
     batch, max_blocks = block_tables.shape
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     max_len = max_blocks * block_size
@@ -60,10 +63,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         torch.index_select(v_cache, 0, idx, out=v)
     k = k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
+    if mask is None:
+        mask = decode_mask(seq_lens, max_len, q.dtype)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+def decode_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[batch, 1, 1, max_len]` additive mask: 0 inside each sequence, -inf past its end. Additive
+    in the query dtype, because SDPA converts a boolean mask to that on every call."""
+    outside = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    mask = torch.zeros(outside.shape, dtype=dtype, device=seq_lens.device).masked_fill_(outside, float("-inf"))
+    return mask[:, None, None, :]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

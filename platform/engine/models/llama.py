@@ -17,26 +17,27 @@ from torch import nn
 from pdserve.engine.attention import Attention
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (LMHead, MergedColumnParallelLinear, QKVParallelLinear,
-                                          RMSNorm, RotaryEmbedding, RowParallelLinear, VocabEmbedding)
+                                          RMSNorm, RotaryEmbedding, RowParallelLinear, VocabEmbedding, _Linear)
 from pdserve.errors import ModelLoadError
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, layer_idx: int):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
                                           arch.num_kv_heads, bias=arch.qkv_bias)
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size)
-        self.q_size = self.qkv_proj.num_heads * arch.head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * arch.head_dim
-        self.rotary = rotary
-        self.attn = Attention(layer_idx, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads,
-                              arch.head_dim, scale=arch.head_dim ** -0.5)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
+                              scale=arch.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
+        qk = RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go
+        return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], heads[:, nqk:]))
 
 
 class LlamaMLP(nn.Module):
@@ -51,31 +52,34 @@ class LlamaMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_idx, rotary)
+        self.self_attn = LlamaAttention(arch, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        # In place: h is this forward pass's own residual stream.
+        h += self.self_attn(self.input_layernorm(h), cos_sin)
+        h += self.mlp(self.post_attention_layernorm(h))
+        return h
 
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, max_position: int, make_mlp):
         super().__init__()
-        rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
-                                 arch.max_position_embeddings)
+        self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
+                                      arch.max_position_embeddings)
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, rotary, make_mlp(arch)) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, make_mlp(arch)) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.table(positions)
         for layer in self.layers:
-            h = layer(positions, h)
+            h = layer(h, cos_sin)
         return self.norm(h)
 
 
@@ -88,7 +92,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, max_position, self.make_mlp)
-        self.lm_head = None if arch.tie_word_embeddings else LMHead(arch.vocab_size, arch.hidden_size)
+        # A `[vocab, hidden]` holder while loading; `finalize()` turns it into the LMHead.
+        self.lm_head = None if arch.tie_word_embeddings else VocabEmbedding(arch.vocab_size, arch.hidden_size)
 
     @staticmethod
     def make_mlp(arch: ModelArch) -> nn.Module:
@@ -98,12 +103,25 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)
+
+    def num_decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: all but the embedding table, of which it reads a row."""
+        total = sum(m.num_weight_bytes for m in self.modules() if isinstance(m, _Linear))
+        return total + sum(p.numel() * p.element_size() for n, p in self.named_parameters()
+                           if "embed_tokens" not in n)
+
+    def finalize(self) -> None:
+        """After loading: lay weights out for inference (see layers.py)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "finalize"):
+                module.finalize()
+        source = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        self.lm_head = LMHead(source.weight.data)
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor; None to skip it."""
-        if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
+        if "rotary_emb.inv_freq" in name or (self.arch.tie_word_embeddings and name == "lm_head.weight"):
             return None
         parts = name.split(".")
         for i, part in enumerate(parts):

@@ -64,4 +64,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
         p.data = p.data.to(dtype=dtype, device=device)
     model.to(device)
     model.load_weights(iter_weights(files))
+    model.finalize()
     return model.eval(), arch

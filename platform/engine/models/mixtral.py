@@ -34,6 +34,11 @@ class MixtralMoE(nn.Module):
             offset = 0 if which == "w1" else self.intermediate_size
             param.data[expert, offset:offset + self.intermediate_size].copy_(loaded)
 
+    def finalize(self) -> None:
+        """Store experts as `[experts, in, out]` for `x @ W` (see layers.py)."""
+        self.w13 = nn.Parameter(self.w13.data.transpose(1, 2).contiguous(), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.data.transpose(1, 2).contiguous(), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
@@ -41,8 +46,8 @@ class MixtralMoE(nn.Module):
         out = torch.zeros_like(x)
         for expert in top_i.unique().tolist():
             token, slot = (top_i == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = torch.mm(x[token], self.w13[expert]).chunk(2, dim=-1)
+            y = torch.mm(F.silu(gate) * up, self.w2[expert])
             out.index_add_(0, token, y * top_w[token, slot, None])
         return out
 

@@ -1,0 +1,249 @@
+"""Offline engine benchmark: batch-1 decode against the memory-bandwidth roofline, and batched
+throughput against transformers `generate` with static batches — all in one run.
+
+    python benchmarks/engine_offline.py            # full run (a few minutes on 2 cores)
+    python benchmarks/engine_offline.py --quick    # smaller counts, for a smoke check
+
+Model: the `bench-llama-56m` preset (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408,
+vocab 32000; fp32), generated into the pdserve cache on first use. Each measurement runs in its
+own child process so peak resident memory is per phase. Prints a markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+PRESET = "bench-llama-56m"
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- phases (each runs in a child process) -------------------------------------------------------
+
+def phase_roofline(args) -> dict:
+    """One large fp32 GEMV over as many bytes as a decode step reads, as fast as torch can do it:
+    the best over three inner dimensions and three formulations (`x @ W^T`, `x @ W`, and oneDNN's
+    packed matmul). A conservative ceiling: the decode step runs many smaller GEMVs."""
+    from pdserve.engine.models.loader import load_model
+
+    model, _ = load_model(args.model)
+    nbytes = model.num_decode_weight_bytes()
+    del model
+    best, best_form = 0.0, ""
+    for k in (512, 1408, 4096):
+        w = torch.randn(nbytes // 4 // k, k)
+        x = torch.randn(1, k)
+        forms = {"x@W^T": (lambda w=w: torch.nn.functional.linear(x, w))}
+        wt = w.t().contiguous()
+        forms["x@W"] = lambda wt=wt: torch.mm(x, wt)
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            forms["onednn"] = lambda p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        for form, f in forms.items():
+            for _ in range(3):
+                f()
+            times = []
+            for _ in range(args.repeats * 5):
+                t = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t)
+            rate = nbytes / statistics.median(times)
+            if rate > best:
+                best, best_form = rate, f"{form}, K={k}"
+        del w, wt, forms
+    return {"gemv_bytes": nbytes, "gemv_gb_s": best / 1e9, "gemv_form": best_form, "peak_rss_mib": _peak_rss_mib()}
+
+
+def phase_ours_decode(args) -> dict:
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(args.model, num_kv_blocks=256)
+    engine = llm.engine
+    nbytes = engine.model.num_decode_weight_bytes()
+    rates = []
+    for i in range(args.repeats + 1):  # the first run warms up
+        engine.add_request(f"d{i}", list(range(100, 116)), SamplingParams(max_tokens=args.decode_tokens + 1,
+                                                                          temperature=0, ignore_eos=True))
+        engine.step()  # prefill + first token
+        t = time.perf_counter()
+        n = 0
+        while engine.has_unfinished_requests():
+            n += len(engine.step())
+        if i:
+            rates.append(n / (time.perf_counter() - t))
+    tok_s = statistics.median(rates)
+    return {"decode_tok_s": tok_s, "step_ms": 1e3 / tok_s, "weight_bytes": nbytes,
+            "implied_gb_s": nbytes * tok_s / 1e9, "peak_rss_mib": _peak_rss_mib()}
+
+
+def phase_hf_decode(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    ids = torch.arange(100, 116)[None]
+    rates = []
+    for i in range(args.repeats + 1):
+        with torch.no_grad():
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+            t1 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_tokens + 1,
+                                 min_new_tokens=args.decode_tokens + 1, do_sample=False)
+            t2 = time.perf_counter()
+        if i:
+            # Subtract one prefill (+ first token) so both sides time decode steps only.
+            rates.append((out.shape[1] - ids.shape[1] - 1) / ((t2 - t1) - (t1 - t)))
+    return {"decode_tok_s": statistics.median(rates), "peak_rss_mib": _peak_rss_mib()}
+
+
+def _workload(args) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 32000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    outputs = [rng.randint(args.min_out, args.max_out) for _ in range(args.num_requests)]
+    return prompts, outputs
+
+
+def phase_ours_throughput(args) -> dict:
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    prompts, outputs = _workload(args)
+    llm = LLM(args.model, max_num_seqs=args.num_requests, kv_cache_memory_bytes=1 << 30)
+    llm.generate([prompts[0][:32]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    num_out = sum(len(o.token_ids) for o in outs)
+    assert num_out == sum(outputs)
+    return {"output_tokens": num_out, "elapsed_s": elapsed, "output_tok_s": num_out / elapsed,
+            "peak_rss_mib": _peak_rss_mib()}
+
+
+def phase_hf_throughput(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    prompts, outputs = _workload(args)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0][:32]]), max_new_tokens=8, do_sample=False)  # warm-up
+        t = time.perf_counter()
+        useful = 0
+        for s in range(0, len(prompts), args.hf_batch):
+            batch = torch.tensor(prompts[s:s + args.hf_batch])  # equal lengths: no padding needed
+            want = outputs[s:s + args.hf_batch]
+            # A static batch runs until its longest request is done; only each request's own
+            # tokens count as useful output.
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=max(want),
+                                 min_new_tokens=max(want), do_sample=False)
+            assert out.shape[1] - batch.shape[1] == max(want)
+            useful += sum(want)
+        elapsed = time.perf_counter() - t
+    return {"batch_size": args.hf_batch, "output_tokens": useful, "elapsed_s": elapsed,
+            "output_tok_s": useful / elapsed, "peak_rss_mib": _peak_rss_mib()}
+
+
+PHASES = {f.__name__.removeprefix("phase_"): f for f in (
+    phase_roofline, phase_ours_decode, phase_hf_decode, phase_ours_throughput, phase_hf_throughput)}
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+def _run_child(phase: str, argv: list[str], extra: list[str] = ()) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--phase", phase, *argv, *extra],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr)
+        raise SystemExit(f"phase {phase} failed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _machine_line() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{model}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, Python {platform.python_version()}, "
+            f"{time.strftime('%Y-%m-%d')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller counts for a smoke run")
+    ap.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="checkpoint directory (default: the bench-llama-56m preset)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--min-out", type=int, default=16)
+    ap.add_argument("--max-out", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--hf-batches", default="64,16", help="static batch sizes tried for transformers")
+    args = ap.parse_args()
+
+    if args.phase:
+        print(json.dumps(PHASES[args.phase](args)))
+        return
+    if args.quick:
+        args.repeats, args.decode_tokens, args.num_requests, args.max_out = 1, 32, 16, 64
+    if not args.model:
+        from pdserve.engine.checkpoint import default_model
+        args.model = str(default_model(PRESET))
+    argv = ["--model", args.model, "--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens),
+            "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
+            "--min-out", str(args.min_out), "--max-out", str(args.max_out)]
+
+    roof = _run_child("roofline", argv)
+    ours_dec = _run_child("ours_decode", argv)
+    hf_dec = _run_child("hf_decode", argv)
+    ours_tp = _run_child("ours_throughput", argv)
+    hf_tps = [_run_child("hf_throughput", argv, ["--hf-batch", b]) for b in args.hf_batches.split(",")]
+    best_hf = max(hf_tps, key=lambda r: r["output_tok_s"])
+
+    roof_tok_s = roof["gemv_gb_s"] * 1e9 / ours_dec["weight_bytes"]
+    rows = [
+        ("GEMV roofline over the decode step's weight bytes",
+         f"{roof['gemv_gb_s']:.2f} GB/s ({roof['gemv_form']}) = {roof_tok_s:.1f} tok/s ceiling "
+         f"({roof['gemv_bytes'] / 1e6:.0f} MB/step)"),
+        ("pdserve batch-1 decode", f"{ours_dec['decode_tok_s']:.1f} tok/s, {ours_dec['implied_gb_s']:.2f} GB/s "
+                                   f"= {ours_dec['implied_gb_s'] / roof['gemv_gb_s']:.0%} of roofline"),
+        ("transformers batch-1 decode", f"{hf_dec['decode_tok_s']:.1f} tok/s = "
+                                        f"{hf_dec['decode_tok_s'] / roof_tok_s:.0%} of roofline"),
+        (f"pdserve {args.num_requests} requests (continuous batching)",
+         f"{ours_tp['output_tok_s']:.0f} output tok/s in {ours_tp['elapsed_s']:.1f} s, "
+         f"peak RSS {ours_tp['peak_rss_mib']:.0f} MiB"),
+    ]
+    for r in hf_tps:
+        rows.append((f"transformers static batches of {r['batch_size']}",
+                     f"{r['output_tok_s']:.0f} useful output tok/s in {r['elapsed_s']:.1f} s, "
+                     f"peak RSS {r['peak_rss_mib']:.0f} MiB"))
+    rows.append(("throughput ratio (pdserve / best transformers)",
+                 f"{ours_tp['output_tok_s'] / best_hf['output_tok_s']:.2f}x"))
+    print(f"machine: {_machine_line()}")
+    print(f"command: python benchmarks/engine_offline.py{' --quick' if args.quick else ''}\n")
+    print("| measurement | result |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    print(json.dumps({"bench": "engine_offline", "quick": args.quick, "roofline": roof, "ours_decode": ours_dec,
+                      "hf_decode": hf_dec, "ours_throughput": ours_tp, "hf_throughput": hf_tps}))
+
+
+if __name__ == "__main__":
+    main()
