@@ -46,12 +46,12 @@ def phase_roofline(args) -> dict:
     for k in (512, 1408, 4096):
         w = torch.randn(nbytes // 4 // k, k)
         x = torch.randn(1, k)
-        forms = {"x@W^T": (lambda w=w: torch.nn.functional.linear(x, w))}
+        forms = {"x@W^T": (lambda w=w, x=x: torch.nn.functional.linear(x, w))}
         wt = w.t().contiguous()
-        forms["x@W"] = lambda wt=wt: torch.mm(x, wt)
+        forms["x@W"] = lambda wt=wt, x=x: torch.mm(x, wt)
         if torch.backends.mkldnn.is_available():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            forms["onednn"] = lambda p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            forms["onednn"] = lambda p=packed, x=x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
         for form, f in forms.items():
             for _ in range(3):
                 f()
@@ -122,7 +122,7 @@ def phase_ours_throughput(args) -> dict:
     from pdserve.engine.sampling_params import SamplingParams
 
     prompts, outputs = _workload(args)
-    llm = LLM(args.model, max_num_seqs=args.num_requests, kv_cache_memory_bytes=1 << 30)
+    llm = LLM(args.model, max_num_seqs=args.num_requests)
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outputs]
     t = time.perf_counter()

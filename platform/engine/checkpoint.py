@@ -20,8 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+# torch and safetensors are imported where weights are made, so the CLI's `--help` stays fast.
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -126,7 +125,9 @@ def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     return cfg
 
 
-def _weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+def _weights(p: Preset, vocab_size: int, seed: int) -> dict:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     h, inter, hd = p.hidden_size, p.intermediate_size, p.hidden_size // p.num_heads
     # Peaked presets: large embedding/head scale so top tokens win by wide margins (see module doc).
@@ -166,6 +167,8 @@ def _weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write the preset's checkpoint to out_dir (created; files in it are overwritten)."""
+    from safetensors.torch import save_file
+
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     p = PRESETS[preset]

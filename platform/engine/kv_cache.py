@@ -64,10 +64,6 @@ class KVCache:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
         return self.kv[i]
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.kv[:, :, 0].numel() * self.kv.element_size()
-
     @staticmethod
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype) -> int:
@@ -185,7 +181,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks in use keep their contents)."""
-        for h, b in self.cached.items():
+        for b in self.cached.values():
             self.block_hash[b] = None
         self.cached.clear()
         if self.enable_events:

@@ -26,7 +26,7 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:
-        raise UnsupportedModelError(f"dtype {name!r} is not supported (use float32, bfloat16 or float16)")
+        raise UnsupportedModelError(f"dtype {name!r} is not supported (use float32, bfloat16 or float16)") from None
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class ModelArch:
             try:
                 value = kind(cfg[key])
             except (TypeError, ValueError):
-                raise ModelLoadError(f"{source}: field {key!r} has a bad value {cfg[key]!r}")
+                raise ModelLoadError(f"{source}: field {key!r} has a bad value {cfg[key]!r}") from None
             if kind is int and value <= 0:
                 raise ModelLoadError(f"{source}: field {key!r} must be positive, got {value}")
             return value
