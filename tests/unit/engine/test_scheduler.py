@@ -1,0 +1,66 @@
+"""The scheduler's policy on its own: token budget, chunking, admission limits, preemption."""
+
+from pdserve.engine.kv_cache import BlockPool, KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+
+def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16):
+    return Scheduler(KVCacheManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget)
+
+
+def _req(rid, n, block_size=4):
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=100), block_size)
+
+
+def _run_step(s, sampled_token=7):
+    out = s.schedule()
+    s.update(out)
+    for c in out.chunks:
+        if c.samples:
+            c.request.append_token(sampled_token)
+    return [(c.request.request_id, c.start, c.num_new_tokens) for c in out.chunks], out
+
+
+def test_long_prompt_is_chunked_to_the_budget_and_decodes_go_first():
+    s = _sched(budget=16)
+    s.add(_req("long", 40))
+    assert _run_step(s)[0] == [("long", 0, 16)]
+    s.add(_req("short", 3))
+    # The running chunk continues first; the newcomer takes what budget is left.
+    assert _run_step(s)[0] == [("long", 16, 16)]
+    assert _run_step(s)[0] == [("long", 32, 8), ("short", 0, 3)]
+    assert _run_step(s)[0] == [("long", 40, 1), ("short", 3, 1)]
+
+
+def test_max_num_seqs_limits_admission():
+    s = _sched(max_num_seqs=2, budget=64)
+    for i in range(3):
+        s.add(_req(f"r{i}", 4))
+    ids = [rid for rid, _, _ in _run_step(s)[0]]
+    assert ids == ["r0", "r1"] and len(s.waiting) == 1
+
+
+def test_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
+    s = _sched(num_blocks=4, block_size=4, budget=64)
+    s.add(_req("old", 8))  # 2 blocks
+    s.add(_req("new", 8))  # 2 blocks: the pool is now full
+    _run_step(s)
+    # Both now hold 9 tokens and need a third block each: "new" is preempted so "old" can grow.
+    chunks, out = _run_step(s)
+    assert out.preempted == ["new"] and chunks == [("old", 8, 1)]
+    assert s.waiting[0].request_id == "new" and s.waiting[0].num_computed_tokens == 0
+    assert s.num_preemptions == 1
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = _sched(num_blocks=8, block_size=4, budget=8)
+    s.add(_req("running", 12))
+    s.add(_req("waiting", 12))
+    _run_step(s)
+    assert s.kv.pool.num_free_blocks < 8
+    assert s.abort("running").finish_reason == "abort"
+    assert s.abort("waiting").finish_reason == "abort"
+    assert s.abort("unknown") is None
+    assert s.kv.pool.num_free_blocks == 8 and s.num_unfinished == 0
