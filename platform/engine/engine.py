@@ -44,6 +44,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with a request's first output only
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -146,6 +147,8 @@ class LLMEngine:
             text += detok.flush()
             del self._detokenizers[req.request_id]
             self.scheduler.finish(req)
+        first = req.num_output_tokens == 1
         return RequestOutput(req.request_id, [token_id], text, req.is_finished, req.finish_reason,
                              req.stop_reason, [logprob] if logprob is not None else [],
+                             req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
                              req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)

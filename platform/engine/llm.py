@@ -30,6 +30,7 @@ class Completion:
     stop_reason: int | str | None
     logprobs: list[TokenLogprob]
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -66,6 +67,8 @@ class LLM:
                     c.text += out.new_text
                     c.token_ids += out.new_token_ids
                     c.logprobs += out.new_logprobs
+                    if out.prompt_logprobs is not None:
+                        c.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                         c.num_cached_tokens = out.num_cached_tokens

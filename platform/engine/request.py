@@ -40,6 +40,8 @@ class Request:
     arrival_s: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt_logprobs[i]: prompt token i given the tokens before it; None for token 0.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0

@@ -18,7 +18,7 @@ from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forwar
 from pdserve.engine.kernels.paged_attention import GatherWorkspace, decode_mask
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.request import Request, TokenLogprob
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import SchedulerOutput
 
 
@@ -77,12 +77,35 @@ class ModelRunner:
 
         with forward_context(meta, self.kv_cache, self.workspace):
             hidden = self.model(self._tensor(input_ids), self._tensor(positions))
+        self._prompt_logprobs(chunks, hidden)
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
         requests = [c.request for c in sample_chunks]
         tokens, logprobs = self.sampler(logits, requests)
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
+
+    def _prompt_logprobs(self, chunks: list, hidden: torch.Tensor) -> None:
+        """Append prompt-token logprobs for chunks of requests that asked for them.
+
+        The logits at position p score prompt token p + 1. Positions already scored (a request
+        recomputed after preemption) are skipped, so each token is scored once, in order.
+        """
+        rows, targets, owners = [], [], []
+        offset = 0
+        for c in chunks:
+            r = c.request
+            if r.params.prompt_logprobs is not None:
+                for p in range(max(c.start, len(r.prompt_logprobs) - 1), min(c.end, r.num_prompt_tokens - 1)):
+                    rows.append(offset + p - c.start)
+                    targets.append(r.prompt_token_ids[p + 1])
+                    owners.append(r)
+            offset += c.num_new_tokens
+        if not rows:
+            return
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[self._tensor(rows)]).float(), dim=-1)
+        for row, target, r in zip(logprobs, targets, owners):
+            r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

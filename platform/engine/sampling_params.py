@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus the top N
+    prompt_logprobs: int | None = None  # the same for each prompt token (after the first)
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -67,8 +68,10 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
-            bad("logprobs", f"must be between 0 and {_MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
+                bad(name, f"must be an integer between 0 and {_MAX_LOGPROBS}, got {value!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -120,7 +120,9 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is full.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            hit_blocks = self.kv.match_prefix(req.block_hashes, req.num_tokens)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache shortcut.
+            wants_all_logits = req.params.prompt_logprobs is not None
+            hit_blocks = [] if wants_all_logits else self.kv.match_prefix(req.block_hashes, req.num_tokens)
             num_hit = len(hit_blocks) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate(req.request_id, num_hit + n, hit_blocks):
