@@ -19,7 +19,7 @@ from pdserve.engine.kernels.paged_attention import GatherWorkspace, decode_mask
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import Sampler, token_logprob
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @dataclass
@@ -42,50 +42,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
-        decodes = [c for c in out.chunks if c.num_new_tokens == 1]
-        prefills = [c for c in out.chunks if c.num_new_tokens > 1]
-        chunks = decodes + prefills
-        input_ids, positions, slots = [], [], []
-        tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
-        for c, table in zip(chunks, tables):
-            input_ids += c.request.all_token_ids[c.start:c.end]
-            pos = range(c.start, c.end)
-            positions += pos
-            bs = self.block_size
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-
-        decode_tables = decode_lens = mask = None
-        if decodes:
-            max_blocks = max(len(t) for t in tables[:len(decodes)])
-            # Pad with block 0: padded positions are masked out.
-            decode_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables[:len(decodes)]])
-            decode_lens = self._tensor([c.end for c in decodes])
-            mask = decode_mask(decode_lens, max_blocks * self.block_size, self.kv_cache.dtype)
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, decode_lens, [], mask)
-        start = len(decodes)
-        for c, table in zip(prefills, tables[len(decodes):]):
-            meta.prefills.append(PrefillChunkMeta(start, c.num_new_tokens, c.end, self._tensor(table)))
-            start += c.num_new_tokens
+        # Decodes first: attention handles them as one batch, prefill chunks one by one.
+        chunks = [c for c in out.chunks if c.num_new_tokens == 1] + [c for c in out.chunks if c.num_new_tokens > 1]
+        input_ids, positions, meta = self._prepare(chunks)
+        with forward_context(meta, self.kv_cache, self.workspace):
+            hidden = self.model(input_ids, positions)
+        self._prompt_logprobs(chunks, hidden)
 
         # Rows whose logits we need: the last token of each chunk that reaches its request's end.
-        sample_rows, sample_chunks, end = [], [], 0
+        sample_rows, requests, end = [], [], 0
         for c in chunks:
             end += c.num_new_tokens
             if c.samples:
                 sample_rows.append(end - 1)
-                sample_chunks.append(c)
-
-        with forward_context(meta, self.kv_cache, self.workspace):
-            hidden = self.model(self._tensor(input_ids), self._tensor(positions))
-        self._prompt_logprobs(chunks, hidden)
+                requests.append(c.request)
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
-        requests = [c.request for c in sample_chunks]
         tokens, logprobs = self.sampler(logits, requests)
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
 
-    def _prompt_logprobs(self, chunks: list, hidden: torch.Tensor) -> None:
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata for chunks ordered decodes first."""
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
+        for c, table in zip(chunks, tables):
+            input_ids += c.request.all_token_ids[c.start:c.end]
+            positions += range(c.start, c.end)
+            slots += [table[p // bs] * bs + p % bs for p in range(c.start, c.end)]
+
+        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)
+        decode_tables = decode_lens = mask = None
+        if num_decodes:
+            max_blocks = max(len(t) for t in tables[:num_decodes])
+            # Pad with block 0: padded positions are masked out.
+            decode_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decodes]])
+            decode_lens = self._tensor([c.end for c in chunks[:num_decodes]])
+            mask = decode_mask(decode_lens, max_blocks * bs, self.kv_cache.dtype)
+        prefills, start = [], num_decodes
+        for c, table in zip(chunks[num_decodes:], tables[num_decodes:]):
+            prefills.append(PrefillChunkMeta(start, c.num_new_tokens, c.end, self._tensor(table)))
+            start += c.num_new_tokens
+        meta = AttentionMetadata(self._tensor(slots), num_decodes, decode_tables, decode_lens, prefills, mask)
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
         """Append prompt-token logprobs for chunks of requests that asked for them.
 
         The logits at position p score prompt token p + 1. Positions already scored (a request

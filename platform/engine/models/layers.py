@@ -253,8 +253,8 @@ def _yarn_inv_freq(dim: int, base: float, s: dict, max_pos: int) -> tuple[torch.
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) from a precomputed cos/sin table.
 
-    `table(positions)` gathers the step's rows once; every layer then rotates its q and k heads
-    together with `apply` (the step's table rides in the forward context).
+    `table(positions)` gathers the step's rows once per forward pass; every layer then rotates its
+    q and k heads together with `apply`.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,

@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
                               scale=arch.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
         qk = RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # In place: h is this forward pass's own residual stream.
         h += self.self_attn(self.input_layernorm(h), cos_sin)
         h += self.mlp(self.post_attention_layernorm(h))
@@ -106,7 +106,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def num_decode_weight_bytes(self) -> int:
-        """Weight bytes one decode step reads: all but the embedding table, of which it reads a row."""
+        """Weight bytes one decode step reads: all but the embedding table, of which it reads a row.
+        (For a MoE model this counts every expert: an upper bound.)"""
         total = sum(m.num_weight_bytes for m in self.modules() if isinstance(m, _Linear))
         return total + sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                            if "embed_tokens" not in n)
