@@ -1,0 +1,123 @@
+"""`AsyncLLMEngine`: the engine behind an asyncio API, for the serving replicas.
+
+The step loop runs on a thread of its own, so a replica's event loop stays free to accept
+requests while the model computes. `generate(...)` validates and queues a request (bad input
+raises at once, before anything is queued) and returns an async iterator of `RequestOutput`s,
+which ends after the output marked `finished`. Leaving the iterator early (client gone, task
+cancelled) aborts the request and frees its KV blocks. If the loop itself fails, every open
+stream raises `EngineDeadError` and `is_healthy` turns False.
+
+Contract: one lock guards the engine, so `add_request`, `abort_request` and `step` never
+interleave; a caller waits at most one step for it. No Ray here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import PdserveError
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(PdserveError):
+    """The engine loop stopped on an error; the replica must be replaced. Retryable elsewhere."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._has_work = threading.Event()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (raising on bad input) and return its stream of outputs."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._has_work.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                if not finished:
+                    self.engine.abort_request(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request from any thread; its stream ends with a `finish_reason` of "abort"."""
+        with self._lock:
+            aborted = self.engine.abort_request(request_id)
+            stream = self._streams.get(request_id)
+        if aborted and stream is not None:
+            loop, queue = stream
+            out = RequestOutput(request_id, [], "", True, "abort")
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        return aborted
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; open streams end with `EngineDeadError`."""
+        self._stopping = True
+        self._has_work.set()
+        self._thread.join(timeout_s)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.engine.has_unfinished_requests():
+                    self._has_work.wait(timeout=0.5)
+                    self._has_work.clear()
+                    continue
+                with self._lock:
+                    outputs = self.engine.step()
+                    targets = [(self._streams.get(o.request_id), o) for o in outputs]
+                for stream, out in targets:
+                    if stream is not None:
+                        loop, queue = stream
+                        loop.call_soon_threadsafe(queue.put_nowait, out)
+        except BaseException as e:  # noqa: BLE001 - any failure kills the replica's engine
+            log.exception("engine loop died")
+            self._error = e
+            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}; retry on another replica"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+            for request_id, _ in streams:
+                self.engine.abort_request(request_id)
+        for _, (loop, queue) in streams:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            except RuntimeError:  # that caller's event loop is already closed
+                pass

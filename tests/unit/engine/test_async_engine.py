@@ -1,0 +1,108 @@
+"""The asyncio front: concurrent streams, cancellation frees blocks, bad input and dead loops."""
+
+import asyncio
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(tiny_llama):
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=128)))
+    yield engine
+    engine.shutdown()
+
+
+def _prompts(n):
+    return [list(range(10 + i, 30 + 3 * i)) for i in range(n)]
+
+
+def test_concurrent_streams_match_offline_generation(async_engine, tiny_llama):
+    prompts = _prompts(20)
+    expected = [o.token_ids for o in LLM(tiny_llama).generate(prompts, GREEDY)]
+
+    async def one(i, prompt):
+        outs = [o async for o in await async_engine.generate(f"r{i}", prompt, GREEDY)]
+        assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+        return [t for o in outs for t in o.new_token_ids]
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    assert asyncio.run(main()) == expected
+    assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(async_engine):
+    long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+
+    async def consume(stream, seen):
+        async for out in stream:
+            seen.append(out)
+
+    async def main():
+        seen = []
+        task = asyncio.create_task(consume(await async_engine.generate("c", list(range(10, 50)), long), seen))
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The next request runs normally afterwards.
+        outs = [o async for o in await async_engine.generate("after", [5, 6, 7], GREEDY)]
+        assert outs[-1].finished
+
+    asyncio.run(main())
+    assert not async_engine.engine.has_unfinished_requests()
+    assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
+def test_abort_from_outside_ends_the_stream(async_engine):
+    async def main():
+        stream = await async_engine.generate("a", list(range(10, 50)), SamplingParams(max_tokens=500, ignore_eos=True))
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 2:
+                assert async_engine.abort("a")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
+def test_bad_request_raises_before_queueing(async_engine):
+    async def main():
+        with pytest.raises(InvalidRequestError):
+            await async_engine.generate("bad", [], GREEDY)
+
+    asyncio.run(main())
+    assert not async_engine.engine.has_unfinished_requests()
+
+
+def test_dead_loop_fails_open_streams_and_reports_unhealthy(async_engine):
+    def broken_step():
+        raise RuntimeError("simulated kernel failure")
+
+    async_engine.engine.step = broken_step  # before any request, so the first step fails
+
+    async def main():
+        stream = await async_engine.generate("x", [5, 6, 7], GREEDY)
+        with pytest.raises(EngineDeadError, match="simulated"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await async_engine.generate("y", [5, 6, 7], GREEDY)
+
+    asyncio.run(main())
+    assert not async_engine.is_healthy
+    assert async_engine.engine.block_pool.num_free_blocks == 128
