@@ -73,3 +73,24 @@ def test_prefix_caching_off_gives_same_tokens(checkpoints):
     prompts, expected = _reference(checkpoints["tiny-llama"])
     _, got = _run(checkpoints["tiny-llama"], prompts, enable_prefix_caching=False)
     assert got == expected
+
+
+def test_mistral_config_matches_transformers(checkpoints, tmp_path):
+    """Mistral is the Llama block under another name, with a sliding window in its config."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(checkpoints["tiny-llama"], tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096, rope_scaling=None)
+    cfg_path.write_text(json.dumps(cfg))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert type(model).__name__ == "MistralForCausalLM"
+    prompts = _prompts(cfg["vocab_size"])[:5]
+    expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    _, got = _run(str(tmp_path / "m"), prompts)
+    assert got == expected
