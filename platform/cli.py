@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from pdserve.engine import cli as engine_cli
     engine_cli.register(sub)
+    from pdserve.bench import cli as bench_cli
+    bench_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,168 @@
+"""pdserve bench: metric definitions, arrivals, exact prompts, and runs against a scripted server."""
+
+import json
+import math
+import socket
+
+import numpy as np
+import pytest
+
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.metrics import RequestRecord, compute_metrics, parse_slo
+from pdserve.bench.runner import RunSettings, run_benchmark
+from pdserve.bench.workloads import (PromptBuilder, long_prompt_mix_workload, random_workload, replay_workload,
+                                     shared_prefix_workload)
+from tests.fakes.openai_stub import OpenAIStub
+
+
+def test_metrics_match_hand_computation():
+    records = [
+        RequestRecord(send_s=0.0, prompt_tokens=10, chunk_times_s=[0.1, 0.15, 0.25], end_s=0.25, output_tokens=3),
+        RequestRecord(send_s=1.0, prompt_tokens=20, chunk_times_s=[1.2, 1.3], end_s=1.35, output_tokens=2),
+        RequestRecord(send_s=1.5, prompt_tokens=5, error="http_500"),
+    ]
+    m = compute_metrics(records, duration_s=2.0, slo=parse_slo("ttft=150ms,tpot=100ms"))
+    assert (m["completed"], m["failed"], m["errors"]) == (2, 1, {"http_500": 1})
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (30, 5)
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 2.5
+    assert m["total_token_throughput"] == 17.5
+    # TTFT 100 and 200 ms; TPOT (250-100)/2 = 75 and (350-200)/1 = 150; ITL 50, 100, 100; E2E 250, 350.
+    assert m["mean_ttft_ms"] == pytest.approx(150) and m["p99_ttft_ms"] == pytest.approx(199)
+    assert m["mean_tpot_ms"] == pytest.approx(112.5) and m["median_tpot_ms"] == pytest.approx(112.5)
+    assert m["mean_itl_ms"] == pytest.approx(250 / 3) and m["median_itl_ms"] == pytest.approx(100)
+    assert m["p90_itl_ms"] == pytest.approx(100) and m["p50_itl_ms"] == pytest.approx(100)
+    assert m["mean_e2el_ms"] == pytest.approx(300) and m["p90_e2el_ms"] == pytest.approx(340)
+    # Only the first request meets both SLOs: 1 good request in 2 s.
+    assert m["request_goodput"] == pytest.approx(0.5)
+
+
+def test_single_token_requests_have_no_tpot():
+    r = RequestRecord(send_s=0.0, prompt_tokens=1, chunk_times_s=[0.1], end_s=0.1, output_tokens=1)
+    assert r.tpot_s is None and r.itls_s == []
+
+
+def test_slo_parsing():
+    assert parse_slo("ttft=0.5s, tpot=50ms,e2el=2000") == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+    for bad in ("latency=5ms", "ttft=", "ttft=-1ms"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    gaps = np.diff(arrival_offsets(20001, rate=5.0, kind="poisson", seed=1))
+    # Mean of 20,000 exponential gaps: standard error 0.2 / sqrt(20000) ~ 0.0014 s.
+    assert abs(gaps.mean() - 0.2) < 5 * 0.2 / math.sqrt(len(gaps))
+    assert abs(gaps.std() - 0.2) < 0.01  # exponential: std equals mean
+    assert arrival_offsets(5, 2.0, "poisson", seed=3) == arrival_offsets(5, 2.0, "poisson", seed=3)
+    assert arrival_offsets(4, 4.0, "constant") == [0.0, 0.25, 0.5, 0.75]
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_llama):
+    return PromptBuilder(tiny_llama)
+
+
+def test_prompts_have_exact_token_counts(builder):
+    for req in random_workload(builder, 20, "1:300", "16", seed=2):
+        ids = builder.tokenizer.encode(req.prompt, add_special_tokens=False).ids
+        assert ids == req.prompt_token_ids and len(ids) == req.prompt_tokens
+
+
+def test_shared_prefix_prompts_share_exactly_the_system_prompt(builder):
+    reqs = shared_prefix_workload(builder, 200, num_tenants=5, system_len=64, question_len="8:16",
+                                  output_len="8", popularity="zipf", seed=4)
+    encoded = [builder.tokenizer.encode(r.prompt, add_special_tokens=False).ids for r in reqs]
+    assert all(e == r.prompt_token_ids for e, r in zip(encoded, reqs))
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    by_tenant = {}
+    for r, ids in zip(reqs, encoded):
+        by_tenant.setdefault(r.tenant, []).append(ids)
+    for tenant, prompts in by_tenant.items():
+        for other in prompts[1:]:
+            shared = common(prompts[0], other)
+            # Exactly the 64 system tokens, unless the questions happen to start alike.
+            assert shared == 64 or (shared > 64 and prompts[0][64] == other[64])
+    firsts = [p[0] for p in by_tenant.values()]
+    assert all(common(a, b) < 64 for i, a in enumerate(firsts) for b in firsts[i + 1:])
+    counts = np.bincount([r.tenant for r in reqs], minlength=5)
+    assert counts[0] > counts[4]  # Zipf: the first tenant is the most popular
+
+
+def test_long_prompt_mix_and_replay(builder, tmp_path):
+    mix = long_prompt_mix_workload(builder, 400, "32", "1024", "64", long_fraction=0.1, seed=5)
+    longs = [r for r in mix if r.prompt_tokens == 1024]
+    assert 20 < len(longs) < 60 and all(r.max_tokens == 16 for r in longs)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_tokens": 12, "output_tokens": 4, "offset_s": 0.5}\n'
+                     '{"prompt": "hello world", "output_tokens": 2, "offset_s": 1.0}\n')
+    reqs = replay_workload(builder, str(trace))
+    hello = len(builder.tokenizer.encode("hello world", add_special_tokens=False).ids)
+    assert [(r.prompt_tokens, r.max_tokens, r.offset_s) for r in reqs] == [(12, 4, 0.5), (hello, 2, 1.0)]
+    trace.write_text('{"output_tokens": 4}\n')
+    with pytest.raises(ValueError, match="trace.jsonl:1"):
+        replay_workload(builder, str(trace))
+
+
+def _run(stub, n=4, **kw):
+    reqs = random_workload(PromptBuilder(), n, "8", kw.pop("output_len", "5"), seed=0)
+    return run_benchmark(reqs, RunSettings(base_url=stub.base_url if stub else kw.pop("base_url"), **kw),
+                         progress=False)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_run_against_scripted_server(endpoint):
+    with OpenAIStub(ttft_s=0.2, itl_s=0.05) as stub:
+        m = _run(stub, n=4, concurrency=4, endpoint=endpoint, slo={"ttft": 1000.0})
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 20)
+    assert m["output_tokens_counted_by"] == "usage" and m["model_id"] == "stub-model"
+    # Scripted 200 ms to the first token and 50 ms between tokens; loopback and scheduling add a little.
+    assert 195 <= m["median_ttft_ms"] <= 400
+    assert 45 <= m["median_itl_ms"] <= 150 and 45 <= m["mean_tpot_ms"] <= 150
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])
+    sent = stub.requests[0]
+    assert sent["stream"] and sent["stream_options"] == {"include_usage": True} and sent["max_tokens"] == 5
+    assert ("messages" in sent) == (endpoint == "chat")
+    json.dumps(m)  # the result is plain JSON
+
+
+@pytest.mark.parametrize("mode, kind", [("http_500", "http_500"), ("malformed_sse", "malformed_sse"),
+                                        ("midstream_error", "server_error_midstream"),
+                                        ("not_openai", "invalid_response"), ("reset", "connection_reset"),
+                                        ("no_done", "truncated_stream")])
+def test_server_faults_are_counted_and_the_run_finishes(mode, kind):
+    with OpenAIStub(ttft_s=0.01, itl_s=0.01, mode=mode) as stub:
+        m = _run(stub, n=3, rate=50.0)
+    assert m["completed"] == 0 and m["errors"] == {kind: 3}
+    assert kind in m["error_examples"]
+
+
+def test_unreachable_server_is_reported():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once we leave: nothing listens there
+    m = _run(None, n=2, base_url=f"http://127.0.0.1:{port}", rate=100.0, model="m")
+    assert m["errors"] == {"connection_error": 2}
+
+
+def test_sweep_and_compare_commands(tmp_path, capsys):
+    from pdserve.cli import main
+
+    with OpenAIStub(ttft_s=0.01, itl_s=0.005) as stub:
+        assert main(["bench", "sweep", "--base-url", stub.base_url, "--concurrencies", "1,4", "--num-requests", "6",
+                     "--output-len", "4", "--slo", "ttft=1s", "--out-dir", str(tmp_path), "--no-progress"]) == 0
+        assert main(["bench", "--base-url", stub.base_url, "--num-requests", "3", "--output-len", "3",
+                     "--result-file", str(tmp_path / "a.json"), "--no-progress"]) == 0
+    results = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["concurrency"] for r in results] == [1, 4] and all(r["completed"] == 6 for r in results)
+    for png in ("sweep_load.png", "sweep_latency_cdf.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
+    assert "1.00x" in capsys.readouterr().out
+    assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json")]) == 2
