@@ -83,7 +83,7 @@ def test_shared_prefix_prompts_share_exactly_the_system_prompt(builder):
     by_tenant = {}
     for r, ids in zip(reqs, encoded):
         by_tenant.setdefault(r.tenant, []).append(ids)
-    for tenant, prompts in by_tenant.items():
+    for prompts in by_tenant.values():
         for other in prompts[1:]:
             shared = common(prompts[0], other)
             # Exactly the 64 system tokens, unless the questions happen to start alike.
