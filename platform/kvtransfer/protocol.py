@@ -1,0 +1,159 @@
+"""What crosses the wire between a KV exporter (prefill) and importer (decode), and the checks
+made before any KV byte moves.
+
+- `KVLayout`: the cache shape one side holds (model, layers, block size, KV heads on this rank,
+  head dim, dtype, TP size and rank). `check_compatible` raises `LayoutMismatchError` when two
+  sides cannot exchange blocks, and `head_slice` says which of the exporter's heads a decode rank
+  pulls when decode runs k times prefill's TP degree.
+- `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack).
+- Frames: a 16-byte header `magic, version, kind, payload length` (struct), then a msgpack payload,
+  then (for data) raw tensor bytes. Nothing arriving from the network is unpickled.
+Pure: no sockets, no torch.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import asdict, dataclass
+
+import msgpack
+
+from pdserve.errors import PdserveError
+
+MAGIC = b"PDKV"
+VERSION = 1
+HEADER = struct.Struct("<4sHHQ")  # magic, version, kind, payload length
+HEADER_SIZE = HEADER.size  # 16
+MAX_PAYLOAD_BYTES = 1 << 20  # control messages are small; anything larger is corrupt
+
+# Frame kinds.
+READ, DATA, ACK, ERROR = 1, 2, 3, 4
+
+
+class KVTransferError(PdserveError):
+    """Base of transfer errors. `retryable`: the request may succeed on another attempt/replica."""
+    retryable = False
+
+
+class ExporterUnreachableError(KVTransferError):
+    """The exporter did not answer in time or went away mid-transfer."""
+    retryable = True
+
+
+class LeaseExpiredError(KVTransferError):
+    """The exporter no longer holds the blocks (lease expired or already released)."""
+    retryable = True
+
+
+class UnknownRequestError(KVTransferError):
+    """The exporter has no blocks for this request id."""
+
+
+class ProtocolError(KVTransferError):
+    """A frame that is short, corrupt, or of another protocol version."""
+
+
+class LayoutMismatchError(KVTransferError):
+    """Exporter and importer caches cannot exchange blocks (model, dtype, block size, heads)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_id: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int  # the model's KV heads, all ranks together
+    head_dim: int
+    dtype: str  # e.g. "float32"
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """The [start, end) global KV heads this rank holds (one replicated head when heads < ranks)."""
+        if self.num_kv_heads >= self.tp_size:
+            per = self.num_kv_heads // self.tp_size
+            return self.tp_rank * per, (self.tp_rank + 1) * per
+        h = self.tp_rank * self.num_kv_heads // self.tp_size
+        return h, h + 1
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    exporter_id: str
+    address: str  # "host:port"
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    layout: KVLayout
+    lease_expiry_unix_s: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["block_ids"] = list(self.block_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVHandle":
+        try:
+            return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]), "layout": KVLayout(**d["layout"])})
+        except (TypeError, KeyError, ValueError) as e:
+            raise ProtocolError(f"malformed KV handle: {e}") from e
+
+
+def check_compatible(exporter: KVLayout, importer: KVLayout) -> None:
+    problems = [f"{name}: exporter {getattr(exporter, name)!r}, importer {getattr(importer, name)!r}"
+                for name in ("model_id", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+                if getattr(exporter, name) != getattr(importer, name)]
+    if problems:
+        raise LayoutMismatchError("KV caches are incompatible: " + "; ".join(problems))
+    if importer.tp_size < exporter.tp_size or importer.tp_size % exporter.tp_size:
+        raise LayoutMismatchError(
+            f"decode tensor-parallel degree {importer.tp_size} must be a multiple of prefill's {exporter.tp_size} "
+            f"(decode TP >= prefill TP): each decode rank pulls its heads from one prefill rank")
+
+
+def source_rank(exporter_tp_size: int, importer: KVLayout) -> int:
+    """The prefill rank holding the heads this decode rank needs."""
+    return importer.tp_rank // (importer.tp_size // exporter_tp_size)
+
+
+def head_slice(exporter: KVLayout, importer: KVLayout) -> tuple[int, int]:
+    """The [start, end) range of the exporter rank's *local* heads that this importer rank needs."""
+    check_compatible(exporter, importer)
+    if source_rank(exporter.tp_size, importer) != exporter.tp_rank:
+        raise LayoutMismatchError(f"decode rank {importer.tp_rank} pulls from prefill rank "
+                                  f"{source_rank(exporter.tp_size, importer)}, not {exporter.tp_rank}")
+    (es, ee), (is_, ie) = exporter.local_heads, importer.local_heads
+    assert es <= is_ and ie <= ee, "an importer rank's heads lie inside its source rank's"
+    return is_ - es, ie - es
+
+
+def encode_frame(kind: int, payload: dict) -> bytes:
+    body = msgpack.packb(payload, use_bin_type=True)
+    return HEADER.pack(MAGIC, VERSION, kind, len(body)) + body
+
+
+def decode_header(header: bytes) -> tuple[int, int]:
+    """-> (kind, payload length); ProtocolError for anything that is not our frame."""
+    if len(header) != HEADER_SIZE:
+        raise ProtocolError(f"short frame header: {len(header)} of {HEADER_SIZE} bytes")
+    magic, version, kind, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a pdserve KV frame (magic {magic!r})")
+    if version != VERSION:
+        raise ProtocolError(f"KV transfer protocol version {version}, this side speaks {VERSION}: "
+                            "run the same pdserve version on both pools")
+    if kind not in (READ, DATA, ACK, ERROR) or length > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"bad frame kind {kind} or payload length {length}")
+    return kind, length
+
+
+def decode_payload(body: bytes) -> dict:
+    try:
+        payload = msgpack.unpackb(body, raw=False)
+    except (msgpack.UnpackException, ValueError) as e:
+        raise ProtocolError(f"corrupt frame payload: {e}") from e
+    if not isinstance(payload, dict):
+        raise ProtocolError("corrupt frame payload: not a map")
+    return payload

@@ -1,0 +1,182 @@
+"""KV blocks between two real processes over UCX (TCP on loopback): exact bytes, head slicing,
+concurrency, and every failure path freeing what it holds."""
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("UCX_TLS", "tcp")
+ucxx = pytest.importorskip("ucxx")
+
+from pdserve.kvtransfer import protocol as p  # noqa: E402
+from pdserve.kvtransfer.blocks import gather_blocks  # noqa: E402
+from pdserve.kvtransfer.ucx_backend import UCXImporter  # noqa: E402
+from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve  # noqa: E402
+
+
+class Exporter:
+    def __init__(self, lease_s: float = 30.0):
+        ctx = mp.get_context("spawn")
+        self.commands, self.replies = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s), daemon=True)
+        self.proc.start()
+        kind, self.address = self.replies.get(timeout=60)
+        assert kind == "ready"
+
+    def call(self, *cmd):
+        self.commands.put(cmd)
+        return self.replies.get(timeout=30)[1:]
+
+    def export(self, rid, num_tokens) -> p.KVHandle:
+        return p.KVHandle.from_dict(self.call("export", rid, num_tokens)[0])
+
+    def free_blocks(self) -> int:
+        return self.call("free")[0]
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.commands.put(("stop",))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    e = Exporter(lease_s=2.0)
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def src():
+    return make_cache()
+
+
+@pytest.fixture
+def importer():
+    kv = torch.zeros(LAYOUT["num_layers"], 2, 2048, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
+    imp = UCXImporter(kv, p.KVLayout(**LAYOUT))
+    yield imp
+    imp.close()
+
+
+def _dst(n, offset=7):
+    return [offset + 3 * i for i in range(n)]  # a scattered mapping, unlike the exporter's ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 1000])
+def test_blocks_arrive_bit_identical(exporter, src, importer, num_tokens):
+    handle = exporter.export(f"req-{num_tokens}", num_tokens)
+    assert len(handle.block_ids) == -(-num_tokens // 16)
+    dst = _dst(len(handle.block_ids))
+    importer.pull(handle, dst)
+    assert torch.equal(gather_blocks(importer.kv, dst), gather_blocks(src, list(handle.block_ids)))
+    deadline = time.time() + 5  # the ack released the lease
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.05)
+    assert exporter.free_blocks() == NUM_BLOCKS
+
+
+def test_sixteen_concurrent_transfers_do_not_mix(exporter, src, importer):
+    handles = [exporter.export(f"c{i}", 40 + 17 * i) for i in range(16)]
+    dsts, offset = [], 0
+    for h in handles:
+        dsts.append(list(range(offset, offset + len(h.block_ids))))
+        offset += len(h.block_ids)
+    errors = []
+
+    def pull(h, d):
+        try:
+            importer.pull(h, d)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=pull, args=(h, d)) for h, d in zip(handles, dsts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for h, d in zip(handles, dsts):
+        assert torch.equal(gather_blocks(importer.kv, d), gather_blocks(src, list(h.block_ids)))
+
+
+def test_tp1_to_tp2_each_rank_gets_its_heads(exporter, src):
+    for rank in (0, 1):
+        handle = exporter.export(f"tp-rank{rank}", 100)  # one lease per pull: the ack releases it
+        n = len(handle.block_ids)
+        kv = torch.zeros(LAYOUT["num_layers"], 2, 64, 16, 2, LAYOUT["head_dim"])
+        imp = UCXImporter(kv, p.KVLayout(**LAYOUT, tp_size=2, tp_rank=rank))
+        try:
+            imp.pull(handle, list(range(n)))
+        finally:
+            imp.close()
+        expected = gather_blocks(src, list(handle.block_ids))[:, :, :, :, 2 * rank:2 * rank + 2]
+        assert torch.equal(gather_blocks(kv, list(range(n))), expected)
+
+
+def test_unknown_request_and_expired_lease(exporter, importer):
+    freed = []
+    bogus = p.KVHandle("prefill-0", exporter.address, "nope", (1, 2), 20, p.KVLayout(**LAYOUT), 0.0)
+    with pytest.raises(p.UnknownRequestError):
+        importer.pull(bogus, [0, 1], on_failure=freed.extend)
+    assert freed == [0, 1]
+    idle = exporter.export("idle", 64)
+    time.sleep(2.6)  # the lease (2 s) runs out with nobody pulling
+    assert exporter.free_blocks() == NUM_BLOCKS
+    with pytest.raises(p.LeaseExpiredError) as e:
+        importer.pull(idle, _dst(4))
+    assert e.value.retryable
+
+
+def test_layout_mismatch_is_rejected_before_any_byte_moves(exporter, importer):
+    handle = exporter.export("mismatch", 32)
+    other = dict(LAYOUT, block_size=32)
+    imp = UCXImporter(torch.zeros(2, 2, 8, 32, 4, 64), p.KVLayout(**other))
+    try:
+        with pytest.raises(p.LayoutMismatchError, match="block_size"):
+            imp.pull(handle, [0])
+    finally:
+        imp.close()
+    with pytest.raises(p.LayoutMismatchError, match="decode TP >= prefill TP"):
+        p.check_compatible(p.KVLayout(**LAYOUT, tp_size=2), p.KVLayout(**LAYOUT, tp_size=1))
+
+
+def test_exporter_killed_mid_transfer(importer):
+    victim = Exporter()
+    try:
+        handle = victim.export("big", 2000 * 16)  # ~125 MiB of KV: a transfer that takes a while
+        freed, outcome = [], {}
+
+        def pull():
+            t = time.monotonic()
+            try:
+                importer.pull(handle, list(range(2000)), timeout_s=5.0, on_failure=freed.extend)
+                outcome["ok"] = True
+            except p.KVTransferError as e:
+                outcome["error"] = e
+            outcome["elapsed"] = time.monotonic() - t
+
+        thread = threading.Thread(target=pull)
+        thread.start()
+        time.sleep(0.05)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        thread.join(30)
+    finally:
+        victim.stop()
+    assert "error" in outcome, "the transfer finished before the kill; make it larger"
+    assert outcome["error"].retryable and outcome["elapsed"] < 8
+    assert freed == list(range(2000))
+    # The importer process is healthy: a fresh exporter works.
+    other = Exporter()
+    try:
+        h = other.export("after", 16)
+        importer.pull(h, [0])
+    finally:
+        other.stop()

@@ -1,0 +1,95 @@
+"""Transfer protocol and block bookkeeping, without sockets."""
+
+import msgpack
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import BlockPool
+from pdserve.kvtransfer import protocol as p
+from pdserve.kvtransfer.blocks import LeaseTable, gather_blocks, scatter_blocks
+
+LAYOUT = p.KVLayout("m", num_layers=2, block_size=16, num_kv_heads=8, head_dim=64, dtype="float32")
+
+
+def test_frames_round_trip_and_reject_garbage():
+    frame = p.encode_frame(p.READ, {"request_id": "r1", "n": 3})
+    kind, length = p.decode_header(frame[:p.HEADER_SIZE])
+    assert kind == p.READ and p.decode_payload(frame[p.HEADER_SIZE:p.HEADER_SIZE + length]) == {"request_id": "r1", "n": 3}
+    with pytest.raises(p.ProtocolError, match="short"):
+        p.decode_header(frame[:10])
+    with pytest.raises(p.ProtocolError, match="magic"):
+        p.decode_header(b"HTTP" + frame[4:p.HEADER_SIZE])
+    with pytest.raises(p.ProtocolError, match="version 2"):
+        p.decode_header(p.HEADER.pack(p.MAGIC, 2, p.READ, 5))
+    with pytest.raises(p.ProtocolError, match="kind"):
+        p.decode_header(p.HEADER.pack(p.MAGIC, p.VERSION, 99, 5))
+    with pytest.raises(p.ProtocolError, match="length"):
+        p.decode_header(p.HEADER.pack(p.MAGIC, p.VERSION, p.DATA, 1 << 40))
+    with pytest.raises(p.ProtocolError, match="corrupt"):
+        p.decode_payload(b"\xc1\xff")
+    with pytest.raises(p.ProtocolError, match="not a map"):
+        p.decode_payload(msgpack.packb([1, 2]))
+
+
+def test_handle_round_trips_through_plain_data():
+    h = p.KVHandle("prefill-0", "127.0.0.1:1234", "r", (3, 4, 5), 40, LAYOUT, 123.5)
+    wire = msgpack.unpackb(msgpack.packb(h.to_dict()))
+    assert p.KVHandle.from_dict(wire) == h
+    with pytest.raises(p.ProtocolError):
+        p.KVHandle.from_dict({"request_id": "r"})
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, rank, local", [
+    (1, 1, 0, (0, 8)), (1, 2, 1, (4, 8)), (2, 4, 1, (2, 4)), (2, 4, 2, (0, 2)), (1, 8, 5, (5, 6)),
+])
+def test_head_slices(prefill_tp, decode_tp, rank, local):
+    exporter = p.KVLayout(**{**LAYOUT.__dict__, "tp_size": prefill_tp, "tp_rank": rank // (decode_tp // prefill_tp)})
+    importer = p.KVLayout(**{**LAYOUT.__dict__, "tp_size": decode_tp, "tp_rank": rank})
+    assert p.head_slice(exporter, importer) == local
+
+
+def test_fewer_heads_than_ranks_replicates_one_head():
+    two = {**LAYOUT.__dict__, "num_kv_heads": 2}
+    exporter = p.KVLayout(**two)
+    assert [p.head_slice(exporter, p.KVLayout(**{**two, "tp_size": 4, "tp_rank": r})) for r in range(4)] == \
+        [(0, 1), (0, 1), (1, 2), (1, 2)]
+
+
+def test_incompatible_layouts():
+    with pytest.raises(p.LayoutMismatchError, match="dtype"):
+        p.check_compatible(LAYOUT, p.KVLayout(**{**LAYOUT.__dict__, "dtype": "bfloat16"}))
+    with pytest.raises(p.LayoutMismatchError, match="model_id"):
+        p.check_compatible(LAYOUT, p.KVLayout(**{**LAYOUT.__dict__, "model_id": "other"}))
+    with pytest.raises(p.LayoutMismatchError, match="multiple"):
+        p.check_compatible(p.KVLayout(**{**LAYOUT.__dict__, "tp_size": 2}), p.KVLayout(**{**LAYOUT.__dict__, "tp_size": 3}))
+
+
+def test_gather_and_scatter_are_inverse():
+    kv = torch.randn(2, 2, 10, 4, 8, 3)
+    data = gather_blocks(kv, [7, 2, 5])
+    assert data.is_contiguous() and data.shape == (2, 2, 3, 4, 8, 3)
+    out = torch.zeros_like(kv)
+    scatter_blocks(out, [0, 1, 9], data)
+    assert torch.equal(out[:, :, [0, 1, 9]], kv[:, :, [7, 2, 5]])
+    assert torch.equal(gather_blocks(kv, [1], (2, 4)), kv[:, :, [1], :, 2:4])
+
+
+def test_leases_pin_release_and_expire():
+    now = [0.0]
+    pool = BlockPool(8, 4)
+    blocks = pool.allocate(3)
+    leases = LeaseTable(pool.incref, pool.free, lease_s=30.0, clock=lambda: now[0])
+    leases.add("a", blocks)
+    pool.free(blocks)  # the engine lets go; the lease still pins them
+    assert pool.num_free_blocks == 5 and leases.get("a").block_ids == blocks
+    with pytest.raises(ValueError):
+        leases.add("a", blocks)
+    assert leases.release("a") and not leases.release("a")
+    assert pool.num_free_blocks == 8
+    leases.add("b", pool.allocate(2))
+    now[0] = 31.0
+    assert leases.expire() == ["b"] and leases.was_expired("b") and not leases.was_expired("a")
+    assert pool.num_free_blocks == 6  # "b"'s blocks are still the test's own allocation
+    leases.add("c", [7])
+    now[0] = 100.0
+    assert leases.get("c") is None and leases.was_expired("c") and len(leases) == 0
