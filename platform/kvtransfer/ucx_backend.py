@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.blocks import LeaseTable, gather_blocks, scatter_blocks
+from pdserve.kvtransfer.blocks import BufferPool, LeaseTable, gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class UCXExporter:
         self.exporter_id, self.kv, self.layout, self.host = exporter_id, kv, layout, host
         self.leases = LeaseTable(pin, unpin, lease_s)
         self.ack_timeout_s = ack_timeout_s
+        self._buffers = BufferPool()
         self._loop = _LoopThread(f"kv-exporter-{exporter_id}")
 
         async def start():
@@ -121,9 +122,13 @@ class UCXExporter:
                                                 f"({'lease expired' if code == 'expired' else 'unknown request'})"})
                 return
             heads = p.head_slice(self.layout, importer)
-            data = gather_blocks(self.kv, lease.block_ids, heads)
-            await _send_frame(ep, p.DATA, {"shape": list(data.shape)})
-            await ep.send(data.numpy().reshape(-1).view(np.uint8))
+            shape = (*self.kv.shape[:2], len(lease.block_ids), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
+            data = gather_blocks(self.kv, lease.block_ids, heads, self._buffers.take(shape, self.kv.dtype))
+            try:
+                await _send_frame(ep, p.DATA, {"shape": list(data.shape)})
+                await ep.send(data.numpy().reshape(-1).view(np.uint8))
+            finally:
+                self._buffers.give(data)
             kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
             if kind == p.ACK:
                 self.leases.release(rid)
@@ -145,6 +150,7 @@ class UCXExporter:
 class UCXImporter:
     def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
         self.kv, self.layout = kv, layout
+        self._buffers = BufferPool()
         self._loop = _LoopThread("kv-importer")
 
     def close(self) -> None:
@@ -195,9 +201,12 @@ class UCXImporter:
             expected = (self.kv.shape[0], 2, len(dst), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
             if shape != expected:
                 raise p.ProtocolError(f"exporter sent blocks of shape {shape}, expected {expected}")
-            buf = torch.empty(shape, dtype=self.kv.dtype)
-            await asyncio.wait_for(ep.recv(buf.numpy().reshape(-1).view(np.uint8)), left())
-            scatter_blocks(self.kv, dst, buf)
+            buf = self._buffers.take(shape, self.kv.dtype)
+            try:
+                await asyncio.wait_for(ep.recv(buf.numpy().reshape(-1).view(np.uint8)), left())
+                scatter_blocks(self.kv, dst, buf)
+            finally:
+                self._buffers.give(buf)
             await asyncio.wait_for(_send_frame(ep, p.ACK, {"request_id": handle.request_id}), left())
             await asyncio.wait_for(ep.close(), left())
             ep = None
