@@ -70,6 +70,8 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
 
         async def one(req: BenchRequest):
             async with limit:
+                if s.duration_s is not None and time.perf_counter() - start >= s.duration_s:
+                    return  # past the run's duration: a queued request is not sent
                 payload = build_payload(s.endpoint, model, req, s.ignore_eos, s.temperature)
                 rec = await send_request(session, url, payload, req.prompt_tokens, s.timeout_s, count, headers)
             records.append(rec)

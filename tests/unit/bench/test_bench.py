@@ -166,3 +166,10 @@ def test_sweep_and_compare_commands(tmp_path, capsys):
     assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert "1.00x" in capsys.readouterr().out
     assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json")]) == 2
+
+
+def test_duration_stops_a_fixed_concurrency_run():
+    with OpenAIStub(ttft_s=0.05, itl_s=0.05) as stub:
+        m = _run(stub, n=50, concurrency=1, duration_s=0.6, output_len="4")
+    # Each request takes ~0.2 s at concurrency 1: a handful fit in 0.6 s, not 50.
+    assert 1 <= m["completed"] <= 6 and m["failed"] == 0
