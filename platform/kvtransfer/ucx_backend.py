@@ -1,11 +1,10 @@
 """KV transfer over UCX (the `ucxx` package): TCP or shared memory on CPU, CUDA-aware on GPU.
 
 `UCXExporter` (prefill side) listens on a free port from an event-loop thread of its own, so
-engine steps never wait on it. A read is: READ frame (request id + importer layout) -> checks ->
-DATA frame + one contiguous buffer of the requested blocks (only the importer's heads) -> ACK,
-which releases the lease. `UCXImporter` (decode side) pulls into blocks of its own cache, with a
-deadline on every wait; on any failure it raises a typed `KVTransferError` and frees the blocks it
-was given through `on_failure`. Lease expiry runs on the exporter's loop.
+engine steps never wait on it. A read is: READ frame (request id + importer layout) -> the
+exporter's checks -> DATA frame + one contiguous buffer of the requested blocks (only the
+importer's heads) -> ACK, which releases the lease. `UCXImporter` (decode side) pulls with a
+deadline on every wait. Leases, checks and failure handling are the base classes' (base.py).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.blocks import BufferPool, LeaseTable, gather_blocks, scatter_blocks
+from pdserve.kvtransfer.base import KVExporter, KVImporter
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +59,18 @@ async def _recv_frame(ep) -> tuple[int, dict]:
     return kind, p.decode_payload(body.tobytes())
 
 
-class UCXExporter:
+class UCXExporter(KVExporter):
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
                  lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0):
         import ucxx
 
-        self.exporter_id, self.kv, self.layout, self.host = exporter_id, kv, layout, host
-        self.leases = LeaseTable(pin, unpin, lease_s)
-        self.ack_timeout_s = ack_timeout_s
-        self._buffers = BufferPool()
+        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
+        self.host, self.ack_timeout_s = host, ack_timeout_s
         self._loop = _LoopThread(f"kv-exporter-{exporter_id}")
 
         async def start():
             self._listener = ucxx.create_listener(self._serve, port=port)
-            self._expiry_task = asyncio.ensure_future(self._expire_leases())
             return self._listener.port
 
         self.port = self._loop.run(start(), 30)
@@ -84,25 +80,13 @@ class UCXExporter:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> p.KVHandle:
-        """Pin a finished prefill's blocks under a lease and describe them for the importer."""
-        self.leases.add(request_id, block_ids)
-        return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
-                          time.time() + self.leases.lease_s)
-
     def close(self) -> None:
         async def stop():
-            self._expiry_task.cancel()
             self._listener.close()
 
         self._loop.run(stop(), 10)
         self._loop.stop()
-
-    async def _expire_leases(self) -> None:
-        while True:
-            await asyncio.sleep(0.2)
-            for rid in self.leases.expire():
-                log.warning("KV lease for %s expired; its blocks return to the pool", rid)
+        super().close()
 
     async def _serve(self, ep) -> None:
         rid = None
@@ -115,25 +99,17 @@ class UCXExporter:
                 importer = p.KVLayout(**req["layout"])
             except (TypeError, KeyError) as e:
                 raise p.ProtocolError(f"malformed layout: {e}") from e
-            lease = self.leases.get(rid)
-            if lease is None:
-                code = "expired" if self.leases.was_expired(rid) else "unknown"
-                await _send_frame(ep, p.ERROR, {"code": code, "message": f"no KV blocks held for request {rid!r} "
-                                                f"({'lease expired' if code == 'expired' else 'unknown request'})"})
-                return
-            heads = p.head_slice(self.layout, importer)
-            shape = (*self.kv.shape[:2], len(lease.block_ids), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
-            data = gather_blocks(self.kv, lease.block_ids, heads, self._buffers.take(shape, self.kv.dtype))
+            data = self.read(rid, importer)
             try:
                 await _send_frame(ep, p.DATA, {"shape": list(data.shape)})
                 await ep.send(data.numpy().reshape(-1).view(np.uint8))
             finally:
-                self._buffers.give(data)
+                self.release_buffer(data)
             kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
             if kind == p.ACK:
-                self.leases.release(rid)
+                self.ack(rid)
         except p.KVTransferError as e:
-            code = "layout" if isinstance(e, p.LayoutMismatchError) else "protocol"
+            code = next((c for c, cls in _ERRORS.items() if type(e) is cls), "protocol")
             try:
                 await _send_frame(ep, p.ERROR, {"code": code, "message": str(e)})
             except Exception:  # noqa: BLE001 - the importer may be gone already
@@ -147,33 +123,16 @@ class UCXExporter:
                 pass
 
 
-class UCXImporter:
+class UCXImporter(KVImporter):
     def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
-        self.kv, self.layout = kv, layout
-        self._buffers = BufferPool()
+        super().__init__(kv, layout)
         self._loop = _LoopThread("kv-importer")
 
     def close(self) -> None:
         self._loop.stop()
 
-    def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
-             on_failure: Callable[[list[int]], None] | None = None) -> None:
-        """Fill `dst_block_ids` with the handle's blocks (only this rank's heads), then ack.
-
-        Raises a `KVTransferError` within about `timeout_s` on any failure, after calling
-        `on_failure(dst_block_ids)` so the caller's blocks go back to its pool.
-        """
-        try:
-            heads = p.head_slice(handle.layout, self.layout)
-            if len(dst_block_ids) != len(handle.block_ids):
-                raise p.ProtocolError(f"{len(dst_block_ids)} destination blocks for {len(handle.block_ids)} exported")
-            self._loop.run(self._pull(handle, dst_block_ids, heads, timeout_s), timeout_s + 5)
-        except BaseException as e:
-            if on_failure is not None:
-                on_failure(list(dst_block_ids))
-            if isinstance(e, p.KVTransferError):
-                raise
-            raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address} failed: {e!r}") from e
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
+        self._loop.run(self._pull(handle, dst, heads, timeout_s), timeout_s + 5)
 
     async def _pull(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
         import ucxx
@@ -198,15 +157,15 @@ class UCXImporter:
             if kind != p.DATA:
                 raise p.ProtocolError(f"expected a DATA frame, got kind {kind}")
             shape = tuple(reply["shape"])
-            expected = (self.kv.shape[0], 2, len(dst), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
+            expected = self.expected_shape(len(dst), heads)
             if shape != expected:
                 raise p.ProtocolError(f"exporter sent blocks of shape {shape}, expected {expected}")
-            buf = self._buffers.take(shape, self.kv.dtype)
+            buf = self.buffers.take(shape, self.kv.dtype)
             try:
                 await asyncio.wait_for(ep.recv(buf.numpy().reshape(-1).view(np.uint8)), left())
-                scatter_blocks(self.kv, dst, buf)
+                self.store(dst, buf)
             finally:
-                self._buffers.give(buf)
+                self.buffers.give(buf)
             await asyncio.wait_for(_send_frame(ep, p.ACK, {"request_id": handle.request_id}), left())
             await asyncio.wait_for(ep.close(), left())
             ep = None

@@ -1,0 +1,112 @@
+"""The two sides of a KV transfer, whatever carries the bytes.
+
+`KVExporter` (prefill side) owns the leases over an engine's cache: `export` pins a finished
+prefill's blocks and returns the `KVHandle`; `read` checks the lease and the importer's layout and
+gathers the blocks (only the importer's heads) into a reused staging buffer; `ack` releases the
+lease. A daemon thread expires leases whose importer never came. `KVImporter` (decode side)
+checks the layout before any byte moves, fetches through its backend, scatters into its own
+blocks, and on any failure calls `on_failure(dst_block_ids)` and raises a typed error.
+
+Backends (`ucx`, `local`) only move bytes. `pin`/`unpin` are the engine pool's incref/free and must
+be safe to call from the exporter's threads (take the engine's lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from pdserve.kvtransfer import protocol as p
+from pdserve.kvtransfer.blocks import BufferPool, LeaseTable, gather_blocks, scatter_blocks
+
+log = logging.getLogger(__name__)
+
+
+class KVExporter:
+    def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
+                 pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None], lease_s: float = 30.0):
+        self.exporter_id, self.kv, self.layout = exporter_id, kv, layout
+        self.leases = LeaseTable(pin, unpin, lease_s)
+        self.buffers = BufferPool()
+        self._closed = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_leases, name=f"kv-leases-{exporter_id}", daemon=True)
+        self._expiry.start()
+
+    @property
+    def address(self) -> str:
+        return f"local:{self.exporter_id}"
+
+    def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> p.KVHandle:
+        """Pin a finished prefill's blocks under a lease and describe them for the importer."""
+        self.leases.add(request_id, block_ids)
+        return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
+                          time.time() + self.leases.lease_s)
+
+    def read(self, request_id: str, importer: p.KVLayout) -> torch.Tensor:
+        """The leased blocks for this importer, in a staging buffer: hand it back with `release_buffer`."""
+        lease = self.leases.get(request_id)
+        if lease is None:
+            if self.leases.was_expired(request_id):
+                raise p.LeaseExpiredError(f"the KV lease for request {request_id!r} expired before it was pulled")
+            raise p.UnknownRequestError(f"exporter {self.exporter_id} holds no KV blocks for request {request_id!r}")
+        heads = p.head_slice(self.layout, importer)
+        shape = (*self.kv.shape[:2], len(lease.block_ids), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
+        return gather_blocks(self.kv, lease.block_ids, heads, self.buffers.take(shape, self.kv.dtype))
+
+    def release_buffer(self, buf: torch.Tensor) -> None:
+        self.buffers.give(buf)
+
+    def ack(self, request_id: str) -> bool:
+        return self.leases.release(request_id)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._expiry.join(5)
+
+    def _expire_leases(self) -> None:
+        while not self._closed.wait(0.2):
+            for rid in self.leases.expire():
+                log.warning("KV lease for %s expired; its blocks return to the pool", rid)
+
+
+class KVImporter(ABC):
+    def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
+        self.kv, self.layout = kv, layout
+        self.buffers = BufferPool()
+
+    def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
+             on_failure: Callable[[list[int]], None] | None = None) -> None:
+        """Fill `dst_block_ids` with the handle's blocks (only this rank's heads), then ack.
+
+        Raises a `KVTransferError` within about `timeout_s` on any failure, after calling
+        `on_failure(dst_block_ids)` so the caller's blocks go back to its pool.
+        """
+        try:
+            heads = p.head_slice(handle.layout, self.layout)
+            if len(dst_block_ids) != len(handle.block_ids):
+                raise p.ProtocolError(f"{len(dst_block_ids)} destination blocks for {len(handle.block_ids)} exported")
+            self._fetch(handle, list(dst_block_ids), heads, timeout_s)
+        except BaseException as e:
+            if on_failure is not None:
+                on_failure(list(dst_block_ids))
+            if isinstance(e, p.KVTransferError):
+                raise
+            raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address} failed: {e!r}") from e
+
+    def expected_shape(self, num_blocks: int, heads: tuple[int, int]) -> tuple[int, ...]:
+        return (self.kv.shape[0], 2, num_blocks, self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
+
+    def store(self, dst: list[int], data: torch.Tensor) -> None:
+        scatter_blocks(self.kv, dst, data)
+
+    @abstractmethod
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
+        """Move the blocks into `dst` and ack, or raise."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release what the backend holds (threads, endpoints)."""
