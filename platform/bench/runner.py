@@ -100,6 +100,8 @@ def run_benchmark(requests: list[BenchRequest], s: RunSettings, builder: PromptB
     settings.pop("api_key")
     settings["rate"] = "inf" if s.rate == float("inf") else s.rate
     result.update(settings)
+    # vLLM's names for the same settings, so result files line up with its published ones.
+    result.update(request_rate=settings["rate"], max_concurrency=s.concurrency, num_prompts=len(requests))
     result.update(model_id=model, workload=workload, exact_token_counts=bool(builder and builder.is_exact),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
     done = [r for r in records if r.ok]

@@ -8,9 +8,11 @@
 - replay: a JSONL trace of prompts or token counts with arrival offsets.
 
 With a local tokenizer (`--tokenizer DIR`), prompts are built from vocabulary tokens that are
-whole space-led words and re-encode to themselves, so a prompt of n such tokens encodes to
-exactly those n tokens, and prompts that share a prefix share exactly those tokens. Without one,
-words stand in for tokens and counts are approximate (the result says so).
+whole words (a leading space in byte-level BPE, a leading '▁' in SentencePiece-style tokenizers)
+and survive decode -> encode in any position, so a prompt of n such tokens encodes to exactly
+those n tokens, and prompts that share a prefix share exactly those tokens. Each prompt is
+re-encoded once as a check: the token count a request carries is the tokenizer's own. Without a
+tokenizer, words stand in for tokens and counts are approximate (the result says so).
 """
 
 from __future__ import annotations
@@ -56,14 +58,16 @@ class PromptBuilder:
         return self.tokenizer is not None
 
     def _round_trip_words(self) -> np.ndarray:
+        # Decoding a lone token drops a SentencePiece word's leading space, so judge each candidate
+        # by a run of three, first position included.
         tok = self.tokenizer
-        ids = []
-        for token_id in range(tok.get_vocab_size()):
-            text = tok.decode([token_id])
-            if len(text) > 1 and text[0] == " " and text[1:].isalpha() and text[1:].isascii() \
-                    and tok.encode(text, add_special_tokens=False).ids == [token_id]:
-                ids.append(token_id)
-        return np.asarray(ids)
+        words = tok.decode_batch([[i] for i in range(tok.get_vocab_size())])
+        ids = [i for i, w in enumerate(words) if len(w.strip()) > 1 and w.strip().isalpha() and w.strip().isascii()]
+        texts = tok.decode_batch([[i] * 3 for i in ids])
+        runs = tok.encode_batch(texts, add_special_tokens=False)
+        # Three separate words (so the token starts a word) that encode back to the same three tokens.
+        return np.asarray([i for i, text, run in zip(ids, texts, runs)
+                           if text.split() == [words[i].strip()] * 3 and run.ids == [i] * 3])
 
     def tokens(self, n: int, rng: np.random.Generator) -> list[int]:
         pool = self.word_ids if self.is_exact else np.arange(len(_FALLBACK_WORDS))
@@ -80,8 +84,11 @@ class PromptBuilder:
         return len(text.split())
 
     def request(self, token_ids: list[int], max_tokens: int, **kw) -> BenchRequest:
-        return BenchRequest(self.text(token_ids), token_ids if self.is_exact else None, len(token_ids),
-                            max_tokens, **kw)
+        text = self.text(token_ids)
+        if not self.is_exact:
+            return BenchRequest(text, None, len(token_ids), max_tokens, **kw)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids  # what the server will see
+        return BenchRequest(text, ids, len(ids), max_tokens, **kw)
 
 
 def sample_lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:

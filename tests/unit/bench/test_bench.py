@@ -11,8 +11,9 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.metrics import RequestRecord, compute_metrics, parse_slo
 from pdserve.bench.runner import RunSettings, run_benchmark
 from pdserve.bench.workloads import (PromptBuilder, long_prompt_mix_workload, random_workload, replay_workload,
-                                     shared_prefix_workload)
+                                     sample_lengths, shared_prefix_workload)
 from tests.fakes.openai_stub import OpenAIStub
+from tests.fakes.tiny_tokenizers import STYLES, write_tokenizer
 
 
 def test_metrics_match_hand_computation():
@@ -57,15 +58,17 @@ def test_poisson_arrivals_have_the_requested_rate():
     assert arrival_offsets(4, 4.0, "constant") == [0.0, 0.25, 0.5, 0.75]
 
 
-@pytest.fixture(scope="module")
-def builder(tiny_llama):
-    return PromptBuilder(tiny_llama)
+@pytest.fixture(scope="module", params=STYLES)
+def builder(request, tmp_path_factory):
+    return PromptBuilder(str(write_tokenizer(request.param, tmp_path_factory.mktemp(request.param))))
 
 
 def test_prompts_have_exact_token_counts(builder):
-    for req in random_workload(builder, 20, "1:300", "16", seed=2):
+    wanted = sample_lengths("1:3000", 20, np.random.default_rng(2))  # random_workload draws these first
+    reqs = random_workload(builder, 20, "1:3000", "16", seed=2)
+    for req, n in zip(reqs, wanted):
         ids = builder.tokenizer.encode(req.prompt, add_special_tokens=False).ids
-        assert ids == req.prompt_token_ids and len(ids) == req.prompt_tokens
+        assert len(ids) == req.prompt_tokens == n and ids == req.prompt_token_ids
 
 
 def test_shared_prefix_prompts_share_exactly_the_system_prompt(builder):
@@ -73,6 +76,7 @@ def test_shared_prefix_prompts_share_exactly_the_system_prompt(builder):
                                   output_len="8", popularity="zipf", seed=4)
     encoded = [builder.tokenizer.encode(r.prompt, add_special_tokens=False).ids for r in reqs]
     assert all(e == r.prompt_token_ids for e, r in zip(encoded, reqs))
+    assert all(64 + 8 <= len(e) <= 64 + 16 for e in encoded)
 
     def common(a, b):
         n = 0
@@ -121,6 +125,7 @@ def test_run_against_scripted_server(endpoint):
         m = _run(stub, n=4, concurrency=4, endpoint=endpoint, slo={"ttft": 1000.0})
     assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 20)
     assert m["output_tokens_counted_by"] == "usage" and m["model_id"] == "stub-model"
+    assert (m["max_concurrency"], m["num_prompts"]) == (4, 4)
     # Scripted 200 ms to the first token and 50 ms between tokens; loopback and scheduling add a little.
     assert 195 <= m["median_ttft_ms"] <= 400
     assert 45 <= m["median_itl_ms"] <= 150 and 45 <= m["mean_tpot_ms"] <= 150
