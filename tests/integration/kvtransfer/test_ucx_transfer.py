@@ -1,6 +1,7 @@
 """KV blocks between two real processes over UCX (TCP on loopback): exact bytes, head slicing,
 concurrency, and every failure path freeing what it holds."""
 
+import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -148,6 +149,7 @@ def test_layout_mismatch_is_rejected_before_any_byte_moves(exporter, importer):
         p.check_compatible(p.KVLayout(**LAYOUT, tp_size=2), p.KVLayout(**LAYOUT, tp_size=1))
 
 
+@pytest.mark.slow
 def test_exporter_killed_mid_transfer(importer):
     victim = Exporter()
     try:
@@ -180,3 +182,53 @@ def test_exporter_killed_mid_transfer(importer):
         importer.pull(h, [0])
     finally:
         other.stop()
+
+
+def _raw_peer(address: str, *frames: bytes, read_reply: bool = True):
+    """Connect to the exporter like an importer would, send raw bytes, return the reply frame (or None)."""
+    import numpy as np
+
+    from pdserve.kvtransfer.ucx_backend import _LoopThread, _recv_frame
+
+    async def talk():
+        host, port = address.rsplit(":", 1)
+        ep = await ucxx.create_endpoint(host, int(port))
+        try:
+            for frame in frames:
+                await ep.send(np.frombuffer(frame, dtype=np.uint8).copy())
+            return await asyncio.wait_for(_recv_frame(ep), 5) if read_reply else None
+        finally:
+            ep.abort()
+
+    loop = _LoopThread("raw-peer")
+    try:
+        return loop.run(talk(), 15)
+    finally:
+        loop.stop()
+
+
+def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src, importer):
+    wrong_version = p.HEADER.pack(p.MAGIC, p.VERSION + 1, p.READ, 4)
+    corrupt = p.HEADER.pack(b"JUNK", p.VERSION, p.READ, 4)
+    for header in (wrong_version, corrupt):
+        kind, reply = _raw_peer(exporter.address, header)
+        assert kind == p.ERROR and reply["code"] == "protocol"
+    # A READ whose payload is not a map of the right fields.
+    body = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte: corrupt
+    kind, reply = _raw_peer(exporter.address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, len(body)), body)
+    assert kind == p.ERROR and reply["code"] == "protocol"
+    # An importer that asks for blocks and vanishes before reading them: the lease stays until it
+    # expires (2 s here), then the blocks go back to the pool.
+    handle = exporter.export("vanishing", 64)
+    read = p.encode_frame(p.READ, {"request_id": "vanishing", "layout": LAYOUT})
+    assert _raw_peer(exporter.address, read[:p.HEADER_SIZE], read[p.HEADER_SIZE:], read_reply=False) is None
+    deadline = time.time() + 6
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.1)
+    assert exporter.free_blocks() == NUM_BLOCKS
+    with pytest.raises(p.LeaseExpiredError):
+        importer.pull(handle, _dst(4))
+    # The exporter still serves a well-formed pull.
+    h = exporter.export("after-bad-peers", 40)
+    importer.pull(h, _dst(3))
+    assert torch.equal(gather_blocks(importer.kv, _dst(3)), gather_blocks(src, list(h.block_ids)))
