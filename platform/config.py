@@ -2,12 +2,13 @@
 
 Pydantic at the edge (YAML, CLI flags) with a description on every field; the engine and the
 other leaves take plain values that the builders read from here. No I/O happens in these classes.
-Later sections (pools, router, transfer, gateway) join `EngineConfig` in this module.
+`ServeConfig` is the whole deployment: the YAML behind `pdserve serve CONFIG`, the arguments of
+`pdserve.app:build_app`, and later the Helm chart's values.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,4 +42,85 @@ class EngineConfig(BaseModel):
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode")
+        return self
+
+
+class PoolConfig(BaseModel):
+    """One Ray Serve deployment of engine replicas (prefill, decode or unified)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1, description="Replicas in this pool.")
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=lambda: {"num_cpus": 1},
+        description="Per replica: num_cpus, num_gpus, accelerator_type, resources ({custom: amount}), ... "
+                    "Different options per pool put prefill and decode on different node types.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica accepts at once.")
+    max_queued_requests: int = Field(
+        256, ge=-1, description="Requests a caller queues for this pool before answering 503; -1: no limit.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="EngineConfig fields that differ from the top-level engine in this pool.")
+
+
+class TransferConfig(BaseModel):
+    """How KV blocks move from prefill to decode (DESIGN section 5)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["ucx", "local"] = Field(
+        "ucx", description="ucx: ucxx over TCP/shared memory (CPU) or CUDA transports; local: both roles in "
+                           "one process (tests).")
+    host: str = Field("auto", description="Address a prefill replica's KV listener advertises; "
+                                          "'auto' takes the node's IP as Ray sees it.")
+    lease_s: float = Field(30.0, gt=0, description="How long a prefill replica holds exported blocks for a pull.")
+    timeout_s: float = Field(10.0, gt=0, description="A decode replica's deadline for one pull.")
+
+
+class GatewayConfig(BaseModel):
+    """The OpenAI-compatible HTTP ingress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    num_replicas: int = Field(1, ge=1, description="Gateway replicas.")
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
+    served_model_name: str | None = Field(None, description="The model name clients send; default: the "
+                                                            "checkpoint directory's name.")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth.")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Larger request bodies get a 413.")
+    max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
+
+
+class ServeConfig(BaseModel):
+    """A whole pdserve deployment: model, pools, transfer and gateway."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("pdserve", description="Ray Serve application name.")
+    model: str | None = Field(None, description="Local Hugging Face checkpoint directory; default: the tiny-llama "
+                                                "preset, generated on first use.")
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields shared by all pools.")
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: Prefill and Decode pools with KV transfer; "
+                                     "colocated: one Unified pool, no transfer.")
+    remote_prefill_min_tokens: int = Field(
+        256, ge=0, description="Conditional disaggregation: prompts with fewer uncached tokens than this are "
+                               "prefilled on the decode replica itself.")
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """The engine a replica of `pool` runs (model resolved by the caller)."""
+        if self.model is None:
+            raise ValueError("resolve the model first (ServeConfig.with_resolved_model)")
+        return EngineConfig(model=self.model, **{**self.engine, **pool.engine})
+
+    @model_validator(mode="after")
+    def _check_engines(self) -> "ServeConfig":
+        # Fail at load time, not in a replica: every pool's engine options must validate.
+        for pool in (self.prefill, self.decode):
+            EngineConfig(model=self.model or "-", **{**self.engine, **pool.engine})
         return self

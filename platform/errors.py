@@ -25,6 +25,12 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit the model's context."""
 
 
+class OverloadedError(PdserveError):
+    """No room for the request right now (queue or KV cache full); retry later or elsewhere."""
+
+    retry_after_s = 1
+
+
 class ModelLoadError(PdserveError):
     """A checkpoint could not be loaded: missing files, a bad config, unsupported architecture."""
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import PdserveError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(PdserveError):
@@ -44,14 +45,28 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Queue a request now (raising on bad input) and return its stream of outputs."""
+        return self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
+                                 prefill_only)
+
+    async def resume(self, request_id: str, recompute: bool = False) -> AsyncIterator[RequestOutput]:
+        """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
+        place (or, with `recompute`, could not be pulled)."""
+        return self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute)
+
+    def locked(self, fn: Callable[..., T], *args) -> T:
+        """Run `fn(*args)` under the engine lock, between steps (KV bookkeeping from other threads)."""
+        with self._lock:
+            return fn(*args)
+
+    def _open_stream(self, request_id: str, add: Callable, *args) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            add(*args)
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._has_work.set()
         return self._stream(request_id, queue)

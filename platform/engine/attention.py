@@ -10,6 +10,7 @@ global, always set through the context manager).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,23 +46,26 @@ class ForwardContext:
     workspace: GatherWorkspace
 
 
-_context: ForwardContext | None = None
+# Per thread: two engines in one process (both roles in a test, colocated setups) step on
+# threads of their own.
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def forward_context(attn: AttentionMetadata, kv_cache: KVCache, workspace: GatherWorkspace):
-    global _context
-    previous, _context = _context, ForwardContext(attn, kv_cache, workspace)
+    previous = getattr(_local, "context", None)
+    _local.context = ForwardContext(attn, kv_cache, workspace)
     try:
         yield
     finally:
-        _context = previous
+        _local.context = previous
 
 
 def get_forward_context() -> ForwardContext:
-    if _context is None:
+    context = getattr(_local, "context", None)
+    if context is None:
         raise RuntimeError("attention ran outside forward_context(...): the runner sets it per step")
-    return _context
+    return context
 
 
 class Attention(nn.Module):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_cache import BlockPool, KVCache, KVCacheManager
+from pdserve.engine.kv_cache import BlockPool, KVCache, KVCacheManager, block_hashes
 from pdserve.engine.models.arch import parse_dtype
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.request import Request, TokenLogprob
@@ -29,7 +29,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from pdserve.errors import InvalidRequestError, ModelLoadError, OverloadedError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,13 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # Prefill role: the prompt's KV blocks, kept for export (finished with finish_reason None).
+    kv_block_ids: list[int] | None = None
+    generator_state: torch.Tensor | None = None  # its seeded RNG, to continue on decode
+
+    @property
+    def needs_decode(self) -> bool:
+        return self.kv_block_ids is not None
 
 
 class LLMEngine:
@@ -77,14 +84,70 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held_kv: dict[str, list[int]] = {}  # prefill-only requests' blocks awaiting export
+        self._prefilled: dict[str, Request] = {}  # imported requests whose KV is being filled in
         log.info("engine ready: %s (%s, %d layers), %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "loaded in %.1fs", config.model, self.arch.model_type, self.arch.num_layers, num_blocks,
                  config.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
                  time.perf_counter() - t0)
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.scheduler.requests:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> None:
+        """Queue a request. With `prefill_only` it stops after its first token unless that token
+        already ends it; its output then carries `kv_block_ids`, the prompt's blocks, which stay
+        allocated until `release_kv` (the prefill role exports them in between)."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        req.prefill_only = prefill_only
+        self.scheduler.add(req)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              first: RequestOutput, generator_state: torch.Tensor | None = None
+                              ) -> tuple[int, list[int]]:
+        """Take over a request another engine prefilled (decode role), up to its first token.
+
+        Reuses this cache's prefix of the prompt and allocates blocks for the rest; returns
+        `(num_local_blocks, block_ids_to_fill)`: the caller fills those blocks with the exporter's
+        blocks from index `num_local_blocks` on, then calls `start_prefilled_request`, or
+        `abort_request` on failure. Raises `OverloadedError` when the blocks are not free.
+        """
+        req = self._new_request(request_id, prompt_token_ids, params)
+        if generator_state is not None and req.generator is not None:
+            req.generator.set_state(generator_state)
+        self._process_token(req, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None)
+        hit = self.kv_manager.match_prefix(req.block_hashes, req.num_tokens)
+        if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit):
+            del self._detokenizers[request_id]
+            raise OverloadedError(f"no free KV blocks for a {req.num_prompt_tokens}-token prompt; retry later")
+        req.num_cached_tokens = len(hit) * self.kv_cache.block_size
+        self._prefilled[request_id] = req
+        return len(hit), self.kv_manager.get_block_table(request_id)[len(hit):]
+
+    def start_prefilled_request(self, request_id: str, recompute: bool = False) -> None:
+        """The blocks from `add_prefilled_request` hold the prompt's KV: decode from the next step.
+        With `recompute` (the pull failed) the request instead queues to prefill here, like a
+        preempted one; nothing the client saw changes."""
+        req = self._prefilled.pop(request_id)
+        if recompute:
+            self.kv_manager.free(request_id)
+            self.scheduler.add(req)
+            return
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.scheduler.add_running(req)
+
+    def num_uncached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens this engine's prefix cache does not hold (decides local vs. remote prefill)."""
+        hashes = block_hashes(prompt_token_ids, self.kv_cache.block_size)
+        return len(prompt_token_ids) - len(self.kv_manager.match_prefix(hashes, len(prompt_token_ids))) * \
+            self.kv_cache.block_size
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the blocks a prefill-only request kept (after they were exported and pinned)."""
+        if self._held_kv.pop(request_id, None) is not None:
+            self.kv_manager.free(request_id)
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.scheduler.requests or request_id in self._prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
@@ -105,12 +168,20 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, self.kv_cache.block_size, time.monotonic())
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                                 params.skip_special_tokens)
-        self.scheduler.add(req)
+        return req
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; False when it is unknown or already finished."""
         self._detokenizers.pop(request_id, None)
+        self.release_kv(request_id)
+        if self._prefilled.pop(request_id, None) is not None:
+            self.kv_manager.free(request_id)
+            return True
         return self.scheduler.abort(request_id) is not None
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -129,6 +200,26 @@ class LLMEngine:
         return [self._process(s.request, s.token_id, s.logprob) for s in sampled]
 
     def _process(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        text = self._process_token(req, token_id, logprob)
+        kv_block_ids = generator_state = None
+        if not req.is_finished and req.prefill_only:
+            req.finish(None)  # finished here, to be continued by a decode engine
+            del self._detokenizers[req.request_id]
+            self.scheduler.finish(req, keep_blocks=True)
+            kv_block_ids = self._held_kv[req.request_id] = list(self.kv_manager.get_block_table(req.request_id))
+            generator_state = req.generator.get_state() if req.generator is not None else None
+        elif req.is_finished:
+            text += self._detokenizers.pop(req.request_id).flush()
+            self.scheduler.finish(req)
+        first = req.num_output_tokens == 1
+        return RequestOutput(req.request_id, [token_id], text, req.is_finished, req.finish_reason,
+                             req.stop_reason, [logprob] if logprob is not None else [],
+                             req.prompt_logprobs if first and req.params.prompt_logprobs is not None else None,
+                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, kv_block_ids,
+                             generator_state)
+
+    def _process_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> str:
+        """Append a sampled token, apply the stop conditions; returns the new text."""
         req.append_token(token_id)
         if logprob is not None:
             req.output_logprobs.append(logprob)
@@ -143,12 +234,4 @@ class LLMEngine:
             req.finish("stop", None)
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             req.finish("length")
-        if req.is_finished:
-            text += detok.flush()
-            del self._detokenizers[req.request_id]
-            self.scheduler.finish(req)
-        first = req.num_output_tokens == 1
-        return RequestOutput(req.request_id, [token_id], text, req.is_finished, req.finish_reason,
-                             req.stop_reason, [logprob] if logprob is not None else [],
-                             req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
-                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
+        return text

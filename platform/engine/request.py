@@ -49,6 +49,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    # Prefill role: stop after the first token and keep the prompt's KV blocks for export.
+    prefill_only: bool = False
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

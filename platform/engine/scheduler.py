@@ -85,11 +85,19 @@ class Scheduler:
             req.finish("abort")
         return req
 
-    def finish(self, req: Request) -> None:
-        """Drop a request the engine marked finished; frees its blocks."""
+    def add_running(self, request: Request) -> None:
+        """Join a request whose prompt KV is already in its blocks (imported from a prefill replica)."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+
+    def finish(self, req: Request, keep_blocks: bool = False) -> None:
+        """Drop a request the engine marked finished; frees its blocks unless `keep_blocks`."""
         self.running.remove(req)
         self.requests.pop(req.request_id, None)
-        self.kv.free(req.request_id)
+        if not keep_blocks:
+            self.kv.free(req.request_id)
 
     @property
     def num_unfinished(self) -> int:

@@ -1,10 +1,13 @@
 """KV transfer between pools: `KVHandle`, exporters and importers, chosen by backend name."""
 
+import torch
+
 from pdserve.kvtransfer.base import KVExporter, KVImporter
 from pdserve.kvtransfer.local_backend import LocalImporter
 from pdserve.kvtransfer.protocol import KVHandle, KVLayout, KVTransferError
 
-__all__ = ["BACKENDS", "KVExporter", "KVHandle", "KVImporter", "KVLayout", "KVTransferError", "LocalImporter"]
+__all__ = ["BACKENDS", "KVExporter", "KVHandle", "KVImporter", "KVLayout", "KVTransferError", "LocalImporter",
+           "layout_of"]
 
 
 def _ucx():
@@ -25,3 +28,10 @@ def _local():
 
 # backend name -> () -> (exporter class, importer class); ucxx / ray are imported only when chosen.
 BACKENDS = {"ucx": _ucx, "ray": _ray, "local": _local}
+
+
+def layout_of(kv: torch.Tensor, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
+    """The layout of an engine's cache tensor `[layers, 2, blocks, block_size, local heads, head_dim]`."""
+    num_layers, _, _, block_size, local_heads, head_dim = kv.shape
+    return KVLayout(model_id, num_layers, block_size, local_heads * tp_size, head_dim,
+                    str(kv.dtype).removeprefix("torch."), tp_size, tp_rank)

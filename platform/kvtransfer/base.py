@@ -47,16 +47,20 @@ class KVExporter:
         return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
                           time.time() + self.leases.lease_s)
 
-    def read(self, request_id: str, importer: p.KVLayout) -> torch.Tensor:
-        """The leased blocks for this importer, in a staging buffer: hand it back with `release_buffer`."""
+    def read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
+        """The leased blocks from `first_block` on (the importer caches the ones before), only the
+        importer's heads, in a staging buffer: hand it back with `release_buffer`."""
         lease = self.leases.get(request_id)
         if lease is None:
             if self.leases.was_expired(request_id):
                 raise p.LeaseExpiredError(f"the KV lease for request {request_id!r} expired before it was pulled")
             raise p.UnknownRequestError(f"exporter {self.exporter_id} holds no KV blocks for request {request_id!r}")
         heads = p.head_slice(self.layout, importer)
-        shape = (*self.kv.shape[:2], len(lease.block_ids), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
-        return gather_blocks(self.kv, lease.block_ids, heads, self.buffers.take(shape, self.kv.dtype))
+        if not isinstance(first_block, int) or not 0 <= first_block < len(lease.block_ids):
+            raise p.ProtocolError(f"first_block {first_block!r} outside the lease's {len(lease.block_ids)} blocks")
+        block_ids = lease.block_ids[first_block:]
+        shape = (*self.kv.shape[:2], len(block_ids), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
+        return gather_blocks(self.kv, block_ids, heads, self.buffers.take(shape, self.kv.dtype))
 
     def release_buffer(self, buf: torch.Tensor) -> None:
         self.buffers.give(buf)
@@ -80,17 +84,19 @@ class KVImporter(ABC):
         self.buffers = BufferPool()
 
     def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
-             on_failure: Callable[[list[int]], None] | None = None) -> None:
-        """Fill `dst_block_ids` with the handle's blocks (only this rank's heads), then ack.
+             on_failure: Callable[[list[int]], None] | None = None, first_block: int = 0) -> None:
+        """Fill `dst_block_ids` with the handle's blocks from `first_block` on (this side already
+        holds the ones before) and only this rank's heads, then ack.
 
         Raises a `KVTransferError` within about `timeout_s` on any failure, after calling
         `on_failure(dst_block_ids)` so the caller's blocks go back to its pool.
         """
         try:
             heads = p.head_slice(handle.layout, self.layout)
-            if len(dst_block_ids) != len(handle.block_ids):
-                raise p.ProtocolError(f"{len(dst_block_ids)} destination blocks for {len(handle.block_ids)} exported")
-            self._fetch(handle, list(dst_block_ids), heads, timeout_s)
+            if len(dst_block_ids) != len(handle.block_ids) - first_block or not dst_block_ids:
+                raise p.ProtocolError(f"{len(dst_block_ids)} destination blocks for {len(handle.block_ids)} "
+                                      f"exported from block {first_block}")
+            self._fetch(handle, list(dst_block_ids), heads, timeout_s, first_block)
         except BaseException as e:
             if on_failure is not None:
                 on_failure(list(dst_block_ids))
@@ -104,9 +110,23 @@ class KVImporter(ABC):
     def store(self, dst: list[int], data: torch.Tensor) -> None:
         scatter_blocks(self.kv, dst, data)
 
+    def release(self, handle: p.KVHandle, timeout_s: float = 5.0) -> None:
+        """Tell the exporter to drop the lease without reading (the request ended before its pull).
+        Best effort: on failure the lease still expires."""
+        try:
+            self._release(handle, timeout_s)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not release the KV lease of %s at %s (it will expire): %r",
+                        handle.request_id, handle.address, e)
+
     @abstractmethod
-    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
-        """Move the blocks into `dst` and ack, or raise."""
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
+               first_block: int) -> None:
+        """Move the blocks from `first_block` on into `dst` and ack, or raise."""
+
+    @abstractmethod
+    def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
+        """Ack the handle's lease without reading it."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Release what the backend holds (threads, endpoints)."""

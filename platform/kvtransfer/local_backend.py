@@ -17,13 +17,21 @@ class LocalImporter(KVImporter):
         super().__init__(kv, layout)
         self.exporters = exporters
 
-    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
-        exporter = self.exporters.get(handle.exporter_id)
-        if exporter is None:
-            raise p.ExporterUnreachableError(f"no exporter {handle.exporter_id!r} in this process")
-        data = exporter.read(handle.request_id, self.layout)
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
+               first_block: int) -> None:
+        exporter = self._exporter(handle)
+        data = exporter.read(handle.request_id, self.layout, first_block)
         try:
             self.store(dst, data)
         finally:
             exporter.release_buffer(data)
         exporter.ack(handle.request_id)
+
+    def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
+        self._exporter(handle).ack(handle.request_id)
+
+    def _exporter(self, handle: p.KVHandle) -> KVExporter:
+        exporter = self.exporters.get(handle.exporter_id)
+        if exporter is None:
+            raise p.ExporterUnreachableError(f"no exporter {handle.exporter_id!r} in this process")
+        return exporter

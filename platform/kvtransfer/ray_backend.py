@@ -34,8 +34,8 @@ class RayKVExportMixin:
 
     kv_exporter: RayKVExporter
 
-    def kv_read(self, request_id: str, layout: dict) -> np.ndarray:
-        data = self.kv_exporter.read(request_id, p.KVLayout(**layout))
+    def kv_read(self, request_id: str, layout: dict, first_block: int = 0) -> np.ndarray:
+        data = self.kv_exporter.read(request_id, p.KVLayout(**layout), first_block)
         try:
             # A copy: Ray serialises the return value after this method returns, and the staging
             # buffer goes back to the pool now.
@@ -48,15 +48,14 @@ class RayKVExportMixin:
 
 
 class RayImporter(KVImporter):
-    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
+               first_block: int) -> None:
         import ray
 
-        if not handle.address.startswith("ray:"):
-            raise p.ProtocolError(f"not a Ray exporter address: {handle.address!r}")
-        name, _, namespace = handle.address[4:].partition("@")
         try:
-            actor = ray.get_actor(name, namespace=namespace or None)
-            data = ray.get(actor.kv_read.remote(handle.request_id, asdict(self.layout)), timeout=timeout_s)
+            actor = self._actor(handle)
+            data = ray.get(actor.kv_read.remote(handle.request_id, asdict(self.layout), first_block),
+                           timeout=timeout_s)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, p.KVTransferError):
                 raise e.cause from None
@@ -72,3 +71,15 @@ class RayImporter(KVImporter):
                                   f"expected {self.expected_shape(len(dst), heads)}")
         self.store(dst, tensor)
         actor.kv_ack.remote(handle.request_id)
+
+    def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
+        self._actor(handle).kv_ack.remote(handle.request_id)
+
+    @staticmethod
+    def _actor(handle: p.KVHandle):
+        import ray
+
+        if not handle.address.startswith("ray:"):
+            raise p.ProtocolError(f"not a Ray exporter address: {handle.address!r}")
+        name, _, namespace = handle.address[4:].partition("@")
+        return ray.get_actor(name, namespace=namespace or None)

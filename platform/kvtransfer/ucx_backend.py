@@ -92,14 +92,17 @@ class UCXExporter(KVExporter):
         rid = None
         try:
             kind, req = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
+            rid = req.get("request_id")
+            if kind == p.ACK:  # an importer dropping a lease it will not read
+                self.ack(rid)
+                return
             if kind != p.READ:
                 raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
-            rid = req.get("request_id")
             try:
                 importer = p.KVLayout(**req["layout"])
             except (TypeError, KeyError) as e:
                 raise p.ProtocolError(f"malformed layout: {e}") from e
-            data = self.read(rid, importer)
+            data = self.read(rid, importer, req.get("first_block", 0))
             try:
                 await _send_frame(ep, p.DATA, {"shape": list(data.shape)})
                 await ep.send(data.numpy().reshape(-1).view(np.uint8))
@@ -131,10 +134,25 @@ class UCXImporter(KVImporter):
     def close(self) -> None:
         self._loop.stop()
 
-    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
-        self._loop.run(self._pull(handle, dst, heads, timeout_s), timeout_s + 5)
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
+               first_block: int) -> None:
+        self._loop.run(self._pull(handle, dst, heads, timeout_s, first_block), timeout_s + 5)
 
-    async def _pull(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float) -> None:
+    def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
+        import ucxx
+
+        async def ack():
+            host, port = handle.address.rsplit(":", 1)
+            ep = await ucxx.create_endpoint(host, int(port))
+            try:
+                await _send_frame(ep, p.ACK, {"request_id": handle.request_id})
+            finally:
+                await ep.close()
+
+        self._loop.run(asyncio.wait_for(ack(), timeout_s), timeout_s + 1)
+
+    async def _pull(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
+                    first_block: int) -> None:
         import ucxx
 
         deadline = time.monotonic() + timeout_s
@@ -150,7 +168,8 @@ class UCXImporter(KVImporter):
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, int(port)), left())
             await asyncio.wait_for(_send_frame(ep, p.READ, {"request_id": handle.request_id,
-                                                            "layout": asdict(self.layout)}), left())
+                                                            "layout": asdict(self.layout),
+                                                            "first_block": first_block}), left())
             kind, reply = await asyncio.wait_for(_recv_frame(ep), left())
             if kind == p.ERROR:
                 raise _ERRORS.get(reply.get("code"), p.ProtocolError)(reply.get("message", "exporter error"))

@@ -1,0 +1,31 @@
+"""What the gateway, prefill and decode pools send each other (DESIGN section 2).
+
+Plain dataclasses: Ray pickles them between replicas; no Ray or HTTP here. Token streams are the
+engine's own `RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.protocol import KVHandle
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate: the gateway turns an OpenAI request into n of these."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class PrefillResult:
+    """A prefill replica's answer: the first token and, unless that ended the request, the KV."""
+    first: RequestOutput
+    kv: KVHandle | None = None
+    # The request's RNG after sampling the first token, so seeded sampling continues on decode
+    # exactly as it would have in one engine.
+    generator_state: bytes | None = None

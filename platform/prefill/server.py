@@ -1,0 +1,68 @@
+"""The prefill role without Ray: an engine that stops each request at its first token and
+exports the prompt's KV blocks under a lease for a decode replica to pull.
+
+`PrefillServer.prefill(GenerateRequest) -> PrefillResult`. A request whose first token already
+ends it (EOS, a stop, max_tokens 1) returns no handle and holds nothing. Cancelling the call
+aborts the request and frees its blocks; once exported, the blocks belong to the lease (released
+by the decode side's ack, or on expiry).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pdserve.config import EngineConfig, TransferConfig
+from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.kvtransfer import BACKENDS, layout_of
+from pdserve.messages import GenerateRequest, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServer:
+    def __init__(self, engine_config: EngineConfig, transfer: TransferConfig, exporter_id: str,
+                 host: str = "127.0.0.1"):
+        self.engine = AsyncLLMEngine(LLMEngine(engine_config))
+        kv = self.engine.engine.kv_cache.kv
+        self.layout = layout_of(kv, model_id=Path(engine_config.model).name)
+        pool = self.engine.engine.block_pool
+        exporter_cls, _ = BACKENDS[transfer.backend]()
+        options = {"host": host} if transfer.backend == "ucx" else {}
+        # The lease table pins/unpins from the exporter's threads: take the engine lock for it.
+        self.exporter = exporter_cls(exporter_id, kv, self.layout,
+                                     lambda ids: self.engine.locked(pool.incref, ids),
+                                     lambda ids: self.engine.locked(pool.free, ids),
+                                     lease_s=transfer.lease_s, **options)
+
+    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        stream = await self.engine.generate(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
+        async for out in stream:
+            first = out
+        if not first.needs_decode:
+            return PrefillResult(first)
+        # No await from here on: nothing can cancel between export and release.
+        try:
+            handle = self.exporter.export(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
+        finally:
+            self.engine.locked(self.engine.engine.release_kv, req.request_id)
+        state = first.generator_state
+        # To the client this is the first chunk of a stream that decode continues.
+        first.finished, first.kv_block_ids, first.generator_state = False, None, None
+        return PrefillResult(first, handle, bytes(state.numpy()) if state is not None else None)
+
+    def stats(self) -> dict:
+        return {**engine_stats(self.engine), "num_kv_leases": len(self.exporter.leases)}
+
+    def shutdown(self) -> None:
+        self.exporter.close()
+        self.engine.shutdown()
+
+
+def engine_stats(engine: AsyncLLMEngine) -> dict:
+    """What the router, autoscaler and tests read from a replica."""
+    e = engine.engine
+    return {"healthy": engine.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
+            "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
+            "num_preemptions": e.scheduler.num_preemptions}

@@ -1,0 +1,106 @@
+"""Prefill and decode roles in one process (local KV backend, no Ray): the disaggregated path
+gives the offline engine's tokens, reuses decode's prefix cache, recovers from failed legs and
+frees every block."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import EngineConfig, TransferConfig
+from pdserve.decode.server import DecodeServer
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer import LocalImporter, layout_of
+from pdserve.messages import GenerateRequest
+from pdserve.prefill.server import PrefillServer
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def pools(tiny_llama):
+    config = EngineConfig(model=tiny_llama, num_kv_blocks=96, block_size=8)
+    prefill = PrefillServer(config, TransferConfig(backend="local", lease_s=5), "prefill-0")
+    importer = lambda e: LocalImporter(e.kv_cache.kv, layout_of(e.kv_cache.kv, Path(tiny_llama).name),  # noqa: E731
+                                       {"prefill-0": prefill.exporter})
+    decode = DecodeServer(config, TransferConfig(backend="local"), prefill.prefill, importer,
+                          remote_prefill_min_tokens=16)
+    yield prefill, decode
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def _run(decode, requests):
+    async def one(r):
+        return [o async for o in decode.generate(r)]
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def _tokens(outs):
+    assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_disaggregated_greedy_and_seeded_match_one_engine(pools, tiny_llama):
+    prefill, decode = pools
+    prompts = [list(range(5, 5 + n)) for n in (4, 17, 24, 40)]
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, seed=7, ignore_eos=True)
+    params = [GREEDY, GREEDY, seeded, GREEDY]
+    expected = [c.token_ids for c in LLM(tiny_llama, block_size=8).generate(prompts, params)]
+    outs = _run(decode, [GenerateRequest(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
+    assert [_tokens(o) for o in outs] == expected
+    assert decode.stats()["num_remote_prefills"] == 3 and decode.stats()["num_local_prefills"] == 1
+    assert prefill.stats()["num_kv_leases"] == 0
+    assert prefill.stats()["num_free_kv_blocks"] == 96 and decode.stats()["num_free_kv_blocks"] == 96
+
+
+def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):
+    prefill, decode = pools
+    system = list(range(100, 140))  # 5 full blocks of 8
+    _run(decode, [GenerateRequest("warm", system + [7, 8, 9], GREEDY)])
+    pulled = decode.stats()["num_pulled_blocks"]
+    prompt = system + list(range(200, 230))  # 40 shared + 30 new tokens: uncached 30 >= 16
+    [outs] = _run(decode, [GenerateRequest("turn2", prompt, GREEDY)])
+    assert _tokens(outs) == LLM(tiny_llama, block_size=8).generate([prompt], GREEDY)[0].token_ids
+    assert decode.stats()["num_pulled_blocks"] - pulled == -(-len(prompt) // 8) - 5
+
+
+def test_failed_prefill_or_pull_falls_back_to_local_compute(pools, tiny_llama):
+    prefill, decode = pools
+    prompt = list(range(3, 40))
+    expected = LLM(tiny_llama, block_size=8).generate([prompt], GREEDY)[0].token_ids
+
+    async def broken_prefill(req):
+        raise ConnectionError("prefill replica died")
+
+    real = decode.remote_prefill
+    decode.remote_prefill = broken_prefill
+    assert _tokens(_run(decode, [GenerateRequest("a", prompt, GREEDY)])[0]) == expected
+
+    async def expired_lease(req):  # the handle arrives after its blocks were released
+        result = await real(req)
+        prefill.exporter.ack(req.request_id)
+        return result
+
+    decode.remote_prefill = expired_lease
+    assert _tokens(_run(decode, [GenerateRequest("b", prompt, GREEDY)])[0]) == expected
+    assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
+
+
+def test_cancelled_stream_frees_both_pools(pools):
+    prefill, decode = pools
+
+    async def main():
+        gen = decode.generate(GenerateRequest("c", list(range(50)), SamplingParams(max_tokens=200, ignore_eos=True)))
+        await gen.__anext__()  # the first token came from prefill
+        await gen.__anext__()  # decoding here
+        await gen.aclose()
+
+    asyncio.run(main())
+    assert decode.stats()["num_free_kv_blocks"] == 96
+    assert prefill.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_kv_leases"] == 0
