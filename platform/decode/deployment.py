@@ -1,0 +1,56 @@
+"""The `Decode` Ray Serve deployment (also the colocated `Unified` pool, with no prefill pool)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from pdserve.config import ServeConfig
+from pdserve.decode.server import DecodeServer
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.kvtransfer import BACKENDS, layout_of
+from pdserve.messages import GenerateRequest, PrefillResult
+
+
+@serve.deployment(name="Decode")
+class Decode:
+    def __init__(self, config: dict, prefill: DeploymentHandle | None = None):
+        cfg = ServeConfig.model_validate(config)
+        remote_prefill = None
+        if prefill is not None:
+            async def remote_prefill(req: GenerateRequest) -> PrefillResult:
+                response = prefill.prefill.remote(req)
+                try:
+                    return await response
+                except asyncio.CancelledError:
+                    response.cancel()  # the client left: stop the prefill too
+                    raise
+
+        def make_importer(engine: LLMEngine):
+            _, importer_cls = BACKENDS[cfg.transfer.backend]()
+            kv = engine.kv_cache.kv
+            return importer_cls(kv, layout_of(kv, model_id=Path(engine.config.model).name))
+
+        self.server = DecodeServer(cfg.engine_config(cfg.decode), cfg.transfer, remote_prefill, make_importer,
+                                   cfg.remote_prefill_min_tokens)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self.server.generate(req):
+            yield out
+
+    def stats(self) -> dict:
+        return self.server.stats()
+
+    def health(self) -> bool:
+        return self.server.engine.is_healthy
+
+    def check_health(self) -> None:
+        if not self.server.engine.is_healthy:
+            raise RuntimeError("the decode engine loop died")
+
+    def __del__(self):
+        self.server.shutdown()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible ingress: HTTP + SSE (and gRPC), tokenization and chat templates."""

@@ -1,0 +1,93 @@
+"""The `Gateway` Ray Serve ingress: FastAPI routes onto `OpenAIService`, and the client that
+reaches the pools through deployment handles (Ray's exceptions become pdserve's here)."""
+
+
+import asyncio
+from pathlib import Path
+from typing import AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from pdserve.config import ServeConfig
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import OverloadedError
+from pdserve.gateway.openai_service import OpenAIService, RequestIdMiddleware, UnavailableError
+from pdserve.messages import GenerateRequest
+
+api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve deployment")
+api.add_middleware(RequestIdMiddleware)
+
+
+class PoolsClient:
+    """Sends each sequence to the decode (or unified) pool and streams its outputs back."""
+
+    def __init__(self, decode: DeploymentHandle, pools: dict[str, DeploymentHandle]):
+        self.decode = decode.options(stream=True)
+        self.pools = pools
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stream = self.decode.generate.remote(req)
+        try:
+            async for out in stream:
+                yield out
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause if isinstance(e.cause, Exception) else e from None
+        except BackPressureError as e:
+            raise OverloadedError(f"the decode pool's queue is full ({e})") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            raise UnavailableError(f"a decode replica went away mid-request ({type(e).__name__})") from None
+        finally:
+            stream.cancel()  # no-op once finished; frees both pools when the client left
+
+    async def health(self) -> dict[str, bool]:
+        names = list(self.pools)
+        results = await asyncio.gather(*(self.pools[n].health.remote() for n in names), return_exceptions=True)
+        return {n: r is True for n, r in zip(names, results)}
+
+
+@serve.deployment(name="Gateway")
+@serve.ingress(api)
+class Gateway:
+    def __init__(self, config: dict, decode: DeploymentHandle, prefill: "DeploymentHandle | None" = None):
+        cfg = ServeConfig.model_validate(config)
+        pools = {"decode" if prefill is not None else "unified": decode}
+        if prefill is not None:
+            pools["prefill"] = prefill
+        max_model_len = cfg.engine.get("max_model_len") or ModelArch.from_dir(cfg.model).context_len
+        name = cfg.gateway.served_model_name or Path(cfg.model).name
+        self.service = OpenAIService(PoolsClient(decode, pools), Tokenizer(cfg.model), name, max_model_len,
+                                     cfg.gateway)
+
+    @api.get("/v1/models")
+    def models(self):
+        return self.service.models()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.service.completions(request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.service.chat_completions(request)
+
+    @api.get("/health")
+    async def health(self):
+        return await self.service.health()
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self.service.tokenize(request)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self.service.detokenize(request)
+
+    @api.get("/tokenizer_info")
+    def tokenizer_info(self):
+        return self.service.tokenizer_info()

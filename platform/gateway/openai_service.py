@@ -1,0 +1,420 @@
+"""The OpenAI-compatible API over any `GenerateClient` (no Ray here; the deployment plugs in
+handles to the pools, tests may plug in a `DecodeServer`).
+
+Each route takes the raw Starlette request and returns a response: it reads the body within a
+size limit, validates it (bad input -> an OpenAI-shaped 4xx), applies the chat template,
+tokenizes, fans a request out into one `GenerateRequest` per prompt and choice, and assembles
+the engine's token outputs into OpenAI responses or SSE chunks. Errors before the first byte
+are HTTP errors; errors after it are sent in-stream, followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import AsyncIterator, Protocol
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.config import GatewayConfig
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
+from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.messages import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+REQUEST_ID_KEY = "pdserve.request_id"
+
+
+class RequestIdMiddleware:
+    """Takes the client's `x-request-id` (or makes one), keeps it for the handlers and echoes it.
+    Plain ASGI, so streaming responses and client disconnects pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class GenerateClient(Protocol):
+    """What the gateway needs from the pools."""
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def health(self) -> dict[str, bool]: ...
+
+
+class APIError(PdserveError):
+    """An HTTP error with OpenAI's shape that is not about the request's parameters."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+class UnavailableError(PdserveError):
+    """A pool cannot serve right now (replica died, engine dead); the client may retry."""
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    """The one mapping from exceptions to OpenAI-shaped HTTP errors."""
+    if isinstance(e, APIError):
+        return JSONResponse(error_body(e.message, e.type, None, e.code), e.status)
+    if isinstance(e, InvalidRequestError):
+        code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
+        return JSONResponse(error_body(e.message, "invalid_request_error", e.param, code), 400)
+    if isinstance(e, (OverloadedError, UnavailableError)):
+        return JSONResponse(error_body(f"{e}; retry shortly", "service_unavailable", None, 503), 503,
+                            headers={"Retry-After": "1"})
+    log.error("request failed: %r", e, exc_info=e)
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error", None, 500),
+                        500)
+
+
+def _validation_error(e: ValidationError) -> InvalidRequestError:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or err["loc"][0] == "messages") or None
+    return InvalidRequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param)
+
+
+@dataclass
+class _Choice:
+    """One choice being assembled (non-streaming), or its logprob bookkeeping (streaming)."""
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class OpenAIService:
+    def __init__(self, client: GenerateClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 config: GatewayConfig):
+        self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
+        self.max_model_len, self.config = max_model_len, config
+        self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+
+    # -- plumbing ------------------------------------------------------------------------------
+    async def _body(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        if self.config.api_keys:
+            auth = request.headers.get("authorization", "")
+            if not auth.startswith("Bearer ") or auth[7:] not in self.config.api_keys:
+                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", "invalid_api_key")
+        limit = self.config.max_body_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise APIError(413, f"request body over {limit} bytes", "invalid_request_error", "body_too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise APIError(413, f"request body over {limit} bytes", "invalid_request_error", "body_too_large")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidRequestError("the request body is not valid UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        name = getattr(body, "model", None)
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "NotFoundError", "model_not_found")
+        return body
+
+    @staticmethod
+    def request_id(request: Request) -> str:
+        return request.scope.get(REQUEST_ID_KEY) or request.headers.get("x-request-id") or uuid.uuid4().hex
+
+    def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+        n = len(prompt_ids)
+        if not n:
+            raise InvalidRequestError("the prompt is empty", param=param)
+        bad = next((t for t in prompt_ids if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param=param)
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n
+        if n + max(max_tokens, 1) > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). Shorten the "
+                f"prompt or lower max_tokens.", param=param if max_tokens <= 0 or n >= self.max_model_len
+                else "max_tokens")
+        return max_tokens
+
+    def _fan_out(self, rid: str, prompts: list[list[int]], n: int, make_params) -> list[tuple[int, GenerateRequest]]:
+        if n > self.config.max_n:
+            raise InvalidRequestError(f"n must be at most {self.config.max_n}", param="n")
+        tag = uuid.uuid4().hex[:8]  # client ids may repeat; engine ids must not
+        return [(p * n + i, GenerateRequest(f"{rid}-{tag}-{p * n + i}", ids, make_params(i)))
+                for p, ids in enumerate(prompts) for i in range(n)]
+
+    async def _merged(self, reqs: list[tuple[int, GenerateRequest]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """All choices' outputs as they come; leaving early cancels every leg."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, req: GenerateRequest):
+            try:
+                async for out in self.client.generate(req):
+                    await queue.put((index, out))
+                await queue.put((index, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((index, e))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in reqs]
+        try:
+            pending = len(tasks)
+            while pending:
+                index, item = await queue.get()
+                if item is None:
+                    pending -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _usage(self, choices: list[_Choice], n: int) -> dict:
+        prompt = sum(len(c.prompt_ids) for c in choices[::n])
+        completion = sum(len(c.token_ids) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices[::n])}}
+
+    def _sse(self, rid: str, chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def body():
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except Exception as e:  # noqa: BLE001 - after the first byte, errors go in-stream
+                resp = error_response(e)
+                yield f"data: {resp.body.decode()}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def _collect(self, reqs, choices: list[_Choice]) -> None:
+        async for index, out in self._merged(reqs):
+            c = choices[index]
+            self._absorb(c, out)
+            c.text += out.new_text
+
+    @staticmethod
+    def _absorb(c: _Choice, out: RequestOutput) -> None:
+        c.token_ids += out.new_token_ids
+        c.logprobs += out.new_logprobs
+        if out.prompt_logprobs is not None:
+            c.logprobs[:0] = out.prompt_logprobs
+        if out.finished:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+            c.num_cached_tokens = out.num_cached_tokens
+
+    # -- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        rid = self.request_id(request)
+        try:
+            body: CompletionRequest = await self._body(request, CompletionRequest)
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+            max_tokens = [self._check_length(ids, 16 if body.max_tokens is None else body.max_tokens, "prompt")
+                          for ids in prompts]
+            k = body.logprobs
+            reqs = [(i, GenerateRequest(r.request_id, r.prompt_token_ids,
+                                        body.sampling_params(max_tokens[i // body.n], k,
+                                                             k if body.echo and k is not None else None, i % body.n)))
+                    for i, r in self._fan_out(rid, prompts, body.n, lambda i: None)]
+            choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
+            if body.stream:
+                return self._sse(rid, self._completion_chunks(rid, body, reqs, choices))
+            await self._collect(reqs, choices)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return JSONResponse({
+            "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+            "choices": [{"index": c.index, "text": (self._echo(c) if body.echo else "") + c.text,
+                         "logprobs": self._completion_logprobs(c.logprobs, k, c.prompt_ids[0])
+                         if k is not None else None,
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+            "usage": self._usage(choices, body.n)})
+
+    def _echo(self, c: _Choice) -> str:
+        return self.tokenizer.decode(c.prompt_ids)
+
+    def _completion_logprobs(self, lps: list[TokenLogprob | None], k: int, first_prompt_token: int | None = None,
+                             offset: int = 0) -> dict:
+        """OpenAI's legacy logprobs object; with echo the prompt's come first (the first has none)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            if lp is None:
+                tokens.append(self.token_str(first_prompt_token) if first_prompt_token is not None else None)
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                tokens.append(self.token_str(lp.token_id))
+                token_lps.append(lp.logprob)
+                top = {self.token_str(t): v for t, v in lp.top[:k]}
+                top.setdefault(tokens[-1], lp.logprob)
+                tops.append(top)
+            offsets.append(offset)
+            offset += len(tokens[-1] or "")
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _completion_chunks(self, rid, body: CompletionRequest, reqs, choices: list[_Choice]):
+        created, k = int(time.time()), body.logprobs
+        base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": self.model_name}
+        started = set()
+        async for index, out in self._merged(reqs):
+            c = choices[index]
+            before = len(c.logprobs)
+            self._absorb(c, out)
+            text = out.new_text
+            if body.echo and index not in started:
+                text = self._echo(c) + text
+            started.add(index)
+            if not text and not out.finished and k is None:
+                continue
+            lps = (self._completion_logprobs(c.logprobs[before:] if out.prompt_logprobs is None else c.logprobs, k,
+                                             c.prompt_ids[0]) if k is not None else None)
+            yield {**base, "choices": [{"index": index, "text": text, "logprobs": lps,
+                                        "finish_reason": out.finish_reason if out.finished else None,
+                                        "stop_reason": out.stop_reason if out.finished else None}]}
+        if body.stream_options and body.stream_options.include_usage:
+            yield {**base, "choices": [], "usage": self._usage(choices, body.n)}
+
+    # -- /v1/chat/completions ------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        rid = self.request_id(request)
+        try:
+            body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+            ids = self.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt)
+            asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            max_tokens = self._check_length(ids, asked, "messages")
+            if body.top_logprobs is not None and not body.logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+            k = (body.top_logprobs or 0) if body.logprobs else None
+            reqs = self._fan_out(rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i))
+            choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
+            if body.stream:
+                return self._sse(rid, self._chat_chunks(rid, body, reqs, choices, k))
+            await self._collect(reqs, choices)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return JSONResponse({
+            "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": self._chat_logprobs(c.logprobs, k) if k is not None else None,
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+            "usage": self._usage(choices, body.n)})
+
+    def _chat_logprobs(self, lps: list[TokenLogprob], k: int) -> dict:
+        def entry(tid: int, lp: float) -> dict:
+            s = self.token_str(tid)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:k]]}
+                            for lp in lps]}
+
+    async def _chat_chunks(self, rid, body: ChatCompletionRequest, reqs, choices: list[_Choice], k):
+        base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.model_name}
+        for c in choices:
+            yield {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        async for index, out in self._merged(reqs):
+            c = choices[index]
+            self._absorb(c, out)
+            if not out.new_text and not out.finished and k is None:
+                continue
+            yield {**base, "choices": [{"index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                                        "logprobs": self._chat_logprobs(out.new_logprobs, k) if k is not None else None,
+                                        "finish_reason": out.finish_reason if out.finished else None,
+                                        "stop_reason": out.stop_reason if out.finished else None}]}
+        if body.stream_options and body.stream_options.include_usage:
+            yield {**base, "choices": [], "usage": self._usage(choices, body.n)}
+
+    # -- models, health, tokenizer -------------------------------------------------------------
+    def models(self) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "root": self.model_name, "max_model_len": self.max_model_len}]})
+
+    async def health(self) -> Response:
+        try:
+            pools = await asyncio.wait_for(self.client.health(), 10)
+        except Exception as e:  # noqa: BLE001
+            pools = {"error": repr(e)}
+        ok = bool(pools) and all(v is True for v in pools.values())
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "pools": pools}, 200 if ok else 503)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body: TokenizeRequest = await self._body(request, TokenizeRequest)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+            if body.messages is not None:
+                ids = self.tokenizer.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
+            else:
+                ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                             "token_strs": [self.token_str(t) for t in ids] if body.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body: DetokenizeRequest = await self._body(request, DetokenizeRequest)
+            bad = next((t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param="tokens")
+            text = self.tokenizer.decode(body.tokens)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return JSONResponse({"prompt": text})
+
+    def tokenizer_info(self) -> Response:
+        cfg = self.tokenizer.config
+        return JSONResponse({
+            "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),
+            "eos_token": self.tokenizer.eos_token, "bos_token": self.tokenizer.bos_token,
+            "pad_token": cfg.get("pad_token"), "unk_token": cfg.get("unk_token"),
+            "add_bos_token": cfg.get("add_bos_token"), "chat_template": self.tokenizer.chat_template,
+            "model_max_length": self.max_model_len, "vocab_size": self.tokenizer.vocab_size})

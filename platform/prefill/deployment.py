@@ -1,0 +1,40 @@
+"""The `Prefill` Ray Serve deployment: a thin shell around `PrefillServer`."""
+
+from __future__ import annotations
+
+import ray
+from ray import serve
+
+from pdserve.config import ServeConfig
+from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.prefill.server import PrefillServer
+
+
+def advertised_host(config: ServeConfig) -> str:
+    """The address KV listeners give out: the node's IP as Ray sees it, unless configured."""
+    return ray.util.get_node_ip_address() if config.transfer.host == "auto" else config.transfer.host
+
+
+@serve.deployment(name="Prefill")
+class Prefill:
+    def __init__(self, config: dict):
+        cfg = ServeConfig.model_validate(config)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.server = PrefillServer(cfg.engine_config(cfg.prefill), cfg.transfer, f"prefill-{replica}",
+                                    advertised_host(cfg))
+
+    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        return await self.server.prefill(req)
+
+    def stats(self) -> dict:
+        return self.server.stats()
+
+    def health(self) -> bool:
+        return self.server.engine.is_healthy
+
+    def check_health(self) -> None:  # Ray Serve replaces a replica whose check raises
+        if not self.server.engine.is_healthy:
+            raise RuntimeError("the prefill engine loop died")
+
+    def __del__(self):
+        self.server.shutdown()
