@@ -7,11 +7,20 @@ pulls the KV). Colocated: Gateway -> Unified. `build_app` is the `import_path` t
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ray.serve import Application
+import yaml
 
 from pdserve.config import PoolConfig, ServeConfig
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model(config: ServeConfig) -> ServeConfig:
@@ -28,7 +37,7 @@ def _pool_options(pool: PoolConfig) -> dict[str, Any]:
             "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests}
 
 
-def build(config: ServeConfig) -> Application:
+def build(config: ServeConfig) -> "Application":
     from pdserve.decode.deployment import Decode
     from pdserve.gateway.deployment import Gateway
     from pdserve.prefill.deployment import Prefill
@@ -46,7 +55,7 @@ def build(config: ServeConfig) -> Application:
                            max_ongoing_requests=1000).bind(args, decode, prefill)
 
 
-def build_app(args: dict[str, Any]) -> Application:
+def build_app(args: dict[str, Any]) -> "Application":
     """`serve run pdserve.app:build_app model=... mode=colocated` or the `args` of a Serve config."""
     return build(ServeConfig.model_validate(args))
 
@@ -59,3 +68,42 @@ def serve_config(config: ServeConfig) -> dict[str, Any]:
         "applications": [{"name": config.name, "route_prefix": "/", "import_path": "pdserve.app:build_app",
                           "args": config.model_dump(mode="json", exclude_defaults=True)}],
     }
+
+
+def load_config(path: str | None, **overrides: Any) -> ServeConfig:
+    """A YAML file (or the embedded default) with `gateway` fields overridden, e.g. host and port."""
+    data = yaml.safe_load(Path(path).read_text()) if path else {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a YAML mapping of ServeConfig fields")
+    gateway = {**data.get("gateway", {}), **{k: v for k, v in overrides.items() if v is not None}}
+    return ServeConfig.model_validate({**data, "gateway": gateway})
+
+
+def serve_forever(config: ServeConfig, address: str | None = None) -> None:
+    """`pdserve serve`: start (or join) Ray, deploy, print where things are, run until Ctrl-C."""
+    import ray
+    from ray import serve
+
+    config = resolve_model(config)
+    gw = config.gateway
+    ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": gw.host, "port": gw.port})
+        serve.run(build(config), name=config.name, route_prefix="/")
+        base = f"http://{gw.host}:{gw.port}"
+        print(f"pdserve is serving {config.model} ({config.mode})\n"
+              f"  OpenAI API:    {base}/v1   (e.g. curl {base}/v1/models)\n"
+              f"  health:        {base}/health\n"
+              f"  Ray dashboard: {ctx.dashboard_url and 'http://' + ctx.dashboard_url or 'not running'}\n"
+              "Ctrl-C stops it.", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("shutting down...", flush=True)
+        serve.shutdown()
+    finally:
+        ray.shutdown()

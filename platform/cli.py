@@ -20,7 +20,40 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.register(sub)
     from pdserve.bench import cli as bench_cli
     bench_cli.register(sub)
+    _register_serve(sub)
     return parser
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (prefill + decode pools)",
+                       description="Start (or join) Ray, deploy pdserve from CONFIG (default: the embedded tiny-CPU "
+                                   "config: tiny-llama generated on first use, one prefill and one decode replica) "
+                                   "and serve until Ctrl-C.")
+    s.add_argument("config", nargs="?", help="a ServeConfig YAML file, e.g. configs/tiny-cpu.yaml")
+    s.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    s.add_argument("--address", help="join this Ray cluster (e.g. auto) instead of starting a local one")
+    s.set_defaults(handler=_serve)
+    c = sub.add_parser("serve-config", help="print the Ray Serve config YAML for a pdserve config",
+                       description="Print what `serve deploy` and KubeRay's serveConfigV2 take for CONFIG.")
+    c.add_argument("config", nargs="?", help="a ServeConfig YAML file (default: the embedded config)")
+    c.set_defaults(handler=_serve_config)
+
+
+def _serve(args) -> int:
+    from pdserve.app import load_config, serve_forever
+
+    serve_forever(load_config(args.config, host=args.host, port=args.port), args.address)
+    return 0
+
+
+def _serve_config(args) -> int:
+    import yaml
+
+    from pdserve.app import load_config, serve_config
+
+    print(yaml.safe_dump(serve_config(load_config(args.config)), sort_keys=False), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,3 +24,20 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoints) -> str:
     return checkpoints["tiny-llama"]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole session (2 cores: starting Ray is the expensive part).
+    Logical CPUs are oversubscribed on purpose: replicas mostly wait, and engines use one thread."""
+    import ray
+
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -33,11 +33,10 @@ class PrefillStub(RayKVExportMixin):
 
 
 @pytest.fixture(scope="module")
-def prefill():
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+def prefill(ray_session):
     actor = PrefillStub.options(name="prefill-ray-0").remote("prefill-ray-0")
     yield actor
-    ray.shutdown()
+    ray.kill(actor)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 1000])

@@ -1,0 +1,85 @@
+"""One disaggregated and one colocated pdserve app on a shared Ray Serve instance, reached over
+HTTP on 127.0.0.1 with the official `openai` client.
+
+disagg (/disagg): Prefill + Decode, remote prefill from 24 uncached tokens (conditional
+disaggregation below that). colo (/colo): one Unified replica, behind an API key.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import openai
+import requests
+import pytest
+
+from pdserve.config import ServeConfig
+
+ENGINE = {"num_threads": 1, "num_kv_blocks": 192, "block_size": 8, "max_model_len": 384, "max_num_seqs": 32,
+          "max_num_batched_tokens": 512}
+POOL = {"ray_actor_options": {"num_cpus": 1}, "max_queued_requests": 300}
+REMOTE_PREFILL_MIN_TOKENS = 24
+API_KEY = "sk-pdserve-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class App:
+    def __init__(self, name: str, base: str, model: str, api_key: str, pools: list[str]):
+        self.name, self.base, self.model, self.api_key, self.pools = name, base, model, api_key, pools
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=120)
+        self.aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def stats(self, pool: str) -> dict:
+        from ray import serve
+
+        return serve.get_deployment_handle(pool, self.name).stats.remote().result(timeout_s=30)
+
+    def wait_for_idle(self, timeout_s: float = 40.0) -> dict[str, dict]:
+        """Every pool back to all KV blocks free and no leases (returns the last stats)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = {p: self.stats(p) for p in self.pools}
+            if all(s["num_free_kv_blocks"] == s["num_kv_blocks"] and not s.get("num_kv_leases")
+                   and s["num_unfinished_requests"] == 0 for s in stats.values()):
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
+
+    def post(self, path: str, **kwargs) -> requests.Response:
+        headers = {"Authorization": f"Bearer {self.api_key}", **kwargs.pop("headers", {})}
+        return requests.post(f"{self.base}{path}", headers=headers, timeout=60, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def serve_apps(ray_session, tiny_llama):
+    from ray import serve
+
+    from pdserve.app import build
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    disagg = ServeConfig(name="disagg", model=tiny_llama, engine=ENGINE, prefill=POOL, decode=POOL,
+                         remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS,
+                         transfer={"host": "127.0.0.1", "lease_s": 20})
+    colo = ServeConfig(name="colo", model=tiny_llama, engine=ENGINE, mode="colocated", decode=POOL,
+                       gateway={"api_keys": [API_KEY], "max_body_bytes": 65536})
+    serve.run_many([serve.RunTarget(build(disagg), name="disagg", route_prefix="/disagg"),
+                    serve.RunTarget(build(colo), name="colo", route_prefix="/colo")])
+    base = f"http://127.0.0.1:{port}"
+    apps = {"disagg": App("disagg", f"{base}/disagg", "tiny-llama", "unused", ["Prefill", "Decode"]),
+            "colo": App("colo", f"{base}/colo", "tiny-llama", API_KEY, ["Unified"])}
+    yield apps
+    serve.delete("disagg")
+    serve.delete("colo")
+
+
+@pytest.fixture(params=["disagg", "colo"])
+def app(request, serve_apps) -> App:
+    return serve_apps[request.param]
