@@ -107,3 +107,9 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def grpc_options(port: int) -> dict[str, Any]:
+    """What `serve.start(grpc_options=...)` takes to serve pdserve.proto's `Generation` on `port`."""
+    return {"port": port,
+            "grpc_servicer_functions": ["pdserve.gateway.pdserve_pb2_grpc.add_GenerationServicer_to_server"]}

@@ -17,11 +17,11 @@ from pdserve.engine.engine import RequestOutput
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import OverloadedError
-from pdserve.gateway.openai_service import OpenAIService, RequestIdMiddleware, UnavailableError
+from pdserve.gateway.grpc_service import GrpcGeneration
+from pdserve.gateway.openai_service import OpenAIService, UnavailableError
 from pdserve.messages import GenerateRequest
 
 api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve deployment")
-api.add_middleware(RequestIdMiddleware)
 
 
 class PoolsClient:
@@ -63,10 +63,11 @@ class Gateway:
         name = cfg.gateway.served_model_name or Path(cfg.model).name
         self.service = OpenAIService(PoolsClient(decode, pools), Tokenizer(cfg.model), name, max_model_len,
                                      cfg.gateway)
+        self.grpc = GrpcGeneration(self.service.client, self.service.tokenizer, max_model_len, cfg.gateway.api_keys)
 
     @api.get("/v1/models")
-    def models(self):
-        return self.service.models()
+    def models(self, request: Request):
+        return self.service.models(request)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -91,3 +92,12 @@ class Gateway:
     @api.get("/tokenizer_info")
     def tokenizer_info(self):
         return self.service.tokenizer_info()
+
+    # gRPC (pdserve.proto): Ray Serve's gRPC proxy calls the ingress method named after the RPC,
+    # passing `grpc_context` to methods that take it.
+    async def Generate(self, request, grpc_context=None):
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context=None):
+        async for response in self.grpc.generate_stream(request, grpc_context):
+            yield response

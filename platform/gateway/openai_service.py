@@ -34,32 +34,6 @@ from pdserve.messages import GenerateRequest
 log = logging.getLogger(__name__)
 
 
-REQUEST_ID_KEY = "pdserve.request_id"
-
-
-class RequestIdMiddleware:
-    """Takes the client's `x-request-id` (or makes one), keeps it for the handlers and echoes it.
-    Plain ASGI, so streaming responses and client disconnects pass through untouched."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
-        scope[REQUEST_ID_KEY] = rid
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
 class GenerateClient(Protocol):
     """What the gateway needs from the pools."""
 
@@ -101,8 +75,9 @@ def error_response(e: BaseException) -> JSONResponse:
 
 def _validation_error(e: ValidationError) -> InvalidRequestError:
     err = e.errors()[0]
-    param = ".".join(str(x) for x in err["loc"] if not isinstance(x, int) or err["loc"][0] == "messages") or None
-    return InvalidRequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param)
+    where = ".".join(str(x) for x in err["loc"])
+    param = str(err["loc"][0]) if err["loc"] else None
+    return InvalidRequestError(f"{where}: {err['msg']}" if where else err["msg"], param=param)
 
 
 @dataclass
@@ -126,12 +101,15 @@ class OpenAIService:
         self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
     # -- plumbing ------------------------------------------------------------------------------
-    async def _body(self, request: Request, model: type[BaseModel]) -> BaseModel:
+    def _check_api_key(self, request: Request) -> None:
         if self.config.api_keys:
             auth = request.headers.get("authorization", "")
             if not auth.startswith("Bearer ") or auth[7:] not in self.config.api_keys:
                 raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                "authentication_error", "invalid_api_key")
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        self._check_api_key(request)
         limit = self.config.max_body_bytes
         if int(request.headers.get("content-length") or 0) > limit:
             raise APIError(413, f"request body over {limit} bytes", "invalid_request_error", "body_too_large")
@@ -160,7 +138,8 @@ class OpenAIService:
 
     @staticmethod
     def request_id(request: Request) -> str:
-        return request.scope.get(REQUEST_ID_KEY) or request.headers.get("x-request-id") or uuid.uuid4().hex
+        # Ray Serve's proxy echoes the header (and makes one when absent) on every response.
+        return request.headers.get("x-request-id") or uuid.uuid4().hex
 
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         n = len(prompt_ids)
@@ -372,7 +351,11 @@ class OpenAIService:
             yield {**base, "choices": [], "usage": self._usage(choices, body.n)}
 
     # -- models, health, tokenizer -------------------------------------------------------------
-    def models(self) -> Response:
+    def models(self, request: Request) -> Response:
+        try:
+            self._check_api_key(request)
+        except APIError as e:
+            return error_response(e)
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
             "root": self.model_name, "max_model_len": self.max_model_len}]})

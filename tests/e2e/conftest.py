@@ -61,10 +61,10 @@ class App:
 def serve_apps(ray_session, tiny_llama):
     from ray import serve
 
-    from pdserve.app import build
+    from pdserve.app import build, grpc_options
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, grpc_port = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port))
     disagg = ServeConfig(name="disagg", model=tiny_llama, engine=ENGINE, prefill=POOL, decode=POOL,
                          remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS,
                          transfer={"host": "127.0.0.1", "lease_s": 20})
@@ -74,7 +74,7 @@ def serve_apps(ray_session, tiny_llama):
                     serve.RunTarget(build(colo), name="colo", route_prefix="/colo")])
     base = f"http://127.0.0.1:{port}"
     apps = {"disagg": App("disagg", f"{base}/disagg", "tiny-llama", "unused", ["Prefill", "Decode"]),
-            "colo": App("colo", f"{base}/colo", "tiny-llama", API_KEY, ["Unified"])}
+            "colo": App("colo", f"{base}/colo", "tiny-llama", API_KEY, ["Unified"]), "grpc_port": grpc_port}
     yield apps
     serve.delete("disagg")
     serve.delete("colo")

@@ -1,0 +1,139 @@
+"""The `pdserve.v1.Generation` gRPC API (pdserve.proto) over any `GenerateClient`.
+
+In: a `GenerateRequest` protobuf and, from Ray Serve's gRPC proxy, the call's context (its
+metadata; where the status code goes). Out: one `GenerateResponse` with the whole completion
+(`generate`), or one per engine output that produced tokens (`generate_stream`), the last with
+`finish_reason`. Each RPC is one sequence: no `n`, no logprobs, no chat template.
+
+Errors set a status on the context and are re-raised, so the proxy answers with that code:
+bad input INVALID_ARGUMENT, a missing or wrong API key UNAUTHENTICATED, a full or failed pool
+UNAVAILABLE; anything else stays Serve's INTERNAL. This module knows no Ray: the context is
+anything with `invocation_metadata`, `set_code` and `set_details`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import AsyncIterator, Protocol, Sequence
+
+import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
+from pdserve.gateway import pdserve_pb2 as pb
+from pdserve.gateway.openai_service import GenerateClient, UnavailableError
+from pdserve.messages import GenerateRequest
+
+_DEFAULT_MAX_TOKENS = 16  # as /v1/completions
+
+
+class CallContext(Protocol):
+    """What this module uses of a gRPC servicer context (Ray Serve's `RayServegRPCContext`)."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]: ...
+
+    def set_code(self, code: grpc.StatusCode) -> None: ...
+
+    def set_details(self, details: str) -> None: ...
+
+
+class UnauthenticatedError(PdserveError):
+    """No API key, or one the gateway does not accept."""
+
+
+def status_code(e: BaseException) -> grpc.StatusCode | None:
+    """The one mapping from pdserve's exceptions to gRPC status codes (None: Serve's default)."""
+    if isinstance(e, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(e, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, (OverloadedError, UnavailableError)):
+        return grpc.StatusCode.UNAVAILABLE
+    return None
+
+
+def _set_status(context: CallContext | None, e: BaseException) -> None:
+    code = status_code(e)
+    if context is not None and code is not None:
+        context.set_code(code)
+        context.set_details(str(e) if code != grpc.StatusCode.UNAVAILABLE else f"{e}; retry shortly")
+
+
+class GrpcGeneration:
+    def __init__(self, client: GenerateClient, tokenizer: Tokenizer, max_model_len: int,
+                 api_keys: Sequence[str] = ()):
+        self.client, self.tokenizer, self.max_model_len = client, tokenizer, max_model_len
+        self.api_keys = frozenset(api_keys)
+
+    async def generate(self, request_pb: pb.GenerateRequest, context: CallContext | None = None) -> pb.GenerateResponse:
+        """The whole completion; `completion_tokens` counts `token_ids`."""
+        try:
+            rid, req = self._request(request_pb, context)
+            text, token_ids, finish_reason = [], [], ""
+            async for out in self.client.generate(req):
+                text.append(out.new_text)
+                token_ids += out.new_token_ids
+                if out.finished:
+                    finish_reason = out.finish_reason or ""
+        except Exception as e:
+            _set_status(context, e)
+            raise
+        return pb.GenerateResponse(request_id=rid, text="".join(text), token_ids=token_ids,
+                                   finish_reason=finish_reason, prompt_tokens=len(req.prompt_token_ids),
+                                   completion_tokens=len(token_ids))
+
+    async def generate_stream(self, request_pb: pb.GenerateRequest,
+                              context: CallContext | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """One response per engine output with new tokens (or the finish); their texts and token
+        ids concatenate to `generate`'s. Leaving early cancels the request in the pools."""
+        try:
+            rid, req = self._request(request_pb, context)
+            num_tokens = 0
+            async for out in self.client.generate(req):
+                if not out.new_token_ids and not out.finished:
+                    continue
+                num_tokens += len(out.new_token_ids)
+                yield pb.GenerateResponse(request_id=rid, text=out.new_text, token_ids=out.new_token_ids,
+                                          finish_reason=(out.finish_reason or "") if out.finished else "",
+                                          prompt_tokens=len(req.prompt_token_ids), completion_tokens=num_tokens)
+        except Exception as e:
+            _set_status(context, e)
+            raise
+
+    # -- request -> GenerateRequest ------------------------------------------------------------
+    def _check_api_key(self, context: CallContext | None) -> None:
+        if not self.api_keys:
+            return
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        auth = metadata.get("authorization", "")
+        if not auth.startswith("Bearer ") or auth[7:] not in self.api_keys:
+            raise UnauthenticatedError("missing or wrong API key: send the metadata "
+                                       "('authorization', 'Bearer <key>')")
+
+    def _request(self, r: pb.GenerateRequest, context: CallContext | None) -> tuple[str, GenerateRequest]:
+        self._check_api_key(context)
+        source = r.WhichOneof("input")
+        if source is None:
+            raise InvalidRequestError("send prompt or prompt_token_ids", param="prompt")
+        ids = self.tokenizer.encode(r.prompt) if source == "prompt" else list(r.prompt_token_ids.ids)
+        max_tokens = r.max_tokens if r.HasField("max_tokens") else _DEFAULT_MAX_TOKENS
+        self._check_length(ids, max_tokens, source)
+        optional = {f: getattr(r, f) for f in ("temperature", "top_p", "seed") if r.HasField(f)}
+        params = SamplingParams(max_tokens=max_tokens, top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop),
+                                ignore_eos=r.ignore_eos, **optional)
+        rid = r.request_id[:128] or uuid.uuid4().hex
+        # Client ids may repeat; engine ids must not.
+        return rid, GenerateRequest(f"{rid}-{uuid.uuid4().hex[:8]}", ids, params)
+
+    def _check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
+        if not ids:
+            raise InvalidRequestError(f"{param} is empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param=param)
+        if len(ids) + max(max_tokens, 1) > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
+                param=param if len(ids) >= self.max_model_len else "max_tokens")

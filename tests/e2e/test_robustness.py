@@ -1,0 +1,123 @@
+"""Bad input gets OpenAI-shaped errors, clients that leave free their KV on both pools, and the
+server keeps serving: the failure paths of the whole app over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+import requests
+
+from tests.e2e.test_openai_api import LONG
+
+LONG_PROMPT_WORDS = " ".join(["lighthouse"] * 500)  # far over max_model_len 384
+
+
+def _bad_requests(model: str):
+    ok = {"model": model, "prompt": "hello", "max_tokens": 4}
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return [
+        ("malformed JSON", "/v1/completions", b'{"model": "x", "prompt": ', 400, None),
+        ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+        ("prompt of wrong type", "/v1/completions", {**ok, "prompt": 42}, 400, "prompt"),
+        ("max_tokens a string", "/v1/completions", {**ok, "max_tokens": "four"}, 400, "max_tokens"),
+        ("negative max_tokens", "/v1/completions", {**ok, "max_tokens": -3}, 400, "max_tokens"),
+        ("huge max_tokens", "/v1/completions", {**ok, "max_tokens": 10**9}, 400, "max_tokens"),
+        ("temperature out of range", "/v1/completions", {**ok, "temperature": 7.5}, 400, "temperature"),
+        ("top_p zero", "/v1/completions", {**ok, "top_p": 0}, 400, "top_p"),
+        ("unknown model", "/v1/completions", {**ok, "model": "gpt-17"}, 404, None),
+        ("prompt over the context", "/v1/completions", {**ok, "prompt": LONG_PROMPT_WORDS}, 400, "prompt"),
+        ("token id outside the vocabulary", "/v1/completions", {**ok, "prompt": [1, 2, 10**7]}, 400, "prompt"),
+        ("empty prompt list", "/v1/completions", {**ok, "prompt": []}, 400, "prompt"),
+        ("stream_options without stream", "/v1/completions", {**ok, "stream_options": {"include_usage": True}},
+         400, "stream_options"),
+        ("empty messages", "/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("message without role", "/v1/chat/completions", {**chat, "messages": [{"content": "x"}]}, 400, None),
+        ("n too large", "/v1/chat/completions", {**chat, "n": 1000}, 400, "n"),
+        ("invalid UTF-8", "/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+         400, None),
+        ("oversized body", "/v1/completions", json.dumps({**ok, "prompt": "a" * 200_000}).encode(), 413, None),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_requests("m"))), ids=[c[0] for c in _bad_requests("m")])
+def test_bad_requests_get_openai_errors(serve_apps, case):
+    app = serve_apps["colo"]
+    name, path, body, status, param = _bad_requests(app.model)[case]
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = app.post(path, data=data, headers={"Content-Type": "application/json", "x-request-id": f"bad-{case}"})
+    assert r.status_code == status, (name, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
+    if param is not None:
+        assert err["param"] == param, (name, err)
+    assert r.headers["x-request-id"] == f"bad-{case}"
+
+
+def test_server_keeps_serving_after_bad_requests_and_auth_is_checked(serve_apps):
+    app = serve_apps["colo"]
+    for _, path, body, _, _ in _bad_requests(app.model):
+        app.post(path, data=body if isinstance(body, bytes) else json.dumps(body))
+    r = app.client.completions.create(model=app.model, prompt="hello", max_tokens=3)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    wrong = openai.OpenAI(base_url=app.client.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.NotFoundError):
+        app.client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_models_health_and_tokenizer_routes(app):
+    assert [m.id for m in app.client.models.list().data] == [app.model]
+    health = requests.get(f"{app.base}/health", timeout=30)
+    assert health.status_code == 200 and all(health.json()["pools"].values())
+    tok = app.post("/tokenize", json={"model": app.model, "prompt": LONG}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 384
+    chat_tok = app.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tok["count"] > 2
+    assert app.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == LONG
+    info = requests.get(f"{app.base}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] and info["model_max_length"] == 384
+    assert app.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
+def test_clients_that_time_out_do_not_wedge_the_server(app):
+    body = {"model": app.model, "prompt": LONG, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {app.api_key}"}
+
+    async def impatient(session, i):
+        try:
+            async with session.post(f"{app.base}/v1/completions", json={**body, "stream": i % 2 == 0},
+                                    headers=headers, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                await r.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            pass
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(impatient(session, i) for i in range(200)))
+
+    asyncio.run(main())
+    r = app.client.completions.create(model=app.model, prompt="hello", max_tokens=4, timeout=60)
+    assert r.usage.completion_tokens >= 1
+    stats = app.wait_for_idle(60)
+    assert all(s["num_free_kv_blocks"] == s["num_kv_blocks"] and s.get("num_kv_leases", 0) == 0
+               and s["num_unfinished_requests"] == 0 for s in stats.values()), stats
+
+
+def test_disconnect_mid_stream_aborts_on_both_pools(app):
+    body = {"model": app.model, "prompt": LONG, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with requests.post(f"{app.base}/v1/completions", json=body, stream=True, timeout=60,
+                       headers={"Authorization": f"Bearer {app.api_key}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith(b"data: {") for line in got)
+        busy = {p: app.stats(p) for p in app.pools}
+        assert any(s["num_free_kv_blocks"] < s["num_kv_blocks"] for s in busy.values())
+    stats = app.wait_for_idle(30)
+    assert all(s["num_free_kv_blocks"] == s["num_kv_blocks"] and s.get("num_kv_leases", 0) == 0
+               and s["num_unfinished_requests"] == 0 for s in stats.values()), stats
