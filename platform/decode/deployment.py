@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -43,7 +44,7 @@ class Decode:
             yield out
 
     def stats(self) -> dict:
-        return self.server.stats()
+        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def health(self) -> bool:
         return self.server.engine.is_healthy

@@ -27,7 +27,7 @@ class Prefill:
         return await self.server.prefill(req)
 
     def stats(self) -> dict:
-        return self.server.stats()
+        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def health(self) -> bool:
         return self.server.engine.is_healthy

@@ -1,0 +1,173 @@
+"""Serving benchmark: what the gateway and Ray hops cost, and what disaggregation buys, in one run.
+
+    python benchmarks/serving.py            # full run (~10 minutes on 2 cores)
+    python benchmarks/serving.py --quick    # smaller counts, for a smoke check
+
+Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (random prompts, fixed output
+length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine streams in this process, no
+HTTP), the colocated app (one Unified replica) and the disaggregated app (Prefill + Decode),
+all through `pdserve bench`'s runner for the served ones.
+
+Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats, some long
+prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
+core each, every prompt prefilled remotely) and colocated serving (one replica, both cores):
+p99 ITL and goodput.
+
+Model: the `bench-llama-56m` preset (fp32), generated into the pdserve cache on first use.
+Prints markdown tables and one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import time
+
+PRESET = "bench-llama-56m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_run(model: str, requests, concurrency: int, num_threads: int) -> dict:
+    """The baseline: the same requests as engine streams in this process."""
+    from pdserve.bench.metrics import RequestRecord, compute_metrics
+    from pdserve.config import EngineConfig
+    from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads)))
+
+    async def main():
+        sem = asyncio.Semaphore(concurrency)
+        records = []
+
+        async def one(i, r):
+            async with sem:
+                rec = RequestRecord(send_s=time.perf_counter(), prompt_tokens=len(r.prompt_token_ids))
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+                async for out in await engine.generate(f"b{i}", r.prompt_token_ids, params):
+                    rec.chunk_times_s.append(time.perf_counter())
+                    rec.output_tokens += len(out.new_token_ids)
+                rec.end_s = time.perf_counter()
+                records.append(rec)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        return records, time.perf_counter() - start
+
+    try:
+        records, duration = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    return compute_metrics(records, duration)
+
+
+def served_runs(config, requests_by_c: dict[int, list], builder, rate: float | None = None,
+                slo: dict | None = None) -> dict:
+    """Deploy `config`, run each workload against it, tear it down."""
+    from ray import serve
+
+    from pdserve.app import build
+    from pdserve.bench.runner import RunSettings, run_benchmark
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(config), name=config.name, route_prefix="/")
+    try:
+        results = {}
+        for c, reqs in requests_by_c.items():
+            settings = RunSettings(base_url=f"http://127.0.0.1:{port}", concurrency=None if rate else c,
+                                   rate=rate or float("inf"), slo=slo, seed=0)
+            # Warm-up: one request, so replicas' first-call costs stay out of the figures.
+            run_benchmark(reqs[:1], RunSettings(base_url=settings.base_url, concurrency=1), builder, progress=False)
+            result = run_benchmark(reqs, settings, builder, progress=False)
+            results[c] = {k: v for k, v in result.items() if k not in ("ttfts_ms", "e2els_ms")}
+        return results
+    finally:
+        serve.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller counts for a smoke check")
+    args = ap.parse_args()
+
+    import ray
+
+    from pdserve.bench.workloads import PromptBuilder, long_prompt_mix_workload, random_workload
+    from pdserve.config import ServeConfig
+    from pdserve.engine.checkpoint import default_model
+
+    model = str(default_model(PRESET))
+    builder = PromptBuilder(model)
+    concurrencies = (1, 8) if args.quick else (1, 8, 32)
+    out_len = 16 if args.quick else 32
+    requests_by_c = {c: random_workload(builder, max(4, 3 * c), "128", str(out_len), seed=c) for c in concurrencies}
+
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
+    report: dict = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+                    "model": PRESET, "hops": {}, "interference": {}}
+    try:
+        # -- part 1: hops ------------------------------------------------------------------------
+        engine = {"num_threads": 2, "max_num_seqs": 64}
+        one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
+        two_cores = {"ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": 2}}
+        report["hops"]["offline"] = {c: offline_run(model, reqs, c, 2) for c, reqs in requests_by_c.items()}
+        colocated = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode=two_cores)
+        report["hops"]["colocated"] = served_runs(colocated, requests_by_c, builder)
+        disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
+                             remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
+        report["hops"]["disaggregated"] = served_runs(disagg, requests_by_c, builder)
+
+        # -- part 2: interference -------------------------------------------------------------
+        n = 24 if args.quick else 60
+        mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=1)
+        rate = 1.0 if args.quick else 1.5
+        slo = {"ttft": 4000.0, "tpot": 150.0}
+        report["interference"]["rate"] = rate
+        report["interference"]["disaggregated"] = served_runs(
+            disagg.model_copy(update={"remote_prefill_min_tokens": 0}), {0: mix}, builder, rate, slo)[0]
+        report["interference"]["colocated"] = served_runs(colocated, {0: mix}, builder, rate, slo)[0]
+    finally:
+        ray.shutdown()
+    _print(report)
+
+
+def _print(report: dict) -> None:
+    print(f"\nmachine: {report['machine']}; model {report['model']}\n")
+    print("| setup | concurrency | median TTFT ms | median ITL ms | p99 ITL ms | output tok/s |")
+    print("|---|---|---|---|---|---|")
+    for setup, by_c in report["hops"].items():
+        for c, m in by_c.items():
+            print(f"| {setup} | {c} | {m['median_ttft_ms']:.1f} | {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} "
+                  f"| {m['output_throughput']:.1f} |")
+    offline = report["hops"]["offline"]
+    for setup in ("colocated", "disaggregated"):
+        for c in offline:
+            ratio = report["hops"][setup][c]["median_itl_ms"] / offline[c]["median_itl_ms"]
+            print(f"{setup} median ITL / offline at concurrency {c}: {ratio:.3f}")
+    inter = report["interference"]
+    print(f"\nlong-prompt mix at {inter['rate']} req/s:\n")
+    print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | goodput req/s | completed |")
+    print("|---|---|---|---|---|---|")
+    for setup in ("disaggregated", "colocated"):
+        m = inter[setup]
+        print(f"| {setup} | {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} | {m['median_ttft_ms']:.1f} "
+              f"| {m['request_goodput']:.3f} | {m['completed']}/{m['num_requests']} |")
+    d, c = inter["disaggregated"], inter["colocated"]
+    print(f"disaggregated p99 ITL / colocated: {d['p99_itl_ms'] / c['p99_itl_ms']:.3f}")
+    print(json.dumps(report, default=str))
+
+
+if __name__ == "__main__":
+    main()

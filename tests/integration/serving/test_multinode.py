@@ -1,0 +1,26 @@
+"""Heterogeneous pools on a Ray multi-node test cluster: prefill replicas only on the prefill
+node type, decode only on the decode node type, and KV crosses between the two raylets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.e2e.conftest import _free_port
+
+
+def test_pools_land_on_their_node_types_and_kv_crosses_raylets(tiny_llama):
+    script = Path(__file__).with_name("multinode_app.py")
+    root = Path(__file__).parents[3]
+    proc = subprocess.run([sys.executable, str(script), tiny_llama, str(_free_port())], cwd=root,
+                          capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    report = json.loads(line.removeprefix("REPORT "))
+    prefill, decode = report["stats"]["Prefill"], report["stats"]["Decode"]
+    assert prefill["node_id"] == report["prefill_node"]
+    assert decode["node_id"] == report["decode_node"]
+    assert decode["num_remote_prefills"] == 1 and decode["num_pulled_blocks"] > 0
+    assert report["completion"]["usage"]["completion_tokens"] == 8
