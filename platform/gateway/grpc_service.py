@@ -135,5 +135,6 @@ class GrpcGeneration:
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). Shorten the "
+                f"prompt or lower max_tokens.",
                 param=param if len(ids) >= self.max_model_len else "max_tokens")
