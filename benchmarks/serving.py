@@ -13,7 +13,8 @@ prompts) at the same Poisson rate against disaggregated pools (prefill and decod
 core each, every prompt prefilled remotely) and colocated serving (one replica, both cores):
 p99 ITL and goodput.
 
-Model: the `bench-llama-56m` preset (fp32), generated into the pdserve cache on first use.
+Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
+tokenizer's, so every token streams text; fp32), generated into the pdserve cache on first use.
 Prints markdown tables and one JSON line with every figure.
 """
 
@@ -27,7 +28,7 @@ import platform
 import socket
 import time
 
-PRESET = "bench-llama-56m"
+PRESET = "serve-llama-40m"
 
 
 def _free_port() -> int:

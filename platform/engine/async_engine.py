@@ -76,6 +76,13 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                # Outputs that piled up while the consumer was busy go out as one: fewer messages
+                # down the pipeline under load, and no token waits for a later one.
+                while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        raise later
+                    item.merge(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

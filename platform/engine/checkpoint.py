@@ -71,6 +71,10 @@ PRESETS: dict[str, Preset] = {
     # The ~56M-parameter Llama shape the engine benchmarks use.
     "bench-llama-56m": Preset("llama", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
                               tokenizer_vocab_size=1024, peaked=False),
+    # The same shape with the vocabulary cut to its tokenizer's, so every sampled token has text:
+    # what the serving benchmarks stream (the bench client times text chunks, as vLLM's does).
+    "serve-llama-40m": Preset("llama", 512, 1408, 8, 8, 4, None, max_position_embeddings=4096,
+                              tokenizer_vocab_size=1024, peaked=False),
 }
 
 

@@ -56,6 +56,14 @@ class RequestOutput:
     def needs_decode(self) -> bool:
         return self.kv_block_ids is not None
 
+    def merge(self, later: "RequestOutput") -> None:
+        """Append the next output of the same request (a consumer that fell behind takes both at once)."""
+        self.new_token_ids += later.new_token_ids
+        self.new_text += later.new_text
+        self.new_logprobs += later.new_logprobs
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.num_output_tokens, self.num_cached_tokens = later.num_output_tokens, later.num_cached_tokens
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):

@@ -3,6 +3,7 @@ reaches the pools through deployment handles (Ray's exceptions become pdserve's 
 
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -21,6 +22,7 @@ from pdserve.gateway.grpc_service import GrpcGeneration
 from pdserve.gateway.openai_service import OpenAIService, UnavailableError
 from pdserve.messages import GenerateRequest
 
+log = logging.getLogger(__name__)
 api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve deployment")
 
 
@@ -31,19 +33,27 @@ class PoolsClient:
         self.decode = decode.options(stream=True)
         self.pools = pools
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.decode.generate.remote(req)
-        try:
-            async for out in stream:
-                yield out
-        except ray.exceptions.RayTaskError as e:
-            raise e.cause if isinstance(e.cause, Exception) else e from None
-        except BackPressureError as e:
-            raise OverloadedError(f"the decode pool's queue is full ({e})") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            raise UnavailableError(f"a decode replica went away mid-request ({type(e).__name__})") from None
-        finally:
-            stream.cancel()  # no-op once finished; frees both pools when the client left
+    async def generate(self, req: GenerateRequest, attempts: int = 2) -> AsyncIterator[RequestOutput]:
+        """A replica that dies before the first token is retried on another (once, by default);
+        after the first token the error ends this request only."""
+        for attempt in range(attempts):
+            streamed = False
+            stream = self.decode.generate.remote(req)
+            try:
+                async for out in stream:
+                    streamed = True
+                    yield out
+                return
+            except ray.exceptions.RayTaskError as e:
+                raise e.cause if isinstance(e.cause, Exception) else e from None
+            except BackPressureError as e:
+                raise OverloadedError(f"the decode pool's queue is full ({e})") from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if streamed or attempt + 1 == attempts:
+                    raise UnavailableError(f"a decode replica went away mid-request ({type(e).__name__})") from None
+                log.warning("decode replica failed before %s streamed (%r); retrying", req.request_id, e)
+            finally:
+                stream.cancel()  # no-op once finished; frees both pools when the client left
 
     async def health(self) -> dict[str, bool]:
         names = list(self.pools)
