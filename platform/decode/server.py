@@ -81,8 +81,8 @@ class DecodeServer:
         engine = self.engine.engine
         num_local, dst = self.engine.locked(engine.add_prefilled_request, req.request_id, req.prompt_token_ids,
                                             req.params, result.first, state)
-        recompute = False
-        if not dst:  # every block is cached here already
+        recompute = dst is None  # no free blocks now: queue it here instead
+        if not dst:  # every block is cached here already, or none is free
             await asyncio.to_thread(self.importer.release, result.kv)
         else:
             pull = asyncio.get_running_loop().run_in_executor(

@@ -29,7 +29,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.errors import InvalidRequestError, ModelLoadError, OverloadedError, PromptTooLongError
+from pdserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 
 log = logging.getLogger(__name__)
 
@@ -111,24 +111,24 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                               first: RequestOutput, generator_state: torch.Tensor | None = None
-                              ) -> tuple[int, list[int]]:
+                              ) -> tuple[int, list[int] | None]:
         """Take over a request another engine prefilled (decode role), up to its first token.
 
         Reuses this cache's prefix of the prompt and allocates blocks for the rest; returns
         `(num_local_blocks, block_ids_to_fill)`: the caller fills those blocks with the exporter's
         blocks from index `num_local_blocks` on, then calls `start_prefilled_request`, or
-        `abort_request` on failure. Raises `OverloadedError` when the blocks are not free.
+        `abort_request` on failure. Without free blocks it returns `(0, None)`: start it with
+        `recompute` and it waits in the queue like any new request.
         """
         req = self._new_request(request_id, prompt_token_ids, params)
         if generator_state is not None and req.generator is not None:
             req.generator.set_state(generator_state)
         self._process_token(req, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None)
+        self._prefilled[request_id] = req
         hit = self.kv_manager.match_prefix(req.block_hashes, req.num_tokens)
         if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit):
-            del self._detokenizers[request_id]
-            raise OverloadedError(f"no free KV blocks for a {req.num_prompt_tokens}-token prompt; retry later")
+            return 0, None  # no room now: the caller starts it with recompute, to wait its turn here
         req.num_cached_tokens = len(hit) * self.kv_cache.block_size
-        self._prefilled[request_id] = req
         return len(hit), self.kv_manager.get_block_table(request_id)[len(hit):]
 
     def start_prefilled_request(self, request_id: str, recompute: bool = False) -> None:

@@ -20,9 +20,9 @@ import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
+from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.gateway import pdserve_pb2 as pb
-from pdserve.gateway.openai_service import GenerateClient, UnavailableError
+from pdserve.gateway.openai_service import APIError, GenerateClient, UnavailableError, check_api_key, check_prompt
 from pdserve.messages import GenerateRequest
 
 _DEFAULT_MAX_TOKENS = 16  # as /v1/completions
@@ -38,13 +38,9 @@ class CallContext(Protocol):
     def set_details(self, details: str) -> None: ...
 
 
-class UnauthenticatedError(PdserveError):
-    """No API key, or one the gateway does not accept."""
-
-
 def status_code(e: BaseException) -> grpc.StatusCode | None:
     """The one mapping from pdserve's exceptions to gRPC status codes (None: Serve's default)."""
-    if isinstance(e, UnauthenticatedError):
+    if isinstance(e, APIError) and e.status == 401:
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(e, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -103,13 +99,8 @@ class GrpcGeneration:
 
     # -- request -> GenerateRequest ------------------------------------------------------------
     def _check_api_key(self, context: CallContext | None) -> None:
-        if not self.api_keys:
-            return
         metadata = dict(context.invocation_metadata()) if context is not None else {}
-        auth = metadata.get("authorization", "")
-        if not auth.startswith("Bearer ") or auth[7:] not in self.api_keys:
-            raise UnauthenticatedError("missing or wrong API key: send the metadata "
-                                       "('authorization', 'Bearer <key>')")
+        check_api_key(metadata.get("authorization", ""), self.api_keys)
 
     def _request(self, r: pb.GenerateRequest, context: CallContext | None) -> tuple[str, GenerateRequest]:
         self._check_api_key(context)
@@ -118,23 +109,10 @@ class GrpcGeneration:
             raise InvalidRequestError("send prompt or prompt_token_ids", param="prompt")
         ids = self.tokenizer.encode(r.prompt) if source == "prompt" else list(r.prompt_token_ids.ids)
         max_tokens = r.max_tokens if r.HasField("max_tokens") else _DEFAULT_MAX_TOKENS
-        self._check_length(ids, max_tokens, source)
+        check_prompt(ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, source)
         optional = {f: getattr(r, f) for f in ("temperature", "top_p", "seed") if r.HasField(f)}
         params = SamplingParams(max_tokens=max_tokens, top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop),
                                 ignore_eos=r.ignore_eos, **optional)
         rid = r.request_id[:128] or uuid.uuid4().hex
         # Client ids may repeat; engine ids must not.
         return rid, GenerateRequest(f"{rid}-{uuid.uuid4().hex[:8]}", ids, params)
-
-    def _check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
-        if not ids:
-            raise InvalidRequestError(f"{param} is empty", param=param)
-        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param=param)
-        if len(ids) + max(max_tokens, 1) > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). Shorten the "
-                f"prompt or lower max_tokens.",
-                param=param if len(ids) >= self.max_model_len else "max_tokens")

@@ -73,6 +73,33 @@ def error_response(e: BaseException) -> JSONResponse:
                         500)
 
 
+def check_api_key(authorization: str, api_keys) -> None:
+    """`authorization` is the header (or gRPC metadata) value; no keys configured: no check."""
+    if api_keys and (not authorization.startswith("Bearer ") or authorization[7:] not in api_keys):
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       "authentication_error", "invalid_api_key")
+
+
+def check_prompt(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
+                 param: str) -> int:
+    """Reject empty prompts, unknown token ids and prompt + max_tokens over the context; returns
+    max_tokens (None: the rest of the context, as chat completions default)."""
+    n = len(prompt_ids)
+    if not n:
+        raise InvalidRequestError("the prompt is empty", param=param)
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param=param)
+    if max_tokens is None:
+        max_tokens = max_model_len - n
+    if n + max(max_tokens, 1) > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; you requested {n + max_tokens} "
+            f"tokens ({n} in the prompt, {max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
+            param=param if max_tokens <= 0 or n >= max_model_len else "max_tokens")
+    return max_tokens
+
+
 def _validation_error(e: ValidationError) -> InvalidRequestError:
     err = e.errors()[0]
     where = ".".join(str(x) for x in err["loc"])
@@ -102,11 +129,7 @@ class OpenAIService:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _check_api_key(self, request: Request) -> None:
-        if self.config.api_keys:
-            auth = request.headers.get("authorization", "")
-            if not auth.startswith("Bearer ") or auth[7:] not in self.config.api_keys:
-                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error", "invalid_api_key")
+        check_api_key(request.headers.get("authorization", ""), self.config.api_keys)
 
     async def _body(self, request: Request, model: type[BaseModel]) -> BaseModel:
         self._check_api_key(request)
@@ -142,21 +165,7 @@ class OpenAIService:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
 
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
-        n = len(prompt_ids)
-        if not n:
-            raise InvalidRequestError("the prompt is empty", param=param)
-        bad = next((t for t in prompt_ids if not 0 <= t < self.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param=param)
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n
-        if n + max(max_tokens, 1) > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). Shorten the "
-                f"prompt or lower max_tokens.", param=param if max_tokens <= 0 or n >= self.max_model_len
-                else "max_tokens")
-        return max_tokens
+        return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, param)
 
     def _fan_out(self, rid: str, prompts: list[list[int]], n: int, make_params) -> list[tuple[int, GenerateRequest]]:
         if n > self.config.max_n:

@@ -89,6 +89,13 @@ def test_failed_prefill_or_pull_falls_back_to_local_compute(pools, tiny_llama):
 
     decode.remote_prefill = expired_lease
     assert _tokens(_run(decode, [GenerateRequest("b", prompt, GREEDY)])[0]) == expected
+
+    decode.remote_prefill = real
+    kv = decode.engine.engine.kv_manager
+    allocate = kv.allocate
+    kv.allocate = lambda *a: setattr(kv, "allocate", allocate) or False  # full once: it queues instead
+    assert _tokens(_run(decode, [GenerateRequest("c", prompt, GREEDY)])[0]) == expected
+    assert prefill.stats()["num_kv_leases"] == 0
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
 
 
