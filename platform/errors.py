@@ -20,6 +20,9 @@ class InvalidRequestError(PdserveError, ValueError):
         self.message = message
         self.param = param
 
+    def __reduce__(self):  # keep `param` when Ray pickles the error between replicas
+        return type(self), (self.message, self.param)
+
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit the model's context."""

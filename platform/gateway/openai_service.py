@@ -49,6 +49,9 @@ class APIError(PdserveError):
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
 
+    def __reduce__(self):  # picklable through Ray
+        return type(self), (self.status, self.message, self.type, self.code)
+
 
 class UnavailableError(PdserveError):
     """A pool cannot serve right now (replica died, engine dead); the client may retry."""

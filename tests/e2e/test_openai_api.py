@@ -28,7 +28,8 @@ def _greedy(n):
 
 def test_greedy_completions_match_the_offline_engine(app, offline):
     before = app.stats(app.pools[-1])
-    for prompt in (SHORT, LONG):
+    fresh_long = "Orchards of copper and rain. " + LONG  # no block of it cached by earlier tests
+    for prompt in (SHORT, fresh_long):
         r = app.client.completions.create(model=app.model, prompt=prompt, max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True})
         expected = offline.generate([prompt], _greedy(12))[0]
