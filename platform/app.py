@@ -33,8 +33,13 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 
 
 def _pool_options(pool: PoolConfig) -> dict[str, Any]:
-    return {"num_replicas": pool.num_replicas, "ray_actor_options": dict(pool.ray_actor_options),
-            "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests}
+    options = {"num_replicas": pool.num_replicas, "ray_actor_options": dict(pool.ray_actor_options),
+               "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests}
+    if pool.request_router_class:  # where the prefix-aware router (#6) plugs in
+        from ray.serve.config import RequestRouterConfig
+
+        options["request_router_config"] = RequestRouterConfig(request_router_class=pool.request_router_class)
+    return options
 
 
 def build(config: ServeConfig) -> "Application":

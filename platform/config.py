@@ -60,6 +60,9 @@ class PoolConfig(BaseModel):
         256, ge=-1, description="Requests a caller queues for this pool before answering 503; -1: no limit.")
     engine: dict[str, Any] = Field(
         default_factory=dict, description="EngineConfig fields that differ from the top-level engine in this pool.")
+    request_router_class: str | None = Field(
+        None, description="Import path of the Ray Serve RequestRouter that places requests on this pool's "
+                          "replicas; default: Ray Serve's power-of-two-choices (least loaded of two).")
 
 
 class TransferConfig(BaseModel):
