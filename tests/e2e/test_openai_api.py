@@ -120,3 +120,22 @@ def test_twenty_concurrent_streams(app, offline):
     assert asyncio.run(main()) == expected
     stats = app.wait_for_idle()
     assert all(s["num_free_kv_blocks"] == s["num_kv_blocks"] for s in stats.values()), stats
+
+
+def test_decode_reuses_its_prefix_cache_and_pulls_only_new_blocks(serve_apps, offline):
+    app = serve_apps["disagg"]
+    block = ENGINE["block_size"]
+    turn1 = list(range(300, 300 + 5 * block))  # 5 full blocks, remote (>= 24 uncached tokens)
+    turn2 = turn1 + list(range(400, 400 + 4 * block + 3))  # the same 5 blocks, then 35 new tokens
+
+    def pulled(prompt):
+        before = app.stats("Decode")
+        r = app.client.completions.create(model=app.model, prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        after = app.stats("Decode")
+        assert after["num_remote_prefills"] - before["num_remote_prefills"] == 1
+        assert r.choices[0].text == offline.generate([prompt], _greedy(4))[0].text
+        return after["num_pulled_blocks"] - before["num_pulled_blocks"]
+
+    assert pulled(turn1) == 5
+    assert pulled(turn2) == -(-len(turn2) // block) - 5  # only the blocks decode did not hold
