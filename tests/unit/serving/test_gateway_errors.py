@@ -1,0 +1,53 @@
+"""The one exception -> OpenAI error mapping, and the prompt and key checks HTTP and gRPC share."""
+
+import json
+
+import pytest
+
+from pdserve.errors import InvalidRequestError, OverloadedError, PromptTooLongError
+from pdserve.gateway.openai_service import APIError, UnavailableError, check_api_key, check_prompt, error_response
+
+
+def _body(resp):
+    return json.loads(resp.body)["error"]
+
+
+def test_error_statuses_and_shape():
+    cases = [(InvalidRequestError("temperature must be in [0, 2]", param="temperature"), 400, "temperature"),
+             (PromptTooLongError("too long", param="prompt"), 400, "prompt"),
+             (APIError(404, "no such model", "NotFoundError", "model_not_found"), 404, None),
+             (APIError(401, "bad key", "authentication_error", "invalid_api_key"), 401, None),
+             (OverloadedError("queue full"), 503, None),
+             (UnavailableError("replica died"), 503, None),
+             (RuntimeError("bug"), 500, None)]
+    for exc, status, param in cases:
+        resp = error_response(exc)
+        err = _body(resp)
+        assert resp.status_code == status and set(err) == {"message", "type", "param", "code"}
+        assert err["param"] == param and err["message"]
+        assert (resp.headers.get("retry-after") == "1") == (status == 503)
+    assert _body(error_response(PromptTooLongError("x", param="prompt")))["code"] == "context_length_exceeded"
+
+
+def test_check_prompt():
+    assert check_prompt([1, 2, 3], None, 10, 100, "prompt") == 7  # chat: the rest of the context
+    assert check_prompt([1, 2, 3], 4, 10, 100, "prompt") == 4
+    with pytest.raises(PromptTooLongError) as e:
+        check_prompt([1, 2, 3], 8, 10, 100, "prompt")
+    assert e.value.param == "max_tokens"
+    with pytest.raises(PromptTooLongError) as e:
+        check_prompt(list(range(10)), 1, 10, 100, "prompt")
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        check_prompt([1, 200], 1, 10, 100, "prompt")
+    with pytest.raises(InvalidRequestError, match="empty"):
+        check_prompt([], 1, 10, 100, "prompt")
+
+
+def test_check_api_key():
+    check_api_key("", [])  # no keys configured: open
+    check_api_key("Bearer k1", ["k0", "k1"])
+    for header in ("", "k1", "Bearer k2", "bearer k1"):
+        with pytest.raises(APIError) as e:
+            check_api_key(header, ["k1"])
+        assert e.value.status == 401
