@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pdserve.config import GatewayConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -170,7 +171,10 @@ class OpenAIService:
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, param)
 
-    def _fan_out(self, rid: str, prompts: list[list[int]], n: int, make_params) -> list[tuple[int, GenerateRequest]]:
+    def _fan_out(self, rid: str, prompts: list[list[int]], n: int,
+                 make_params: Callable[[int], SamplingParams]) -> list[tuple[int, GenerateRequest]]:
+        """One sequence per prompt and choice, indexed as OpenAI numbers choices; `make_params(i)`
+        gives choice i's sampling parameters."""
         if n > self.config.max_n:
             raise InvalidRequestError(f"n must be at most {self.config.max_n}", param="n")
         tag = uuid.uuid4().hex[:8]  # client ids may repeat; engine ids must not
@@ -245,13 +249,12 @@ class OpenAIService:
         try:
             body: CompletionRequest = await self._body(request, CompletionRequest)
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
-            max_tokens = [self._check_length(ids, 16 if body.max_tokens is None else body.max_tokens, "prompt")
-                          for ids in prompts]
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            for ids in prompts:
+                self._check_length(ids, max_tokens, "prompt")
             k = body.logprobs
-            reqs = [(i, GenerateRequest(r.request_id, r.prompt_token_ids,
-                                        body.sampling_params(max_tokens[i // body.n], k,
-                                                             k if body.echo and k is not None else None, i % body.n)))
-                    for i, r in self._fan_out(rid, prompts, body.n, lambda i: None)]
+            prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
+            reqs = self._fan_out(rid, prompts, body.n, lambda i: body.sampling_params(max_tokens, k, prompt_k, i))
             choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
             if body.stream:
                 return self._sse(rid, self._completion_chunks(rid, body, reqs, choices))

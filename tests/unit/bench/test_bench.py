@@ -126,9 +126,10 @@ def test_run_against_scripted_server(endpoint):
     assert (m["completed"], m["failed"], m["total_output_tokens"]) == (4, 0, 20)
     assert m["output_tokens_counted_by"] == "usage" and m["model_id"] == "stub-model"
     assert (m["max_concurrency"], m["num_prompts"]) == (4, 4)
-    # Scripted 200 ms to the first token and 50 ms between tokens; loopback and scheduling add a little.
-    assert 195 <= m["median_ttft_ms"] <= 400
-    assert 45 <= m["median_itl_ms"] <= 150 and 45 <= m["mean_tpot_ms"] <= 150
+    # Scripted 200 ms to the first token and 50 ms between tokens; loopback and scheduling add a
+    # little, or a lot on a loaded 2-core machine: the upper bounds only catch nonsense.
+    assert 195 <= m["median_ttft_ms"] <= 2000
+    assert 45 <= m["median_itl_ms"] <= 1000 and 45 <= m["mean_tpot_ms"] <= 1000
     assert m["request_goodput"] == pytest.approx(m["request_throughput"])
     sent = stub.requests[0]
     assert sent["stream"] and sent["stream_options"] == {"include_usage": True} and sent["max_tokens"] == 5
