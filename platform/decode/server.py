@@ -67,7 +67,8 @@ class DecodeServer:
         try:
             yield result.first
             recompute = await self._import(req, result)
-        except BaseException:
+        except BaseException:  # the client left, or the import failed: free both sides
+            self.engine.locked(self.engine.engine.abort_request, req.request_id)
             await asyncio.to_thread(self.importer.release, result.kv)
             raise
         async for out in await self.engine.resume(req.request_id, recompute):
