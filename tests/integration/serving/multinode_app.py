@@ -1,6 +1,7 @@
 """Run by test_multinode.py in a process of its own (the test session already holds a Ray
 instance): a Ray test cluster with a prefill node type and a decode node type, marked by custom
-resources, pdserve deployed across it, one long request. Prints one "REPORT <json>" line."""
+resources, pdserve deployed across it, one long request; then the prefill replica is killed and
+another long request sent. Prints one "REPORT <json>" line."""
 
 from __future__ import annotations
 
@@ -37,8 +38,18 @@ def main(model: str, port: int) -> None:
         r.raise_for_status()
         stats = {name: serve.get_deployment_handle(name, "multinode").stats.remote().result(timeout_s=30)
                  for name in ("Prefill", "Decode")}
+        # The prefill replica dies; the next long request must still complete (decode prefills it
+        # itself, or Serve's replacement does).
+        [replica] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith("SERVE_REPLICA::multinode#Prefill")]
+        ray.kill(ray.get_actor(replica, namespace="serve"))
+        after_kill = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                                   json={"prompt": "a different long prompt after the prefill replica died " * 3,
+                                         "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        decode = serve.get_deployment_handle("Decode", "multinode").stats.remote().result(timeout_s=30)
         print("REPORT", json.dumps({"prefill_node": prefill_node.node_id, "decode_node": decode_node.node_id,
-                          "stats": stats, "completion": r.json()}))
+                                    "stats": stats, "completion": r.json(), "after_kill_status": after_kill.status_code,
+                                    "after_kill": after_kill.json(), "decode_after_kill": decode}))
     finally:
         serve.shutdown()
         ray.shutdown()

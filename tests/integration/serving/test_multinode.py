@@ -1,5 +1,6 @@
 """Heterogeneous pools on a Ray multi-node test cluster: prefill replicas only on the prefill
-node type, decode only on the decode node type, and KV crosses between the two raylets."""
+node type, decode only on the decode node type, KV crosses between the two raylets, and a
+killed prefill replica fails no request."""
 
 import json
 import os
@@ -24,3 +25,7 @@ def test_pools_land_on_their_node_types_and_kv_crosses_raylets(tiny_llama):
     assert decode["node_id"] == report["decode_node"]
     assert decode["num_remote_prefills"] == 1 and decode["num_pulled_blocks"] > 0
     assert report["completion"]["usage"]["completion_tokens"] == 8
+    # A dead prefill replica costs no request: the next one still completes on the same decode replica.
+    assert report["after_kill_status"] == 200, report["after_kill"]
+    assert report["after_kill"]["usage"]["completion_tokens"] == 8
+    assert report["decode_after_kill"]["node_id"] == report["decode_node"]
