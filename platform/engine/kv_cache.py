@@ -19,32 +19,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-import numpy as np
 import torch
-import xxhash
 
-# Parent of the first block. Any fixed 64-bit value works; it must be the same in every process.
-ROOT_BLOCK_HASH = 0
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_BLOCK_HASH) -> list[int]:
-    """Chained 64-bit hashes of the *full* blocks of `token_ids` (a partial tail is ignored).
-
-    Block i's hash covers its parent's hash and its own tokens, so it names the whole prefix.
-    xxh3 over explicit little-endian bytes: stable across processes, hosts and Python hash seeds.
-    Pass `parent` (the hash of the block before `token_ids[0]`) to continue a chain.
-    """
-    num_full = len(token_ids) // block_size
-    if num_full == 0:
-        return []
-    tokens = np.asarray(token_ids[: num_full * block_size], dtype="<u4").reshape(num_full, block_size)
-    hashes = []
-    h = parent
-    for row in tokens:
-        h = xxhash.xxh3_64_intdigest(row.tobytes(), seed=h)
-        hashes.append(h)
-    return hashes
-
+from pdserve.router.block_hash import ROOT_BLOCK_HASH, block_hashes  # noqa: F401 - re-exported
 
 class KVCache:
     """The KV tensors of all layers, allocated once."""

@@ -1,0 +1,326 @@
+"""`RadixIndex`: which replica holds which KV blocks, as a radix tree over chained block hashes.
+
+A path from the root spells a prefix, one block hash per block; runs of single-child blocks are
+compressed into one node. Every node records which replicas hold *all* of its blocks and when each
+last used them, so a node is split wherever holder sets differ (a replica that lost a middle block
+ends its match there). Chained hashes name whole prefixes, so a hash -> node map finds any block
+in O(1): KV events that say "stored after parent P" or "removed H" need no walk from the root.
+
+Bounded memory: each replica keeps its holds in a least-recently-used list, ancestors always newer
+than descendants (inserts touch leaf-first), so trimming pops the oldest hold, which is a leaf of
+that replica's subtree, one node (or the tail of one) at a time: no heap rebuilt per eviction.
+
+Cost: `match` and `insert` walk one node per compressed run; block runs compare in C. Nothing here
+knows about Ray, Redis or engines.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Sequence
+
+from pdserve.router.block_hash import ROOT_BLOCK_HASH
+
+
+class _Node:
+    __slots__ = ("run", "parent", "children", "holders")
+
+    def __init__(self, run: list[int], parent: _Node | None):
+        self.run = run  # block hashes, root-most first
+        self.parent = parent
+        self.children: dict[int, _Node] = {}  # first hash of the child's run -> child
+        self.holders: dict[str, _Hold] = {}
+
+
+class _Hold:
+    """One replica holding one node: an entry of that replica's LRU list (oldest after the head)."""
+    __slots__ = ("node", "prev", "next", "last_used")
+
+    def __init__(self, node: _Node | None, last_used: float = 0.0):
+        self.node = node
+        self.prev: _Hold = self
+        self.next: _Hold = self
+        self.last_used = last_used
+
+
+class _Replica:
+    __slots__ = ("num_blocks", "lru")
+
+    def __init__(self):
+        self.num_blocks = 0
+        self.lru = _Hold(None)  # sentinel: lru.next is the oldest hold, lru.prev the newest
+
+
+def _unlink(h: _Hold) -> None:
+    h.prev.next = h.next
+    h.next.prev = h.prev
+
+
+def _link_before(h: _Hold, at: _Hold) -> None:
+    h.prev, h.next = at.prev, at
+    at.prev.next = h
+    at.prev = h
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
+
+
+class RadixIndex:
+    """Which replicas hold which chained block hashes; see the module docstring.
+
+    `max_blocks_per_replica` bounds each replica's holds (least recently used trimmed first);
+    `clock` stamps uses (seconds; `expire` compares against it).
+    """
+
+    def __init__(self, max_blocks_per_replica: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_blocks_per_replica is not None and max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be at least 1")
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self._clock = clock
+        self._root = _Node([], None)
+        self._where: dict[int, _Node] = {}
+        self._replicas: dict[str, _Replica] = {}
+
+    # ---- queries
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def __len__(self) -> int:
+        """Distinct blocks in the tree."""
+        return len(self._where)
+
+    def num_blocks(self, replica: str) -> int:
+        rep = self._replicas.get(replica)
+        return rep.num_blocks if rep else 0
+
+    def blocks(self, replica: str) -> set[int]:
+        """Every block hash `replica` holds (for tests, resync checks and debugging)."""
+        rep = self._replicas.get(replica)
+        out: set[int] = set()
+        if rep is not None:
+            h = rep.lru.next
+            while h is not rep.lru:
+                out.update(h.node.run)
+                h = h.next
+        return out
+
+    def match(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, int]:
+        """For each candidate replica (all known ones when None), how many leading blocks it holds."""
+        result = dict.fromkeys(self._replicas if replicas is None else replicas, 0)
+        alive = list(result)
+        node, i, n = self._root, 0, len(hashes)
+        while alive and i < n:
+            child = node.children.get(hashes[i])
+            if child is None:
+                break
+            run = child.run
+            size = len(run)
+            seg = hashes[i:i + size]
+            m = size if seg == run else _common_prefix(run, seg)
+            holders = child.holders
+            alive = [r for r in alive if r in holders]
+            i += m
+            for r in alive:
+                result[r] = i
+            if m < size:
+                break
+            node = child
+        return result
+
+    # ---- updates
+
+    def insert(self, replica: str, hashes: Sequence[int], parent: int | None = None) -> int:
+        """Record that `replica` holds `hashes`, a chain that starts at the root (`parent` None or
+        the root hash) or right after block `parent`. Returns the blocks recorded: 0 when `parent`
+        is unknown here (evicted, or never seen), since the chain cannot be placed.
+        """
+        if not hashes:
+            return 0
+        rep = self._replicas.get(replica)
+        if rep is None:
+            rep = self._replicas[replica] = _Replica()
+        if parent is None or parent == ROOT_BLOCK_HASH:
+            node = self._root
+        else:
+            node = self._where.get(parent)
+            if node is None:
+                return 0
+            cut = node.run.index(parent) + 1
+            if cut < len(node.run):
+                self._split(node, cut)
+        start = node
+        path: list[_Node] = []
+        i, n = 0, len(hashes)
+        while i < n:
+            child = node.children.get(hashes[i])
+            if child is None:
+                child = _Node(list(hashes[i:]), node)
+                node.children[hashes[i]] = child
+                for h in child.run:
+                    self._where[h] = child
+                path.append(child)
+                break
+            run = child.run
+            size = len(run)
+            seg = hashes[i:i + size]
+            m = size if seg == run else _common_prefix(run, seg)
+            if m < size:
+                self._split(child, m)
+            path.append(child)
+            node = child
+            i += m
+        now = self._clock()
+        # Leaf first, then up to the root: ancestors stay newer than descendants in the LRU.
+        gained = [nd for nd in reversed(path) if self._touch(rep, nd, replica, now)]
+        for nd in reversed(gained):  # a new holder may make a split needless: merge root-first
+            if nd.parent is not None:
+                self._compact(nd)
+        nd = start
+        while nd is not self._root:
+            if replica in nd.holders:
+                self._touch(rep, nd, replica, now)
+            nd = nd.parent
+        self._trim(rep, replica)
+        return n
+
+    def remove(self, replica: str, hashes: Iterable[int]) -> None:
+        """`replica` no longer holds these blocks; its matches end before the first of them."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return
+        for h in hashes:
+            node = self._where.get(h)
+            if node is None or replica not in node.holders:
+                continue
+            at = node.run.index(h)
+            if at:
+                self._split(node, at)
+                node = node.children[h]
+            if len(node.run) > 1:
+                self._split(node, 1)
+            self._drop(rep, node, replica)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget a replica (it left the deployment, or its cache was cleared)."""
+        rep = self._replicas.pop(replica, None)
+        if rep is None:
+            return
+        nodes = []
+        h = rep.lru.next
+        while h is not rep.lru:
+            del h.node.holders[replica]
+            nodes.append(h.node)
+            h = h.next
+        for node in nodes:  # merges may retire nodes of this list: skip those
+            if node.parent is not None:
+                self._prune(node)
+
+    def clear_replica(self, replica: str) -> None:
+        """Drop every block of `replica` but keep it as a known (empty) replica."""
+        self.remove_replica(replica)
+        self._replicas[replica] = _Replica()
+
+    def expire(self, older_than: float) -> int:
+        """Drop holds last used before `older_than` (on `clock`'s scale); returns blocks dropped."""
+        dropped = 0
+        for replica, rep in self._replicas.items():
+            # Re-read the head each time: a drop may merge nodes and retire the next hold.
+            while (oldest := rep.lru.next) is not rep.lru and oldest.last_used < older_than:
+                dropped += len(oldest.node.run)
+                self._drop(rep, oldest.node, replica)
+        return dropped
+
+    # ---- internals
+
+    def _touch(self, rep: _Replica, node: _Node, replica: str, now: float) -> bool:
+        """Mark `node` used by `replica` now; True when that is a new hold."""
+        hold = node.holders.get(replica)
+        new = hold is None
+        if new:
+            hold = node.holders[replica] = _Hold(node, now)
+            rep.num_blocks += len(node.run)
+        else:
+            hold.last_used = now
+            _unlink(hold)
+        _link_before(hold, rep.lru)  # newest
+        return new
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut `node` after `at` blocks; the tail becomes its only child, with the same holders."""
+        tail = _Node(node.run[at:], node)
+        node.run = node.run[:at]
+        tail.children = node.children
+        for c in tail.children.values():
+            c.parent = tail
+        node.children = {tail.run[0]: tail}
+        where = self._where
+        for h in tail.run:
+            where[h] = tail
+        for replica, hold in node.holders.items():
+            t = tail.holders[replica] = _Hold(tail, hold.last_used)
+            _link_before(t, hold)  # a descendant: just older than its ancestor
+        return tail
+
+    def _drop(self, rep: _Replica, node: _Node, replica: str) -> None:
+        hold = node.holders.pop(replica)
+        _unlink(hold)
+        rep.num_blocks -= len(node.run)
+        self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Delete holderless leaves upwards; merge a node into its parent when nothing tells them apart."""
+        while node is not self._root and not node.holders and not node.children:
+            parent = node.parent
+            del parent.children[node.run[0]]
+            for h in node.run:
+                if self._where.get(h) is node:
+                    del self._where[h]
+            node.parent = None  # dead
+            node = parent
+        if node is not self._root:
+            self._compact(node)
+
+    def _compact(self, node: _Node) -> None:
+        """Merge `node` into its parent, and its only child into it, where holders are the same."""
+        parent = node.parent
+        if parent is not self._root and len(parent.children) == 1 and self._merge_child(parent):
+            node = parent
+        if len(node.children) == 1:
+            self._merge_child(node)
+
+    def _merge_child(self, node: _Node) -> bool:
+        (child,) = node.children.values()
+        if child.holders.keys() != node.holders.keys():
+            return False
+        for replica, hold in child.holders.items():
+            _unlink(hold)  # the ancestor's hold, newer, stands for both
+            keep = node.holders[replica]
+            keep.last_used = max(keep.last_used, hold.last_used)
+        where = self._where
+        for h in child.run:
+            where[h] = node
+        node.run = node.run + child.run
+        node.children = child.children
+        for c in node.children.values():
+            c.parent = node
+        child.parent = None  # dead
+        return True
+
+    def _trim(self, rep: _Replica, replica: str) -> None:
+        limit = self.max_blocks_per_replica
+        if limit is None:
+            return
+        while rep.num_blocks > limit:
+            oldest = rep.lru.next.node
+            excess = rep.num_blocks - limit
+            if excess < len(oldest.run):
+                oldest = self._split(oldest, len(oldest.run) - excess)
+            self._drop(rep, oldest, replica)
