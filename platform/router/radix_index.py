@@ -6,9 +6,10 @@ last used them, so a node is split wherever holder sets differ (a replica that l
 ends its match there). Chained hashes name whole prefixes, so a hash -> node map finds any block
 in O(1): KV events that say "stored after parent P" or "removed H" need no walk from the root.
 
-Bounded memory: each replica keeps its holds in a least-recently-used list, ancestors always newer
-than descendants (inserts touch leaf-first), so trimming pops the oldest hold, which is a leaf of
-that replica's subtree, one node (or the tail of one) at a time: no heap rebuilt per eviction.
+Bounded memory: each replica keeps the nodes it holds in a least-recently-used order (an
+OrderedDict), ancestors always newer than descendants (inserts touch leaf-first), so trimming pops
+the oldest entry, a leaf of that replica's subtree, one node (or the tail of one) at a time: no
+heap rebuilt per eviction.
 
 Cost: `match` and `insert` walk one node per compressed run; block runs compare in C. Nothing here
 knows about Ray, Redis or engines.
@@ -17,6 +18,7 @@ knows about Ray, Redis or engines.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
 from pdserve.router.block_hash import ROOT_BLOCK_HASH
@@ -25,22 +27,11 @@ from pdserve.router.block_hash import ROOT_BLOCK_HASH
 class _Node:
     __slots__ = ("run", "parent", "children", "holders")
 
-    def __init__(self, run: list[int], parent: _Node | None):
-        self.run = run  # block hashes, root-most first
-        self.parent = parent
+    def __init__(self, run: tuple[int, ...], parent: _Node | None):
+        self.run = run  # block hashes, root-most first (a tuple of ints: the GC need not track it)
+        self.parent = parent  # None once merged away or deleted (and for the root)
         self.children: dict[int, _Node] = {}  # first hash of the child's run -> child
-        self.holders: dict[str, _Hold] = {}
-
-
-class _Hold:
-    """One replica holding one node: an entry of that replica's LRU list (oldest after the head)."""
-    __slots__ = ("node", "prev", "next", "last_used")
-
-    def __init__(self, node: _Node | None, last_used: float = 0.0):
-        self.node = node
-        self.prev: _Hold = self
-        self.next: _Hold = self
-        self.last_used = last_used
+        self.holders: dict[str, float] = {}  # replica -> when it last used these blocks
 
 
 class _Replica:
@@ -48,18 +39,7 @@ class _Replica:
 
     def __init__(self):
         self.num_blocks = 0
-        self.lru = _Hold(None)  # sentinel: lru.next is the oldest hold, lru.prev the newest
-
-
-def _unlink(h: _Hold) -> None:
-    h.prev.next = h.next
-    h.next.prev = h.prev
-
-
-def _link_before(h: _Hold, at: _Hold) -> None:
-    h.prev, h.next = at.prev, at
-    at.prev.next = h
-    at.prev = h
+        self.lru: OrderedDict[_Node, None] = OrderedDict()  # the nodes it holds, oldest first
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -83,7 +63,7 @@ class RadixIndex:
             raise ValueError("max_blocks_per_replica must be at least 1")
         self.max_blocks_per_replica = max_blocks_per_replica
         self._clock = clock
-        self._root = _Node([], None)
+        self._root = _Node((), None)
         self._where: dict[int, _Node] = {}
         self._replicas: dict[str, _Replica] = {}
 
@@ -104,18 +84,13 @@ class RadixIndex:
     def blocks(self, replica: str) -> set[int]:
         """Every block hash `replica` holds (for tests, resync checks and debugging)."""
         rep = self._replicas.get(replica)
-        out: set[int] = set()
-        if rep is not None:
-            h = rep.lru.next
-            while h is not rep.lru:
-                out.update(h.node.run)
-                h = h.next
-        return out
+        return {h for node in rep.lru for h in node.run} if rep else set()
 
     def match(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, int]:
         """For each candidate replica (all known ones when None), how many leading blocks it holds."""
         result = dict.fromkeys(self._replicas if replicas is None else replicas, 0)
         alive = list(result)
+        hashes = tuple(hashes)  # slices compare with runs in C
         node, i, n = self._root, 0, len(hashes)
         while alive and i < n:
             child = node.children.get(hashes[i])
@@ -157,15 +132,15 @@ class RadixIndex:
             if cut < len(node.run):
                 self._split(node, cut)
         start = node
+        hashes = tuple(hashes)
         path: list[_Node] = []
         i, n = 0, len(hashes)
         while i < n:
             child = node.children.get(hashes[i])
             if child is None:
-                child = _Node(list(hashes[i:]), node)
+                child = _Node(hashes[i:], node)
                 node.children[hashes[i]] = child
-                for h in child.run:
-                    self._where[h] = child
+                self._where.update(dict.fromkeys(child.run, child))
                 path.append(child)
                 break
             run = child.run
@@ -178,17 +153,28 @@ class RadixIndex:
             node = child
             i += m
         now = self._clock()
+        lru = rep.lru
+        gained = []
         # Leaf first, then up to the root: ancestors stay newer than descendants in the LRU.
-        gained = [nd for nd in reversed(path) if self._touch(rep, nd, replica, now)]
-        for nd in reversed(gained):  # a new holder may make a split needless: merge root-first
-            if nd.parent is not None:
-                self._compact(nd)
+        for nd in reversed(path):
+            if replica in nd.holders:
+                lru.move_to_end(nd)
+            else:
+                lru[nd] = None
+                rep.num_blocks += len(nd.run)
+                gained.append(nd)
+            nd.holders[replica] = now
         nd = start
         while nd is not self._root:
             if replica in nd.holders:
-                self._touch(rep, nd, replica, now)
+                nd.holders[replica] = now
+                lru.move_to_end(nd)
             nd = nd.parent
-        self._trim(rep, replica)
+        for nd in reversed(gained):  # a new holder may make a split needless: merge root-first
+            if nd.parent is not None:
+                self._compact(nd)
+        if self.max_blocks_per_replica is not None and rep.num_blocks > self.max_blocks_per_replica:
+            self._trim(rep, replica)
         return n
 
     def remove(self, replica: str, hashes: Iterable[int]) -> None:
@@ -213,13 +199,9 @@ class RadixIndex:
         rep = self._replicas.pop(replica, None)
         if rep is None:
             return
-        nodes = []
-        h = rep.lru.next
-        while h is not rep.lru:
-            del h.node.holders[replica]
-            nodes.append(h.node)
-            h = h.next
-        for node in nodes:  # merges may retire nodes of this list: skip those
+        for node in rep.lru:
+            del node.holders[replica]
+        for node in rep.lru:  # merges may retire nodes of this list: skip those
             if node.parent is not None:
                 self._prune(node)
 
@@ -229,49 +211,44 @@ class RadixIndex:
         self._replicas[replica] = _Replica()
 
     def expire(self, older_than: float) -> int:
-        """Drop holds last used before `older_than` (on `clock`'s scale); returns blocks dropped."""
+        """Drop holds last used before `older_than` (on `clock`'s scale), oldest first; returns the
+        blocks dropped. (A node split off a run's end ranks as its replica's oldest hold, so expiry
+        can wait behind it until it expires too.)"""
         dropped = 0
         for replica, rep in self._replicas.items():
-            # Re-read the head each time: a drop may merge nodes and retire the next hold.
-            while (oldest := rep.lru.next) is not rep.lru and oldest.last_used < older_than:
-                dropped += len(oldest.node.run)
-                self._drop(rep, oldest.node, replica)
+            lru = rep.lru
+            while lru:
+                oldest = next(iter(lru))
+                if oldest.holders[replica] >= older_than:
+                    break
+                dropped += len(oldest.run)
+                self._drop(rep, oldest, replica)
         return dropped
 
     # ---- internals
 
-    def _touch(self, rep: _Replica, node: _Node, replica: str, now: float) -> bool:
-        """Mark `node` used by `replica` now; True when that is a new hold."""
-        hold = node.holders.get(replica)
-        new = hold is None
-        if new:
-            hold = node.holders[replica] = _Hold(node, now)
-            rep.num_blocks += len(node.run)
-        else:
-            hold.last_used = now
-            _unlink(hold)
-        _link_before(hold, rep.lru)  # newest
-        return new
-
     def _split(self, node: _Node, at: int) -> _Node:
-        """Cut `node` after `at` blocks; the tail becomes its only child, with the same holders."""
+        """Cut `node` after `at` blocks; the tail becomes its only child, with the same holders.
+
+        The tail joins each holder's LRU at the oldest end: a descendant must stay older than its
+        ancestor, and an OrderedDict inserts only at its ends."""
         tail = _Node(node.run[at:], node)
         node.run = node.run[:at]
         tail.children = node.children
         for c in tail.children.values():
             c.parent = tail
         node.children = {tail.run[0]: tail}
-        where = self._where
-        for h in tail.run:
-            where[h] = tail
-        for replica, hold in node.holders.items():
-            t = tail.holders[replica] = _Hold(tail, hold.last_used)
-            _link_before(t, hold)  # a descendant: just older than its ancestor
+        self._where.update(dict.fromkeys(tail.run, tail))
+        tail.holders = dict(node.holders)
+        for replica in tail.holders:
+            lru = self._replicas[replica].lru
+            lru[tail] = None
+            lru.move_to_end(tail, last=False)
         return tail
 
     def _drop(self, rep: _Replica, node: _Node, replica: str) -> None:
-        hold = node.holders.pop(replica)
-        _unlink(hold)
+        del node.holders[replica]
+        del rep.lru[node]
         rep.num_blocks -= len(node.run)
         self._prune(node)
 
@@ -300,13 +277,11 @@ class RadixIndex:
         (child,) = node.children.values()
         if child.holders.keys() != node.holders.keys():
             return False
-        for replica, hold in child.holders.items():
-            _unlink(hold)  # the ancestor's hold, newer, stands for both
-            keep = node.holders[replica]
-            keep.last_used = max(keep.last_used, hold.last_used)
-        where = self._where
-        for h in child.run:
-            where[h] = node
+        for replica, last_used in child.holders.items():
+            del self._replicas[replica].lru[child]  # the ancestor's entry, newer, stands for both
+            if last_used > node.holders[replica]:
+                node.holders[replica] = last_used
+        self._where.update(dict.fromkeys(child.run, node))
         node.run = node.run + child.run
         node.children = child.children
         for c in node.children.values():
@@ -316,11 +291,11 @@ class RadixIndex:
 
     def _trim(self, rep: _Replica, replica: str) -> None:
         limit = self.max_blocks_per_replica
-        if limit is None:
-            return
-        while rep.num_blocks > limit:
-            oldest = rep.lru.next.node
-            excess = rep.num_blocks - limit
+        # Trim a little below the bound so the next inserts need no trimming (fewer partial splits).
+        target = limit - limit // 128
+        while rep.num_blocks > target:
+            oldest = next(iter(rep.lru))
+            excess = rep.num_blocks - target
             if excess < len(oldest.run):
                 oldest = self._split(oldest, len(oldest.run) - excess)
             self._drop(rep, oldest, replica)

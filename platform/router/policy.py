@@ -1,0 +1,68 @@
+"""How a replica is chosen (DESIGN.md section 2, steps 2 and 4). Pure functions, no Ray.
+
+Prefill: a request costs each candidate the prompt tokens it does not cache plus the prefill work
+already queued there, weighted by `queue_weight`; the cheapest candidate wins, ties broken at
+random. The guard against hot spots is per candidate and falls out of the cost: a replica holding
+a hot prefix keeps winning until its weighted queue outweighs the prefix itself, then a less
+loaded replica computes the prefix once (and from then on holds it too), so a hot tenant spreads
+over as many replicas as its load needs, while one overloaded replica never turns affinity off
+for the others. `queue_weight` 1 is each request's own shortest time to first token; the default
+3 also prices the wait a queue imposes on the requests behind it, which keeps the fleet's load
+within ~1.5x (benchmarks/RESULTS.md, "Router").
+
+Decode: the replica with the most KV headroom after this request, then the fewest running
+sequences.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+
+DEFAULT_QUEUE_WEIGHT = 3.0
+
+
+def rank_prefill(candidates: Sequence[str], num_prompt_tokens: int, matched_blocks: Mapping[str, int],
+                 queued_tokens: Mapping[str, float], block_size: int, queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+                 rng: random.Random | None = None) -> list[str]:
+    """`candidates` from cheapest to dearest: uncached prompt tokens + `queue_weight` x queued
+    prefill tokens."""
+    rng = rng or random
+    costs = {}
+    for r in candidates:
+        # The last prompt token is always computed (DESIGN section 4): a full hit still costs 1.
+        cached = min(matched_blocks.get(r, 0) * block_size, num_prompt_tokens - 1)
+        costs[r] = num_prompt_tokens - cached + queue_weight * queued_tokens.get(r, 0.0)
+    order = list(candidates)
+    rng.shuffle(order)  # sort is stable: equal costs keep this random order
+    order.sort(key=costs.__getitem__)
+    return order
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What the decode ranking needs from a replica (its routing stats plus in-flight requests)."""
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+    num_running: int
+
+
+def rank_decode(candidates: Sequence[str], loads: Mapping[str, DecodeLoad], blocks_needed: int,
+                rng: random.Random | None = None) -> list[str]:
+    """`candidates` by KV headroom left after `blocks_needed` (fraction of the cache), then by fewest
+    running sequences. Replicas with no figures yet rank as empty (a new replica should get work)."""
+    rng = rng or random
+
+    def key(r: str) -> tuple[float, int]:
+        load = loads.get(r)
+        if load is None or load.num_kv_blocks <= 0:
+            return (-1.0, 0)
+        headroom = (load.num_free_kv_blocks - blocks_needed) / load.num_kv_blocks
+        return (-headroom, load.num_running)
+
+    order = list(candidates)
+    rng.shuffle(order)
+    order.sort(key=key)
+    return order

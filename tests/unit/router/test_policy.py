@@ -1,0 +1,40 @@
+"""Placement policy: prefix affinity, the per-candidate hot-spot guard, random ties, decode headroom."""
+
+import random
+
+from pdserve.router.policy import DecodeLoad, rank_decode, rank_prefill
+
+BS = 16
+
+
+def test_prefill_prefers_the_replica_holding_the_prefix():
+    order = rank_prefill(["a", "b", "c"], 1000, {"b": 50}, {}, BS)
+    assert order[0] == "b"
+
+
+def test_hot_prefix_spreads_once_its_replica_queues_more_than_the_prefix_is_worth():
+    matched = {"a": 60}  # 960 cached tokens of a 1000-token prompt
+    assert rank_prefill(["a", "b"], 1000, matched, {"a": 200.0}, BS, queue_weight=1)[0] == "a"
+    assert rank_prefill(["a", "b"], 1000, matched, {"a": 1200.0}, BS, queue_weight=1)[0] == "b"
+    # The default weight spreads earlier: queued tokens also delay the requests behind them.
+    assert rank_prefill(["a", "b"], 1000, matched, {"a": 400.0}, BS)[0] == "b"
+
+
+def test_an_overloaded_replica_does_not_turn_affinity_off_for_others():
+    queued = {"a": 1e6, "b": 0.0, "c": 0.0}
+    assert rank_prefill(["a", "b", "c"], 1000, {"a": 60, "c": 60}, queued, BS)[0] == "c"
+    assert rank_prefill(["a", "b", "c"], 1000, {"b": 30}, queued, BS)[0] == "b"
+
+
+def test_a_full_hit_still_costs_the_last_token_and_ties_break_at_random():
+    rng = random.Random(0)
+    firsts = {rank_prefill(["a", "b", "c"], 64, {"a": 4, "b": 4}, {}, BS, rng=rng)[0] for _ in range(50)}
+    assert firsts == {"a", "b"}
+
+
+def test_decode_ranks_by_headroom_then_running_and_new_replicas_first():
+    loads = {"a": DecodeLoad(num_free_kv_blocks=10, num_kv_blocks=100, num_running=1),
+             "b": DecodeLoad(num_free_kv_blocks=80, num_kv_blocks=100, num_running=9),
+             "c": DecodeLoad(num_free_kv_blocks=80, num_kv_blocks=100, num_running=2)}
+    assert rank_decode(["a", "b", "c"], loads, blocks_needed=5) == ["c", "b", "a"]
+    assert rank_decode(["a", "new"], loads, blocks_needed=5)[0] == "new"
