@@ -41,3 +41,12 @@ def ray_session():
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free loopback port, stopped after the test."""
+    from pdserve.router.redis_server import LocalRedis
+
+    with LocalRedis() as server:
+        yield server

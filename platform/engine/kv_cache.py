@@ -87,6 +87,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.parent_of: dict[int, int | None] = {}  # hash -> its parent's hash (for KV-event snapshots)
         # Free blocks, least recently freed first. Values unused; OrderedDict gives O(1) removal.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.enable_events = enable_events
@@ -114,6 +115,7 @@ class BlockPool:
                 self.block_hash[block_id] = None
                 if self.cached.get(h) == block_id:
                     del self.cached[h]
+                    self.parent_of.pop(h, None)
                     removed.append(h)
             self.ref_counts[block_id] = 1
             out.append(block_id)
@@ -153,6 +155,7 @@ class BlockPool:
             return
         self.block_hash[block_id] = h
         self.cached[h] = block_id
+        self.parent_of[h] = parent_hash
         if self.enable_events:
             self._events.append(BlockStored([h], parent_hash))
 
@@ -161,12 +164,17 @@ class BlockPool:
         for b in self.cached.values():
             self.block_hash[b] = None
         self.cached.clear()
+        self.parent_of.clear()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    def snapshot(self) -> list[tuple[int, int | None]]:
+        """(hash, parent hash) of every cached block: what a router resyncs from."""
+        return list(self.parent_of.items())
 
 
 class KVCacheManager:

@@ -1,0 +1,59 @@
+"""A private `redis-server` on loopback: what `pdserve serve` starts when no router.redis_url is
+configured and redis-server is installed, and what the tests run against. In-memory only."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    def __init__(self, port: int | None = None):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
+        self.port = port or _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--protected-mode", "yes", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
