@@ -32,14 +32,25 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     return config.model_copy(update={"model": str(default_model())})
 
 
-def _pool_options(pool: PoolConfig) -> dict[str, Any]:
-    options = {"num_replicas": pool.num_replicas, "ray_actor_options": dict(pool.ray_actor_options),
-               "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests}
-    if pool.request_router_class:  # where the prefix-aware router (#6) plugs in
-        from ray.serve.config import RequestRouterConfig
+PREFIX_AWARE_ROUTER = "pdserve.router.request_router:PrefixAwareRouter"
+KV_HEADROOM_ROUTER = "pdserve.router.request_router:KVHeadroomRouter"
 
-        options["request_router_config"] = RequestRouterConfig(request_router_class=pool.request_router_class)
-    return options
+
+def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, default_router: str) -> dict[str, Any]:
+    from ray.serve.config import RequestRouterConfig
+
+    from pdserve.router.kv_events import stream_name
+
+    router = config.router
+    kwargs = {"redis_url": router.redis_url, "stream": stream_name(config.name, deployment),
+              "block_size": config.engine_config(pool).block_size, "queue_weight": router.queue_weight,
+              "max_blocks_per_replica": router.max_blocks_per_replica, "approx_ttl_s": router.approx_ttl_s}
+    return {"name": deployment, "num_replicas": pool.num_replicas, "ray_actor_options": dict(pool.ray_actor_options),
+            "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests,
+            "request_router_config": RequestRouterConfig(
+                request_router_class=pool.request_router_class or default_router, request_router_kwargs=kwargs,
+                request_routing_stats_period_s=router.stats_period_s,
+                request_routing_stats_timeout_s=max(1.0, 2 * router.stats_period_s))}
 
 
 def build(config: ServeConfig) -> "Application":
@@ -51,10 +62,10 @@ def build(config: ServeConfig) -> "Application":
     args = config.model_dump(mode="json")
     prefill = None
     if config.mode == "disaggregated":
-        prefill = Prefill.options(**_pool_options(config.prefill)).bind(args)
-        decode = Decode.options(name="Decode", **_pool_options(config.decode)).bind(args, prefill)
+        prefill = Prefill.options(**_pool_options(config, config.prefill, "Prefill", PREFIX_AWARE_ROUTER)).bind(args)
+        decode = Decode.options(**_pool_options(config, config.decode, "Decode", KV_HEADROOM_ROUTER)).bind(args, prefill)
     else:
-        decode = Decode.options(name="Unified", **_pool_options(config.decode)).bind(args)
+        decode = Decode.options(**_pool_options(config, config.decode, "Unified", PREFIX_AWARE_ROUTER)).bind(args)
     gw = config.gateway
     return Gateway.options(num_replicas=gw.num_replicas, ray_actor_options=dict(gw.ray_actor_options),
                            max_ongoing_requests=1000).bind(args, decode, prefill)
@@ -91,6 +102,7 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
 
     config = resolve_model(config)
     gw = config.gateway
+    config, redis_server = _with_router_redis(config)
     ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
     try:
         serve.start(http_options={"host": gw.host, "port": gw.port})
@@ -100,6 +112,7 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
               f"  OpenAI API:    {base}/v1   (e.g. curl {base}/v1/models)\n"
               f"  health:        {base}/health\n"
               f"  Ray dashboard: {ctx.dashboard_url and 'http://' + ctx.dashboard_url or 'not running'}\n"
+              f"  routing:       {_routing_line(config, redis_server)}\n"
               "Ctrl-C stops it.", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -112,6 +125,30 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _with_router_redis(config: ServeConfig):
+    """No router.redis_url: start a private redis-server for the KV events, if one is installed."""
+    if config.router.redis_url is not None:
+        return config, None
+    from pdserve.router.redis_server import LocalRedis
+
+    try:
+        server = LocalRedis().start()
+    except (FileNotFoundError, RuntimeError, TimeoutError) as e:
+        log.warning("no redis for KV events (%s): routing is approximate", e)
+        return config, None
+    router = config.router.model_copy(update={"redis_url": server.url})
+    return config.model_copy(update={"router": router}), server
+
+
+def _routing_line(config: ServeConfig, redis_server) -> str:
+    if config.router.redis_url is None:
+        return "prefix-aware, approximate (install redis-server, or set router.redis_url, for precise KV events)"
+    where = "a private redis-server" if redis_server is not None else "redis"
+    return f"prefix-aware, precise (KV events via {where} at {config.router.redis_url})"
 
 
 def grpc_options(port: int) -> dict[str, Any]:

@@ -61,8 +61,9 @@ class PoolConfig(BaseModel):
     engine: dict[str, Any] = Field(
         default_factory=dict, description="EngineConfig fields that differ from the top-level engine in this pool.")
     request_router_class: str | None = Field(
-        None, description="Import path of the Ray Serve RequestRouter that places requests on this pool's "
-                          "replicas; default: Ray Serve's power-of-two-choices (least loaded of two).")
+        None, description="Import path of the Ray Serve RequestRouter for this pool; default: pdserve's "
+                          "(prefix-aware for prefill and unified pools, KV headroom for decode). Ray Serve's own: "
+                          "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter.")
 
 
 class TransferConfig(BaseModel):
@@ -77,6 +78,24 @@ class TransferConfig(BaseModel):
                                           "'auto' takes the node's IP as Ray sees it.")
     lease_s: float = Field(30.0, gt=0, description="How long a prefill replica holds exported blocks for a pull.")
     timeout_s: float = Field(10.0, gt=0, description="A decode replica's deadline for one pull.")
+
+
+class RouterConfig(BaseModel):
+    """How requests are placed on replicas (DESIGN.md sections 2 and 3)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    redis_url: str | None = Field(
+        None, description="Redis that carries the replicas' KV events, e.g. redis://host:6379/0: routing is "
+                          "precise while it is reachable, approximate otherwise. None: `pdserve serve` starts a "
+                          "private redis-server on loopback when one is installed; `build_app` routes approximately.")
+    queue_weight: float = Field(
+        3.0, ge=0, description="Prefill cost = uncached prompt tokens + queue_weight x queued prefill tokens. "
+                               "1: each request's own shortest wait; higher spreads hot prefixes sooner.")
+    max_blocks_per_replica: int | None = Field(
+        1_000_000, ge=1, description="Blocks a router indexes per replica (least recently used trimmed first).")
+    approx_ttl_s: float = Field(120.0, gt=0, description="How long approximate mode trusts its own placements.")
+    stats_period_s: float = Field(0.5, gt=0, description="How often replicas report queue and KV figures.")
 
 
 class GatewayConfig(BaseModel):
@@ -113,6 +132,7 @@ class ServeConfig(BaseModel):
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:

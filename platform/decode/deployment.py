@@ -15,6 +15,7 @@ from pdserve.decode.server import DecodeServer
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer import BACKENDS, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.router.request_router import routing_stats, start_kv_events
 
 
 @serve.deployment(name="Decode")
@@ -38,6 +39,7 @@ class Decode:
 
         self.server = DecodeServer(cfg.engine_config(cfg.decode), cfg.transfer, remote_prefill, make_importer,
                                    cfg.remote_prefill_min_tokens)
+        self.kv_events = start_kv_events(cfg, self.server.engine)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         async for out in self.server.generate(req):
@@ -45,6 +47,9 @@ class Decode:
 
     def stats(self) -> dict:
         return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self.server.stats())
 
     def health(self) -> bool:
         return self.server.engine.is_healthy
@@ -54,4 +59,6 @@ class Decode:
             raise RuntimeError("the decode engine loop died")
 
     def __del__(self):
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.server.shutdown()

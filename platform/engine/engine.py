@@ -128,7 +128,9 @@ class LLMEngine:
         hit = self.kv_manager.match_prefix(req.block_hashes, req.num_tokens)
         if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit):
             return 0, None  # no room now: the caller starts it with recompute, to wait its turn here
-        req.num_cached_tokens = len(hit) * self.kv_cache.block_size
+        # What the client's usage counts as cached: the prompt tokens the prefill replica did not
+        # compute (this replica's own hits only save transfer, not compute).
+        req.num_cached_tokens = first.num_cached_tokens
         return len(hit), self.kv_manager.get_block_table(request_id)[len(hit):]
 
     def start_prefilled_request(self, request_id: str, recompute: bool = False) -> None:

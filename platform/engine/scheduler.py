@@ -103,6 +103,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted but not computed yet (prefix hits of waiting requests included).
+
+        Safe to call from another thread: list() copies each queue under the GIL in one C call."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in list(self.waiting) + list(self.running))
+
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -8,6 +8,7 @@ from ray import serve
 from pdserve.config import ServeConfig
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.prefill.server import PrefillServer
+from pdserve.router.request_router import routing_stats, start_kv_events
 
 
 def advertised_host(config: ServeConfig) -> str:
@@ -22,12 +23,16 @@ class Prefill:
         replica = serve.get_replica_context().replica_id.unique_id
         self.server = PrefillServer(cfg.engine_config(cfg.prefill), cfg.transfer, f"prefill-{replica}",
                                     advertised_host(cfg))
+        self.kv_events = start_kv_events(cfg, self.server.engine)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await self.server.prefill(req)
 
     def stats(self) -> dict:
         return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def record_routing_stats(self) -> dict:
+        return routing_stats(self.server.stats())
 
     def health(self) -> bool:
         return self.server.engine.is_healthy
@@ -37,4 +42,6 @@ class Prefill:
             raise RuntimeError("the prefill engine loop died")
 
     def __del__(self):
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.server.shutdown()

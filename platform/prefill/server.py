@@ -63,6 +63,11 @@ class PrefillServer:
 def engine_stats(engine: AsyncLLMEngine) -> dict:
     """What the router, autoscaler and tests read from a replica."""
     e = engine.engine
+    s = e.scheduler
+    hits, computed = s.num_prefix_hit_tokens, s.num_computed_prompt_tokens
     return {"healthy": engine.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
+            "num_running": len(s.running), "queued_prefill_tokens": s.num_queued_prefill_tokens(),
             "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
-            "num_preemptions": e.scheduler.num_preemptions}
+            "num_preemptions": s.num_preemptions, "num_prefix_hit_tokens": hits,
+            "num_computed_prompt_tokens": computed,
+            "prefix_hit_rate": hits / (hits + computed) if hits + computed else 0.0}

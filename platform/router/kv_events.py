@@ -12,7 +12,7 @@ now, replacing what a router knew of it).
 A router that sees a replica's event id jump (it missed entries: Redis trimmed or lost them, or
 it started late) asks that replica for a snapshot on the control stream `<stream>:resync`, and
 keeps going meanwhile. Without Redis, or while it is unreachable, the router is *approximate*:
-it records its own placements with a TTL and matches against those. No request waits on Redis.
+it matches against its own placements of the last `approx_ttl_s`. No request waits on Redis.
 """
 
 from __future__ import annotations
@@ -126,6 +126,14 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{replica_id}", daemon=True)
 
+    @classmethod
+    def for_engine(cls, engine, redis_url: str, stream: str, replica_id: str) -> KVEventPublisher:
+        """Publish an `AsyncLLMEngine`'s KV events (turned on here), taken under its lock."""
+        pool = engine.engine.block_pool
+        pool.enable_events = True
+        return cls(redis_url, stream, replica_id, lambda: engine.locked(pool.take_events),
+                   lambda: engine.locked(pool.snapshot)).start()
+
     def start(self) -> KVEventPublisher:
         self._thread.start()
         return self
@@ -188,11 +196,15 @@ class KVEventIndex:
     the stream while `match` runs on the caller's thread."""
 
     def __init__(self, redis_url: str | None, stream: str, max_blocks_per_replica: int | None = None,
-                 approx_ttl_s: float = 120.0, block_s: float = 0.5, resync_every_s: float = 2.0):
+                 approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0, block_s: float = 0.5,
+                 resync_every_s: float = 2.0):
         self.stream = stream
         self.precise = RadixIndex(max_blocks_per_replica)
+        # This router's own placements. Approximate mode matches only these (for approx_ttl_s);
+        # precise mode also counts them for pending_ttl_s, until the replica's events catch up
+        # (a burst of one prefix must not scatter before the first of it is even computed).
         self.approx = RadixIndex(max_blocks_per_replica)
-        self.approx_ttl_s = approx_ttl_s
+        self.approx_ttl_s, self.pending_ttl_s = approx_ttl_s, pending_ttl_s
         self._lock = threading.Lock()
         self._last_seq: dict[str, int] = {}
         self._resync_asked: dict[str, float] = {}
@@ -226,20 +238,22 @@ class KVEventIndex:
     # ---- the router's side
 
     def match(self, hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        replicas = list(replicas)
         with self._lock:
-            if self._connected:
-                return self.precise.match(hashes, replicas)
             now = time.monotonic()
-            if now - self._last_expire > 1.0:
-                self.approx.expire(now - self.approx_ttl_s)
+            if now - self._last_expire > 0.5:
+                self.approx.expire(now - (self.pending_ttl_s if self._connected else self.approx_ttl_s))
                 self._last_expire = now
-            return self.approx.match(hashes, replicas)
+            own = self.approx.match(hashes, replicas)
+            if not self._connected:
+                return own
+            known = self.precise.match(hashes, replicas)
+            return {r: max(n, own[r]) for r, n in known.items()}
 
     def record_placement(self, replica: str, hashes: Sequence[int]) -> None:
-        """The router sent `hashes` to `replica`; remembered (with a TTL) while approximate."""
-        if not self._connected:
-            with self._lock:
-                self.approx.insert(replica, hashes)
+        """The router sent `hashes` to `replica`."""
+        with self._lock:
+            self.approx.insert(replica, hashes)
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """The deployment's replicas now; the ones that left drop out of the index."""

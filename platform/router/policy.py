@@ -17,6 +17,8 @@ sequences.
 from __future__ import annotations
 
 import random
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -66,3 +68,52 @@ def rank_decode(candidates: Sequence[str], loads: Mapping[str, DecodeLoad], bloc
     rng.shuffle(order)
     order.sort(key=key)
     return order
+
+
+class InFlight:
+    """What this router sent to each replica and has not seen complete, and what it saw complete
+    lately: enough to correct a replica's periodic report for what happened since it was taken."""
+
+    def __init__(self, keep_s: float = 10.0):
+        self._by_request: dict[str, tuple[str, float, float]] = {}  # request -> (replica, amount, sent at)
+        self._totals: dict[str, float] = {}
+        self._done: dict[str, deque[tuple[float, float]]] = {}  # replica -> (finished at, amount)
+        self._keep_s = keep_s
+
+    def add(self, request_id: str, replica: str, amount: float) -> None:
+        self.remove(request_id, finished=False)  # a retried choice replaces the earlier one
+        self._by_request[request_id] = (replica, amount, time.time())
+        self._totals[replica] = self._totals.get(replica, 0.0) + amount
+
+    def remove(self, request_id: str, finished: bool = True) -> None:
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return
+        replica, amount, _ = entry
+        self._totals[replica] = max(0.0, self._totals[replica] - amount)
+        if finished:
+            now = time.time()
+            done = self._done.setdefault(replica, deque())
+            done.append((now, amount))
+            while done and done[0][0] < now - self._keep_s:
+                done.popleft()
+
+    def total(self, replica: str) -> float:
+        return self._totals.get(replica, 0.0)
+
+    def estimate(self, replica: str, reported: float | None, reported_at: float | None) -> float:
+        """The replica's queue now: its report, less what finished since, plus what was sent since
+        (never less than this router's own in-flight work)."""
+        own = self.total(replica)
+        if reported is None or reported_at is None:
+            return own
+        finished = sum(a for t, a in self._done.get(replica, ()) if t > reported_at)
+        sent = sum(a for r, a, t in self._by_request.values() if r == replica and t > reported_at)
+        return max(own, reported - finished + sent)
+
+    def forget_replicas(self, keep: set[str]) -> None:
+        for rid, (replica, _, _) in list(self._by_request.items()):
+            if replica not in keep:
+                self.remove(rid, finished=False)
+        self._totals = {r: v for r, v in self._totals.items() if r in keep}
+        self._done = {r: v for r, v in self._done.items() if r in keep}

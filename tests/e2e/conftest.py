@@ -74,7 +74,8 @@ def serve_apps(ray_session, tiny_llama):
                     serve.RunTarget(build(colo), name="colo", route_prefix="/colo")])
     base = f"http://127.0.0.1:{port}"
     apps = {"disagg": App("disagg", f"{base}/disagg", "tiny-llama", "unused", ["Prefill", "Decode"]),
-            "colo": App("colo", f"{base}/colo", "tiny-llama", API_KEY, ["Unified"]), "grpc_port": grpc_port}
+            "colo": App("colo", f"{base}/colo", "tiny-llama", API_KEY, ["Unified"]), "grpc_port": grpc_port,
+            "base": base}
     yield apps
     serve.delete("disagg")
     serve.delete("colo")

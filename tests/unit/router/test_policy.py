@@ -1,6 +1,7 @@
 """Placement policy: prefix affinity, the per-candidate hot-spot guard, random ties, decode headroom."""
 
 import random
+import time
 
 from pdserve.router.policy import DecodeLoad, rank_decode, rank_prefill
 
@@ -38,3 +39,21 @@ def test_decode_ranks_by_headroom_then_running_and_new_replicas_first():
              "c": DecodeLoad(num_free_kv_blocks=80, num_kv_blocks=100, num_running=2)}
     assert rank_decode(["a", "b", "c"], loads, blocks_needed=5) == ["c", "b", "a"]
     assert rank_decode(["a", "new"], loads, blocks_needed=5)[0] == "new"
+
+
+def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since():
+    from pdserve.router.policy import InFlight
+
+    f = InFlight()
+    f.add("q1", "a", 100)
+    assert f.estimate("a", None, None) == 100  # no report yet: own work only
+    t_report = time.time()
+    time.sleep(0.01)
+    f.remove("q1")  # finished after the report was taken
+    assert f.estimate("a", 100, t_report) == 0
+    f.add("q2", "a", 40)  # sent after the report
+    assert f.estimate("a", 250, t_report) == 250 - 100 + 40  # other routers' work stays counted
+    f.add("q2", "a", 40)  # a retried choice replaces, not adds
+    assert f.total("a") == 40
+    f.forget_replicas({"b"})
+    assert f.total("a") == 0 and f.estimate("a", 0, t_report) == 0

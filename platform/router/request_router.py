@@ -1,0 +1,141 @@
+"""The Ray Serve glue: pdserve's routers as `RequestRouter`s (DESIGN.md section 3).
+
+They run inside every caller of a pool (no central actor on the request path): `PrefixAwareRouter`
+on the Prefill (and colocated Unified) pool, `KVHeadroomRouter` on the Decode pool. The first
+reads a `KVEventIndex` fed by the pool's KV-event stream; both read the figures each replica's
+`record_routing_stats` reports, plus what this router itself has in flight to each replica
+(reports are periodic; in-flight accounting covers the gap between them).
+
+`request_router_kwargs` (JSON, see `pdserve.app`): redis_url, stream, block_size, queue_weight,
+max_blocks_per_replica, approx_ttl_s. The replica side (publishing KV events, reporting routing
+stats) is here too: `start_kv_events` and `routing_stats`, called by the pool deployments.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ray import serve
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from pdserve.config import ServeConfig
+from pdserve.messages import GenerateRequest
+from pdserve.router.block_hash import block_hashes
+from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
+from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
+
+log = logging.getLogger(__name__)
+
+
+def _request_of(pending: PendingRequest | None) -> GenerateRequest | None:
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if isinstance(arg, GenerateRequest):
+            return arg
+    return None
+
+
+class _PdserveRouter(RequestRouter):
+    """Shared plumbing: replica ids, in-flight accounting, ranks out of an ordering."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._in_flight = InFlight()
+        self._block_size = int(kwargs.get("block_size", 16))
+
+    def _ranks(self, order: list[str], by_id: dict[str, RunningReplica]) -> list[list[RunningReplica]]:
+        # One replica per rank: Ray Serve tries them in our order, skipping full ones.
+        return [[by_id[r]] for r in order]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.remove(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._replicas_changed({r.replica_id.unique_id for r in replicas})
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._replicas_changed({r.unique_id for r in self.curr_replicas})
+
+    def _replicas_changed(self, ids: set[str]) -> None:
+        self._in_flight.forget_replicas(ids)
+
+
+class PrefixAwareRouter(_PdserveRouter):
+    """Prefill placement: least `uncached prompt tokens + queue_weight x queued prefill tokens`."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
+        self._queue_weight = float(kwargs.get("queue_weight", DEFAULT_QUEUE_WEIGHT))
+        self._index = KVEventIndex(kwargs.get("redis_url"), kwargs.get("stream", "pdserve:kv-events"),
+                                   kwargs.get("max_blocks_per_replica"),
+                                   approx_ttl_s=float(kwargs.get("approx_ttl_s", 120.0))).start()
+        log.info("prefix-aware router for %s: %s mode", kwargs.get("stream"), self._index.mode)
+
+    def _replicas_changed(self, ids: set[str]) -> None:
+        super()._replicas_changed(ids)
+        self._index.set_replicas(ids)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        req = _request_of(pending_request)
+        if req is None:  # not a generate call (health, stats): any replica
+            return [candidate_replicas]
+        hashes = block_hashes(req.prompt_token_ids, self._block_size)
+        ids = list(by_id)
+        matched = self._index.match(hashes, ids)
+        queued = {}
+        for r in ids:
+            stats = by_id[r].routing_stats
+            queued[r] = self._in_flight.estimate(r, stats.get("queued_prefill_tokens"), stats.get("time"))
+        n = len(req.prompt_token_ids)
+        order = rank_prefill(ids, n, matched, queued, self._block_size, self._queue_weight)
+        best = order[0]
+        self._in_flight.add(pending_request.metadata.internal_request_id, best,
+                            n - min(matched[best] * self._block_size, n - 1))
+        self._index.record_placement(best, hashes)
+        return self._ranks(order, by_id)
+
+
+class KVHeadroomRouter(_PdserveRouter):
+    """Decode placement: most KV headroom after the request, then fewest running sequences."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        req = _request_of(pending_request)
+        if req is None:
+            return [candidate_replicas]
+        needed = -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self._block_size)
+        loads = {}
+        for r, replica in by_id.items():
+            stats = replica.routing_stats
+            if "num_kv_blocks" in stats:
+                # The replica's report may predate what this router sent since: take the larger.
+                total = int(stats["num_kv_blocks"])
+                used = max(total - int(stats["num_free_kv_blocks"]), int(self._in_flight.total(r)))
+                loads[r] = DecodeLoad(total - used, total, int(stats.get("num_running", 0)))
+        order = rank_decode(list(by_id), loads, needed)
+        self._in_flight.add(pending_request.metadata.internal_request_id, order[0], needed)
+        return self._ranks(order, by_id)
+
+
+# ---- the replica side
+
+def start_kv_events(cfg: ServeConfig, engine) -> KVEventPublisher | None:
+    """Publish this replica's KV events for the routers, when a Redis is configured."""
+    if not cfg.router.redis_url:
+        return None
+    ctx = serve.get_replica_context()
+    return KVEventPublisher.for_engine(engine, cfg.router.redis_url, stream_name(cfg.name, ctx.deployment),
+                                       ctx.replica_id.unique_id)
+
+
+def routing_stats(stats: dict) -> dict:
+    """The figures pdserve's routers read (Ray Serve calls `record_routing_stats` periodically)."""
+    keys = ("queued_prefill_tokens", "num_running", "num_kv_blocks", "num_free_kv_blocks")
+    return {**{k: stats[k] for k in keys}, "time": time.time()}
