@@ -72,24 +72,41 @@ def rank_decode(candidates: Sequence[str], loads: Mapping[str, DecodeLoad], bloc
 
 class InFlight:
     """What this router sent to each replica and has not seen complete, and what it saw complete
-    lately: enough to correct a replica's periodic report for what happened since it was taken."""
+    lately: enough to correct a replica's periodic report for what happened since it was taken.
 
-    def __init__(self, keep_s: float = 10.0):
-        self._by_request: dict[str, tuple[str, float, float]] = {}  # request -> (replica, amount, sent at)
+    An entry is keyed by its routing attempt (`key`: a retried choice replaces it) and finished by
+    `(request id, replica)`, which is all a completion says; several entries may share a request
+    id (one client request fanning out), so a completion finishes the oldest one."""
+
+    def __init__(self, keep_s: float = 10.0, max_age_s: float = 600.0):
+        self._max_age_s = max_age_s  # a choice never dispatched (client gone) never completes
+        self._entries: dict[object, tuple[str, str, float, float]] = {}  # key -> (request, replica, amount, sent at)
         self._totals: dict[str, float] = {}
         self._done: dict[str, deque[tuple[float, float]]] = {}  # replica -> (finished at, amount)
         self._keep_s = keep_s
 
-    def add(self, request_id: str, replica: str, amount: float) -> None:
-        self.remove(request_id, finished=False)  # a retried choice replaces the earlier one
-        self._by_request[request_id] = (replica, amount, time.time())
+    def add(self, key: object, request_id: str, replica: str, amount: float) -> None:
+        self._drop(key, finished=False)  # a retried choice replaces the earlier one
+        now = time.time()
+        while self._entries:  # oldest first (insertion order)
+            oldest = next(iter(self._entries))
+            if self._entries[oldest][3] >= now - self._max_age_s:
+                break
+            self._drop(oldest, finished=False)
+        self._entries[key] = (request_id, replica, amount, now)
         self._totals[replica] = self._totals.get(replica, 0.0) + amount
 
-    def remove(self, request_id: str, finished: bool = True) -> None:
-        entry = self._by_request.pop(request_id, None)
+    def finish(self, request_id: str, replica: str | None = None) -> None:
+        for key, (rid, rep, _, _) in self._entries.items():
+            if rid == request_id and (replica is None or rep == replica):
+                self._drop(key, finished=True)
+                return
+
+    def _drop(self, key: object, finished: bool) -> None:
+        entry = self._entries.pop(key, None)
         if entry is None:
             return
-        replica, amount, _ = entry
+        _, replica, amount, _ = entry
         self._totals[replica] = max(0.0, self._totals[replica] - amount)
         if finished:
             now = time.time()
@@ -108,12 +125,12 @@ class InFlight:
         if reported is None or reported_at is None:
             return own
         finished = sum(a for t, a in self._done.get(replica, ()) if t > reported_at)
-        sent = sum(a for r, a, t in self._by_request.values() if r == replica and t > reported_at)
+        sent = sum(a for _, r, a, t in self._entries.values() if r == replica and t > reported_at)
         return max(own, reported - finished + sent)
 
     def forget_replicas(self, keep: set[str]) -> None:
-        for rid, (replica, _, _) in list(self._by_request.items()):
+        for key, (_, replica, _, _) in list(self._entries.items()):
             if replica not in keep:
-                self.remove(rid, finished=False)
+                self._drop(key, finished=False)
         self._totals = {r: v for r, v in self._totals.items() if r in keep}
         self._done = {r: v for r, v in self._done.items() if r in keep}

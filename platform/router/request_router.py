@@ -50,7 +50,20 @@ class _PdserveRouter(RequestRouter):
         return [[by_id[r]] for r in order]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._in_flight.remove(internal_request_id)
+        self._in_flight.finish(internal_request_id, replica_id.unique_id)
+
+    # Ray Serve (2.60) indexes pending requests by `internal_request_id`, which every sub-call of
+    # one HTTP request shares: two concurrent calls (n > 1 fans out) leave the second unroutable
+    # and its routing task spinning. Routers without FIFOMixin hit it; index by the request itself.
+    def _add_pending_request_to_indices(self, pending_request: PendingRequest) -> None:
+        self._pending_requests_by_id[id(pending_request.metadata)] = pending_request
+
+    def _remove_pending_request_from_indices(self, pending_request: PendingRequest) -> None:
+        self._pending_requests_by_id.pop(id(pending_request.metadata), None)
+
+    def _get_pending_request_matching_internal_request_id(self, request_metadata=None) -> PendingRequest | None:
+        pr = self._pending_requests_by_id.get(id(request_metadata)) if request_metadata is not None else None
+        return pr if pr is not None and not pr.future.done() else None
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -95,7 +108,7 @@ class PrefixAwareRouter(_PdserveRouter):
         n = len(req.prompt_token_ids)
         order = rank_prefill(ids, n, matched, queued, self._block_size, self._queue_weight)
         best = order[0]
-        self._in_flight.add(pending_request.metadata.internal_request_id, best,
+        self._in_flight.add(id(pending_request.metadata), pending_request.metadata.internal_request_id, best,
                             n - min(matched[best] * self._block_size, n - 1))
         self._index.record_placement(best, hashes)
         return self._ranks(order, by_id)
@@ -120,7 +133,8 @@ class KVHeadroomRouter(_PdserveRouter):
                 used = max(total - int(stats["num_free_kv_blocks"]), int(self._in_flight.total(r)))
                 loads[r] = DecodeLoad(total - used, total, int(stats.get("num_running", 0)))
         order = rank_decode(list(by_id), loads, needed)
-        self._in_flight.add(pending_request.metadata.internal_request_id, order[0], needed)
+        self._in_flight.add(id(pending_request.metadata), pending_request.metadata.internal_request_id, order[0],
+                            needed)
         return self._ranks(order, by_id)
 
 

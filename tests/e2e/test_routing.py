@@ -45,7 +45,7 @@ def routed(serve_apps, tiny_llama):
         aclient = openai.AsyncOpenAI(base_url=f"{serve_apps['base']}/routed/v1", api_key="unused",
                                      max_retries=0, timeout=120)
         try:
-            yield client, aclient, observer
+            yield client, aclient, observer, redis
         finally:
             observer.close()
             serve.delete("routed")
@@ -67,7 +67,7 @@ def wait_for(cond, timeout_s: float = 15.0):
 
 
 def test_tenants_land_on_the_replica_holding_their_prefix_and_a_hot_tenant_spreads(routed):
-    client, aclient, observer = routed
+    client, aclient, observer, _ = routed
     rng = random.Random(0)
     prefixes = [[rng.randrange(10, 400) for _ in range(PREFIX)] for _ in range(4)]
 
@@ -99,3 +99,25 @@ def test_tenants_land_on_the_replica_holding_their_prefix_and_a_hot_tenant_sprea
     assert len(wait_for(lambda: len(holders(observer, prefixes[0])) >= 2 and holders(observer, prefixes[0]))) >= 2
     # ...while most of the burst still reused a cached prefix.
     assert sum(o.usage.prompt_tokens_details.cached_tokens >= PREFIX for o in outs) >= 12
+
+
+def test_requests_keep_flowing_while_redis_is_down_and_precision_returns(routed):
+    client, _, observer, redis = routed
+    prefix = [7] * PREFIX
+
+    def ask(i: int):
+        return client.completions.create(model="tiny-llama", prompt=prefix + [11 + i] * SUFFIX, max_tokens=2,
+                                         temperature=0)
+
+    redis.stop()
+    try:
+        outs = [ask(i) for i in range(4)]  # routers approximate: their own placements
+        assert all(o.choices for o in outs)
+        assert all(o.usage.prompt_tokens_details.cached_tokens >= PREFIX for o in outs[1:])
+    finally:
+        redis.start()
+    assert wait_for(lambda: observer.mode == "precise")
+    outs = [ask(i) for i in range(4, 6)]
+    assert all(o.choices for o in outs)
+    # The replicas republish what they hold once redis is back: the prefix is known again.
+    assert wait_for(lambda: holders(observer, prefix))

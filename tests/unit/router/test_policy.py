@@ -45,15 +45,18 @@ def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since():
     from pdserve.router.policy import InFlight
 
     f = InFlight()
-    f.add("q1", "a", 100)
+    f.add("try-1", "q1", "a", 100)
     assert f.estimate("a", None, None) == 100  # no report yet: own work only
     t_report = time.time()
     time.sleep(0.01)
-    f.remove("q1")  # finished after the report was taken
+    f.finish("q1", "a")  # finished after the report was taken
     assert f.estimate("a", 100, t_report) == 0
-    f.add("q2", "a", 40)  # sent after the report
+    f.add("try-2", "q2", "a", 40)  # sent after the report
     assert f.estimate("a", 250, t_report) == 250 - 100 + 40  # other routers' work stays counted
-    f.add("q2", "a", 40)  # a retried choice replaces, not adds
+    f.add("try-2", "q2", "a", 40)  # a retried choice replaces, not adds
     assert f.total("a") == 40
+    f.add("try-3", "q2", "b", 10)  # one client request fanning out: two entries, one request id
+    f.finish("q2", "b")
+    assert f.total("a") == 40 and f.total("b") == 0
     f.forget_replicas({"b"})
     assert f.total("a") == 0 and f.estimate("a", 0, t_report) == 0

@@ -36,9 +36,24 @@ def test_apps_and_serve_config(tiny_llama, capsys):
     from ray.serve import Application
 
     for mode in ("disaggregated", "colocated"):
-        router = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"  # the hook #6 uses
+        router = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
         cfg = ServeConfig(model=tiny_llama, mode=mode, prefill={"request_router_class": router})
         assert isinstance(build(cfg), Application)
+
+
+def test_pools_get_pdserve_routers_unless_configured(tiny_llama):
+    from pdserve.app import KV_HEADROOM_ROUTER, PREFIX_AWARE_ROUTER, _pool_options
+
+    cfg = ServeConfig(model=tiny_llama, engine={"block_size": 8}, router={"redis_url": "redis://h:1/0"})
+    prefill = _pool_options(cfg, cfg.prefill, "Prefill", PREFIX_AWARE_ROUTER)["request_router_config"]
+    assert prefill.request_router_class == PREFIX_AWARE_ROUTER
+    assert prefill.request_router_kwargs == {
+        "redis_url": "redis://h:1/0", "stream": "pdserve:kv-events:pdserve:Prefill", "block_size": 8,
+        "queue_weight": 3.0, "max_blocks_per_replica": 1_000_000, "approx_ttl_s": 120.0}
+    pow2 = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+    cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"request_router_class": pow2})})
+    decode = _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["request_router_config"]
+    assert decode.request_router_class == pow2
 
     out = serve_config(ServeConfig(model=tiny_llama, gateway={"port": 8100}))
     [app] = out["applications"]
