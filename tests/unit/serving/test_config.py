@@ -40,6 +40,15 @@ def test_apps_and_serve_config(tiny_llama, capsys):
         cfg = ServeConfig(model=tiny_llama, mode=mode, prefill={"request_router_class": router})
         assert isinstance(build(cfg), Application)
 
+    out = serve_config(ServeConfig(model=tiny_llama, gateway={"port": 8100}))
+    [app] = out["applications"]
+    assert app["import_path"] == "pdserve.app:build_app" and out["http_options"]["port"] == 8100
+    assert ServeConfig.model_validate(app["args"]).model == tiny_llama  # the args round-trip
+
+    assert main(["serve-config", str(CONFIGS / "tiny-cpu.yaml")]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["applications"][0]["args"]["engine"]["num_threads"] == 1
+
 
 def test_pools_get_pdserve_routers_unless_configured(tiny_llama):
     from pdserve.app import KV_HEADROOM_ROUTER, PREFIX_AWARE_ROUTER, _pool_options
@@ -54,13 +63,3 @@ def test_pools_get_pdserve_routers_unless_configured(tiny_llama):
     cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"request_router_class": pow2})})
     decode = _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["request_router_config"]
     assert decode.request_router_class == pow2
-
-    out = serve_config(ServeConfig(model=tiny_llama, gateway={"port": 8100}))
-    [app] = out["applications"]
-    assert app["import_path"] == "pdserve.app:build_app" and out["http_options"]["port"] == 8100
-    assert ServeConfig.model_validate(app["args"]).model == tiny_llama  # the args round-trip
-
-    assert main(["serve-config", str(CONFIGS / "tiny-cpu.yaml")]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["applications"][0]["args"]["engine"]["num_threads"] == 1
-
