@@ -102,9 +102,10 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
 
     config = resolve_model(config)
     gw = config.gateway
-    config, redis_server = _with_router_redis(config)
-    ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
+    # A private redis on loopback serves one machine only: joining a cluster needs router.redis_url.
+    config, redis_server = _with_router_redis(config) if address is None else (config, None)
     try:
+        ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
         serve.start(http_options={"host": gw.host, "port": gw.port})
         serve.run(build(config), name=config.name, route_prefix="/")
         base = f"http://{gw.host}:{gw.port}"

@@ -147,9 +147,9 @@ class KVEventPublisher:
     def publish_once(self) -> None:
         """Publish pending events (and a snapshot when one is owed). Raises redis errors."""
         events = encode_events(self._take_events())
-        if self._need_snapshot:
+        if self._need_snapshot:  # taken after the events, so it already holds what they say
             hashes, parents = zip(*pairs) if (pairs := self._snapshot()) else ((), ())
-            events.append([SNAPSHOT, list(hashes), list(parents)])
+            events = [[SNAPSHOT, list(hashes), list(parents)]]
         if events:
             self._seq += 1
             self._redis.xadd(self.stream, {"r": self.replica_id, "id": self._seq,
