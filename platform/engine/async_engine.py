@@ -112,6 +112,8 @@ class AsyncLLMEngine:
         self._has_work.set()
         self._thread.join(timeout_s)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        if not self._thread.is_alive():  # the loop is out of the engine: its ranks can stop
+            self.engine.shutdown()
 
     # -- the loop thread ------------------------------------------------------------------------
     def _loop(self) -> None:

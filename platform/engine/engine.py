@@ -21,8 +21,11 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache import BlockPool, KVCache, KVCacheManager, block_hashes
-from pdserve.engine.models.arch import parse_dtype
+from pdserve.engine.models.arch import ModelArch, parse_dtype
+from pdserve.engine.models.llama import check_parallel
 from pdserve.engine.models.loader import load_model
+from pdserve.engine.parallel import (SINGLE, ParallelState, backend_for, broadcast_step, free_init_method,
+                                     init_group, spawn_local_workers, torch_threads_per_rank)
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -65,29 +68,64 @@ class RequestOutput:
         self.num_output_tokens, self.num_cached_tokens = later.num_output_tokens, later.num_cached_tokens
 
 
+def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[torch.nn.Module, ModelArch, KVCache]:
+    """This rank's model shard and KV cache (its KV heads; the same number of blocks on every rank)."""
+    threads = torch_threads_per_rank(config) if parallel.size > 1 else config.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+    model, arch = load_model(config.model, dtype, config.device, config.max_model_len, parallel)
+    if (config.max_model_len or arch.context_len) > arch.context_len:
+        raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's context length "
+                             f"{arch.context_len}")
+    kv_dtype = next(model.parameters()).dtype
+    bytes_per_block = KVCache.bytes_per_block_for(arch.num_layers, config.block_size, model.num_kv_heads,
+                                                  arch.head_dim, kv_dtype)
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+    kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, model.num_kv_heads, arch.head_dim,
+                       kv_dtype, config.device)
+    return model, arch, kv_cache
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """The driver of one engine (rank 0 of a parallel one).
+
+    With `tensor_parallel_size` N > 1 it needs N-1 worker ranks in its group: by default it starts
+    them itself as local processes; a caller that places them elsewhere (Ray rank workers) passes
+    the group's `init_method` and starts `pdserve.engine.worker.run_worker` on each.
+    """
+
+    def __init__(self, config: EngineConfig, init_method: str | None = None):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         t0 = time.perf_counter()
-        self.tokenizer = Tokenizer(config.model)
-        self.model, self.arch = load_model(config.model, dtype, config.device, config.max_model_len)
+        self.parallel = SINGLE
+        self._local_workers = []
+        self._owns_group = False
+        try:
+            if config.tensor_parallel_size > 1:
+                # Fail on a degree the model cannot be split by before any rank starts.
+                check_parallel(ModelArch.from_dir(config.model),
+                               ParallelState(0, config.tensor_parallel_size, config.enable_expert_parallel))
+                if init_method is None:
+                    init_method = free_init_method()
+                    self._local_workers = spawn_local_workers(config, init_method)
+                init_group(0, config.tensor_parallel_size, init_method,
+                           backend_for(config.device, config.distributed_backend))
+                self._owns_group = True
+                self.parallel = ParallelState(0, config.tensor_parallel_size, config.enable_expert_parallel)
+            self.tokenizer = Tokenizer(config.model)
+            self.model, self.arch, self.kv_cache = load_rank(config, self.parallel)
+        except BaseException:
+            self._stop_workers(graceful=False)
+            raise
         self.max_model_len = config.max_model_len or self.arch.context_len
-        if self.max_model_len > self.arch.context_len:
-            raise ModelLoadError(f"max_model_len {self.max_model_len} exceeds the model's context length "
-                                 f"{self.arch.context_len}")
-        kv_dtype = next(self.model.parameters()).dtype
-        bytes_per_block = KVCache.bytes_per_block_for(self.arch.num_layers, config.block_size,
-                                                      self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
-        self.kv_cache = KVCache(self.arch.num_layers, num_blocks, config.block_size, self.arch.num_kv_heads,
-                                self.arch.head_dim, kv_dtype, config.device)
+        num_blocks = self.kv_cache.num_blocks
+        bytes_per_block = self.kv_cache.kv[:, :, 0].numel() * self.kv_cache.kv.element_size()
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(self.block_pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, Sampler(config.seed), config.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, Sampler(config.seed), config.device,
+                                  self.parallel)
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -98,6 +136,27 @@ class LLMEngine:
                  "loaded in %.1fs", config.model, self.arch.model_type, self.arch.num_layers, num_blocks,
                  config.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
                  time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        """Release the worker ranks of a parallel engine (nothing to do for a single rank)."""
+        self._stop_workers(graceful=True)
+
+    def _stop_workers(self, graceful: bool) -> None:
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            self._owns_group = False
+            if graceful:
+                try:
+                    broadcast_step(None, self.runner.device)
+                except RuntimeError as e:  # a rank is gone already
+                    log.warning("stopping the worker ranks: %s", e)
+            dist.destroy_process_group()
+        for p in self._local_workers:
+            p.join(timeout=10 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+        self._local_workers = []
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -2,9 +2,10 @@
 
 In: a `SchedulerOutput` (tensor-free). The runner lays the step's tokens out as
 `[decode tokens..., prefill chunks...]` (a chunk of one token counts as a decode: attention for a
-single query is the same either way), builds positions, slot mapping, block tables and the
-attention metadata, runs the forward pass inside `forward_context`, and samples the rows of
-chunks that reach their request's last token. Out: `(request, token id, logprob)` triples.
+single query is the same either way) in a `StepInputs` (token ids, positions, slot mapping, block
+tables, the rows that need logits), broadcasts it to the other ranks of a parallel replica, runs
+the forward pass inside `forward_context` (`run_step`, which worker ranks run too), and samples
+the rows of chunks that reach their request's last token. Out: `(request, token id, logprob)` triples.
 It does not decide what runs or when a request stops.
 """
 
@@ -17,6 +18,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forward_context
 from pdserve.engine.kernels.paged_attention import GatherWorkspace, decode_mask
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
+from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -30,13 +32,14 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager, sampler: Sampler,
-                 device: str | torch.device = "cpu"):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager | None,
+                 sampler: Sampler | None, device: str | torch.device = "cpu", parallel: ParallelState = SINGLE):
         self.model = model
         self.kv_cache = kv_cache
-        self.kv_manager = kv_manager
+        self.kv_manager = kv_manager  # None on worker ranks: the driver owns the block tables
         self.sampler = sampler
         self.device = torch.device(device)
+        self.parallel = parallel
         self.block_size = kv_cache.block_size
         self.workspace = GatherWorkspace()
 
@@ -44,26 +47,45 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         # Decodes first: attention handles them as one batch, prefill chunks one by one.
         chunks = [c for c in out.chunks if c.num_new_tokens == 1] + [c for c in out.chunks if c.num_new_tokens > 1]
-        input_ids, positions, meta = self._prepare(chunks)
-        with forward_context(meta, self.kv_cache, self.workspace):
-            hidden = self.model(input_ids, positions)
-        self._prompt_logprobs(chunks, hidden)
-
-        # Rows whose logits we need: the last token of each chunk that reaches its request's end.
+        prompt_rows = self._prompt_logprob_rows(chunks)
+        # Rows whose logits we sample: the last token of each chunk that reaches its request's end.
         sample_rows, requests, end = [], [], 0
         for c in chunks:
             end += c.num_new_tokens
             if c.samples:
                 sample_rows.append(end - 1)
                 requests.append(c.request)
-        if not sample_rows:
+        step = self._prepare(chunks, [row for row, _, _ in prompt_rows] + sample_rows, len(prompt_rows))
+        if self.parallel.size > 1:
+            broadcast_step(step, self.device)
+        prompt_logits, logits = self.run_step(step)
+        if prompt_logits is not None:
+            logprobs = torch.log_softmax(prompt_logits.float(), dim=-1)
+            for row, (_, target, r) in zip(logprobs, prompt_rows):
+                r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
         tokens, logprobs = self.sampler(logits, requests)
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata for chunks ordered decodes first."""
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forward pass every rank runs: (prompt-logprob logits, sampling logits), each None
+        when the step has no such rows (and on worker ranks, which only contribute shards)."""
+        nd = 0 if step.decode_lens is None else step.decode_lens.numel()
+        mask = decode_mask(step.decode_lens, step.decode_tables.shape[1] * self.block_size,
+                           self.kv_cache.dtype) if nd else None
+        prefills = [PrefillChunkMeta(s, q, c, table) for s, q, c, table in step.prefills]
+        meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills, mask)
+        with forward_context(meta, self.kv_cache, self.workspace):
+            hidden = self.model(step.input_ids, step.positions)
+        k = step.num_prompt_rows
+        prompt = self.model.compute_logits(hidden[step.logit_rows[:k]]) if k else None
+        sample = self.model.compute_logits(hidden[step.logit_rows[k:]]) if step.logit_rows.numel() > k else None
+        return prompt, sample
+
+    def _prepare(self, chunks: list[ScheduledChunk], logit_rows: list[int], num_prompt_rows: int) -> StepInputs:
+        """The step's tensors for chunks ordered decodes first."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
@@ -73,41 +95,35 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(c.start, c.end)]
 
         num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)
-        decode_tables = decode_lens = mask = None
+        decode_tables = decode_lens = None
         if num_decodes:
             max_blocks = max(len(t) for t in tables[:num_decodes])
             # Pad with block 0: padded positions are masked out.
             decode_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decodes]])
             decode_lens = self._tensor([c.end for c in chunks[:num_decodes]])
-            mask = decode_mask(decode_lens, max_blocks * bs, self.kv_cache.dtype)
         prefills, start = [], num_decodes
         for c, table in zip(chunks[num_decodes:], tables[num_decodes:]):
-            prefills.append(PrefillChunkMeta(start, c.num_new_tokens, c.end, self._tensor(table)))
+            prefills.append((start, c.num_new_tokens, c.end, self._tensor(table)))
             start += c.num_new_tokens
-        meta = AttentionMetadata(self._tensor(slots), num_decodes, decode_tables, decode_lens, prefills, mask)
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), self._tensor(slots), decode_tables,
+                          decode_lens, prefills, self._tensor(logit_rows), num_prompt_rows)
 
-    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
-        """Append prompt-token logprobs for chunks of requests that asked for them.
+    @staticmethod
+    def _prompt_logprob_rows(chunks: list[ScheduledChunk]) -> list[tuple[int, int, Request]]:
+        """(row, target token, request) for prompt-token logprobs of chunks that asked for them.
 
         The logits at position p score prompt token p + 1. Positions already scored (a request
         recomputed after preemption) are skipped, so each token is scored once, in order.
         """
-        rows, targets, owners = [], [], []
+        out = []
         offset = 0
         for c in chunks:
             r = c.request
             if r.params.prompt_logprobs is not None:
                 for p in range(max(c.start, len(r.prompt_logprobs) - 1), min(c.end, r.num_prompt_tokens - 1)):
-                    rows.append(offset + p - c.start)
-                    targets.append(r.prompt_token_ids[p + 1])
-                    owners.append(r)
+                    out.append((offset + p - c.start, r.prompt_token_ids[p + 1], r))
             offset += c.num_new_tokens
-        if not rows:
-            return
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[self._tensor(rows)]).float(), dim=-1)
-        for row, target, r in zip(logprobs, targets, owners):
-            r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
+        return out
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -166,30 +166,51 @@ class RowParallelLinear(_Linear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding; its rows double as the LM head when the checkpoint ties them."""
+    """Token embedding with the vocabulary's rows split across ranks (padded to a multiple of the
+    degree); its rows double as the LM head when the checkpoint ties them. A rank looks up the ids
+    in its range, zeros for the rest, and the all-reduce assembles every row."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.weight = _param(vocab_size, hidden_size)
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.rows_per_rank = -(-vocab_size // tp_size)
+        self.start = tp_rank * self.rows_per_rank
+        self.weight = _param(self.rows_per_rank, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0)
+        torch.distributed.all_reduce(out)
+        return out
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        rows = loaded[self.start:self.start + self.rows_per_rank]
+        param.data.zero_()  # padding rows past the vocabulary
+        param.data[:rows.shape[0]].copy_(rows)
 
 
 class LMHead(_Linear):
     """hidden -> vocabulary logits, from the LM head's checkpoint tensor `[vocab, hidden]` or, when
-    the checkpoint ties them, from the embedding table (then it keeps a copy of its own)."""
+    the checkpoint ties them, from the embedding table (then it keeps a copy of its own). Under
+    tensor parallelism each rank scores its vocabulary rows and rank 0 gathers them; the other
+    ranks return None."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, vocab_size: int | None = None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size or weight.shape[0], tp_rank, tp_size
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.finalize()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._matmul(hidden, None)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        local = self._matmul(hidden, None)
+        if self.tp_size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        torch.distributed.gather(local.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size] if parts else None
 
 
 # -- rotary position embedding --------------------------------------------------------------------

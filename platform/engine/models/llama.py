@@ -15,18 +15,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import Attention
+from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (LMHead, MergedColumnParallelLinear, QKVParallelLinear,
                                           RMSNorm, RotaryEmbedding, RowParallelLinear, VocabEmbedding, _Linear)
-from pdserve.errors import ModelLoadError
+from pdserve.errors import ModelLoadError, UnsupportedModelError
+
+
+def check_parallel(arch: ModelArch, parallel: ParallelState) -> None:
+    """A clear error when the model's shapes cannot be split `parallel.size` ways."""
+    n = parallel.size
+    problems = []
+    if arch.num_heads % n:
+        problems.append(f"{arch.num_heads} attention heads")
+    if arch.num_kv_heads % n and n % arch.num_kv_heads:
+        problems.append(f"{arch.num_kv_heads} KV heads (neither divisible by {n} nor dividing it)")
+    if arch.intermediate_size % n and not (arch.is_moe and parallel.expert_parallel):
+        problems.append(f"intermediate size {arch.intermediate_size}")
+    if arch.is_moe and parallel.expert_parallel and arch.num_experts % n:
+        problems.append(f"{arch.num_experts} experts")
+    if problems:
+        raise UnsupportedModelError(f"tensor_parallel_size {n} does not divide this {arch.model_type} model's "
+                                    f"{', '.join(problems)}; pick a degree that does")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int):
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: ParallelState):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
-                                          arch.num_kv_heads, bias=arch.qkv_bias)
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size)
+                                          arch.num_kv_heads, bias=arch.qkv_bias, tp_rank=tp.rank, tp_size=tp.size)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        tp_rank=tp.rank, tp_size=tp.size)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
@@ -41,10 +60,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: ParallelState):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       tp_rank=tp.rank, tp_size=tp.size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank=tp.rank, tp_size=tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -52,10 +72,10 @@ class LlamaMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, mlp: nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, mlp: nn.Module, tp: ParallelState):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_idx)
+        self.self_attn = LlamaAttention(arch, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
 
@@ -67,12 +87,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, max_position: int, make_mlp):
+    def __init__(self, arch: ModelArch, max_position: int, make_mlp, tp: ParallelState):
         super().__init__()
         self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings)
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, make_mlp(arch)) for i in range(arch.num_layers))
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, tp.rank, tp.size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, make_mlp(arch, tp), tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -88,16 +108,24 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, arch: ModelArch, max_position: int):
+    def __init__(self, arch: ModelArch, max_position: int, parallel: ParallelState = SINGLE):
         super().__init__()
+        check_parallel(arch, parallel)
         self.arch = arch
-        self.model = LlamaModel(arch, max_position, self.make_mlp)
+        self.parallel = parallel
+        self.model = LlamaModel(arch, max_position, self.make_mlp, parallel)
         # A `[vocab, hidden]` holder while loading; `finalize()` turns it into the LMHead.
-        self.lm_head = None if arch.tie_word_embeddings else VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        self.lm_head = None if arch.tie_word_embeddings else VocabEmbedding(arch.vocab_size, arch.hidden_size,
+                                                                            parallel.rank, parallel.size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @staticmethod
-    def make_mlp(arch: ModelArch) -> nn.Module:
-        return LlamaMLP(arch.hidden_size, arch.intermediate_size)
+    def make_mlp(arch: ModelArch, tp: ParallelState) -> nn.Module:
+        return LlamaMLP(arch.hidden_size, arch.intermediate_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -118,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
             if module is not self and hasattr(module, "finalize"):
                 module.finalize()
         source = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        self.lm_head = LMHead(source.weight.data)
+        self.lm_head = LMHead(source.weight.data, self.arch.vocab_size, self.parallel.rank, self.parallel.size)
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor; None to skip it."""

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.mixtral import MixtralForCausalLM
+from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.errors import ModelLoadError
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}
@@ -52,14 +53,15 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               max_position: int | None = None) -> tuple[torch.nn.Module, ModelArch]:
+               max_position: int | None = None, parallel: ParallelState = SINGLE) -> tuple[torch.nn.Module, ModelArch]:
+    """The checkpoint as a model in eval mode; under tensor parallelism, this rank's shard of it."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory; pass a local checkpoint directory")
     arch = ModelArch.from_dir(model_dir)
     files = safetensors_files(model_dir)
     dtype = dtype or arch.dtype
-    model = MODEL_CLASSES[arch.family](arch, max_position or arch.context_len)
+    model = MODEL_CLASSES[arch.family](arch, max_position or arch.context_len, parallel)
     for p in model.parameters():  # buffers (rotary tables) stay fp32
         p.data = p.data.to(dtype=dtype, device=device)
     model.to(device)

@@ -1,33 +1,52 @@
 """Mixtral-style sparse MoE decoder: Llama attention, and a top-k routed mixture of SwiGLU experts.
 
 Experts are stored stacked (`w13`: gate and up `[experts, 2*intermediate, hidden]`, `w2`:
-`[experts, hidden, intermediate]`) so expert parallelism can later own a contiguous range of
-them. Routing follows Mixtral: softmax over all experts in fp32, top-k, renormalise.
+`[experts, hidden, intermediate]`), so under expert parallelism a rank owns a contiguous range. Routing follows Mixtral: softmax over all experts in fp32, top-k, renormalise.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.layers import _param
 from pdserve.engine.models.llama import LlamaForCausalLM
 
 
 class MixtralMoE(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
+    """Top-k routed SwiGLU experts. Under tensor parallelism each rank holds a slice of every
+    expert's intermediate dimension and the outputs are all-reduced; with expert parallelism each
+    rank holds whole experts, a contiguous range of them, and tokens travel to their experts and
+    back with all-to-all (each rank routes its share of the step's tokens, then the shares are
+    gathered again). Either way the router (`gate`) is replicated."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 tp: ParallelState = SINGLE):
         super().__init__()
+        self.tp = tp
+        self.ep = tp.expert_parallel and tp.size > 1
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        self.num_experts = num_experts
+        self.experts_per_rank = num_experts // tp.size if self.ep else num_experts
+        self.first_expert = tp.rank * self.experts_per_rank if self.ep else 0
+        self.intermediate_size = intermediate_size if self.ep else intermediate_size // tp.size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
-        self.w13 = _param(num_experts, 2 * intermediate_size, hidden_size)
-        self.w2 = _param(num_experts, hidden_size, intermediate_size)
+        self.w13 = _param(self.experts_per_rank, 2 * self.intermediate_size, hidden_size)
+        self.w2 = _param(self.experts_per_rank, hidden_size, self.intermediate_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         expert, which = shard_id
+        expert -= self.first_expert
+        if not 0 <= expert < self.experts_per_rank:
+            return  # another rank's expert
+        if not self.ep and self.tp.size > 1:  # this rank's slice of the intermediate dimension
+            size = self.intermediate_size
+            loaded = loaded.narrow(1 if which == "w2" else 0, self.tp.rank * size, size)
         if which == "w2":
             param.data[expert].copy_(loaded)
         else:
@@ -39,23 +58,65 @@ class MixtralMoE(nn.Module):
         self.w13 = nn.Parameter(self.w13.data.transpose(1, 2).contiguous(), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.data.transpose(1, 2).contiguous(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
-        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        return (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype), top_i
+
+    def _expert(self, x: torch.Tensor, local_expert: int) -> torch.Tensor:
+        gate, up = torch.mm(x, self.w13[local_expert]).chunk(2, dim=-1)
+        return torch.mm(F.silu(gate) * up, self.w2[local_expert])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep:
+            return self._forward_expert_parallel(x)
+        top_w, top_i = self._route(x)
         out = torch.zeros_like(x)
         for expert in top_i.unique().tolist():
             token, slot = (top_i == expert).nonzero(as_tuple=True)
-            gate, up = torch.mm(x[token], self.w13[expert]).chunk(2, dim=-1)
-            y = torch.mm(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, token, y * top_w[token, slot, None])
+            out.index_add_(0, token, self._expert(x[token], expert) * top_w[token, slot, None])
+        if self.tp.size > 1:
+            torch.distributed.all_reduce(out)
         return out
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        n, size, rank = x.shape[0], self.tp.size, self.tp.rank
+        share = -(-n // size)
+        mine = x[rank * share:(rank + 1) * share]
+        top_w, top_i = self._route(mine)
+        # One entry per (token, chosen expert), ordered by expert: owners are contiguous ranges,
+        # so this also groups entries by destination rank, and sums run in expert order as in
+        # the single-rank path.
+        experts = top_i.flatten()
+        order = torch.argsort(experts, stable=True)
+        experts = experts[order]
+        tokens = torch.arange(mine.shape[0], device=x.device).repeat_interleave(self.top_k)[order]
+        weights = top_w.flatten()[order]
+        send = torch.bincount(experts // self.experts_per_rank, minlength=size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        rows = x.new_empty(sum(recv_sizes), x.shape[1])
+        dist.all_to_all_single(rows, mine[tokens].contiguous(), recv_sizes, send_sizes)
+        row_experts = experts.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(row_experts, experts, recv_sizes, send_sizes)
+        y = torch.empty_like(rows)
+        for expert in row_experts.unique().tolist():
+            idx = (row_experts == expert).nonzero(as_tuple=True)[0]
+            y[idx] = self._expert(rows[idx], expert - self.first_expert)
+        back = x.new_empty(tokens.numel(), x.shape[1])
+        dist.all_to_all_single(back, y, send_sizes, recv_sizes)
+        out = torch.zeros(share, x.shape[1], dtype=x.dtype, device=x.device)
+        out.index_add_(0, tokens, back * weights[:, None])
+        shares = [torch.empty_like(out) for _ in range(size)]
+        dist.all_gather(shares, out)
+        return torch.cat(shares)[:n]
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     @staticmethod
-    def make_mlp(arch: ModelArch) -> nn.Module:
-        return MixtralMoE(arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok)
+    def make_mlp(arch: ModelArch, tp: ParallelState) -> nn.Module:
+        return MixtralMoE(arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok, tp)
 
     def map_weight_name(self, name: str):
         # model.layers.N.block_sparse_moe.experts.E.w1.weight -> model.layers.N.mlp.w13, (E, "w1")

@@ -1,0 +1,153 @@
+"""Tensor- and expert-parallel groups inside one replica (DESIGN.md sections 1 and 3).
+
+A replica of degree N runs N ranks, one process each, in one torch.distributed group: NCCL on
+CUDA (RCCL on ROCm builds of torch, which present their GPUs as CUDA devices), gloo on CPU.
+Rank 0 (the driver) owns the scheduler and the KV block tables; every step it broadcasts the
+step's inputs and all ranks run the forward pass together, each with its shard of the weights and
+its KV heads. Workers sit in `run_worker` until the driver broadcasts STOP.
+
+The step message is two tensor broadcasts (a fixed int64 header, then one int64 body), no pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_STOP, _STEP = 0, 1
+_HEADER = 8
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This process's place in its replica's group."""
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False  # MoE experts spread over the ranks (else each expert is TP-split)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = ParallelState()
+
+
+def backend_for(device: str, forced: str = "auto") -> str:
+    if forced != "auto":
+        return forced
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def free_init_method(host: str = "127.0.0.1") -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def init_group(rank: int, size: int, init_method: str, backend: str, timeout_s: float = 120.0) -> None:
+    """Join the replica's group (every rank calls this with the same init_method)."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one parallel "
+                           "replica per process")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+    log.info("rank %d/%d joined its %s group", rank, size, backend)
+
+
+# ---- the step message
+
+@dataclass
+class StepInputs:
+    """What every rank needs to run one forward pass (the driver builds it from its scheduler)."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_lens: torch.Tensor | None
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (query_start, query_len, context_len, table)
+    logit_rows: torch.Tensor  # hidden rows whose logits the step needs: prompt-logprob rows, then samples
+    num_prompt_rows: int = 0
+
+
+def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
+    """Driver side: send the step (None: STOP) to every worker."""
+    header = torch.zeros(_HEADER, dtype=torch.long)
+    if step is None:
+        header[0] = _STOP
+        dist.broadcast(header.to(device), src=0)
+        return
+    nd = 0 if step.decode_tables is None else step.decode_tables.shape[0]
+    max_blocks = 0 if step.decode_tables is None else step.decode_tables.shape[1]
+    parts = [step.input_ids, step.positions, step.slot_mapping]
+    if nd:
+        parts += [step.decode_tables.flatten(), step.decode_lens]
+    parts += [torch.tensor([v for s, q, c, _ in step.prefills for v in (s, q, c, len(_))], dtype=torch.long,
+                           device=step.input_ids.device)]
+    parts += [t for *_, t in step.prefills] + [step.logit_rows]
+    body = torch.cat([p.to(device) for p in parts])
+    header[:] = torch.tensor([_STEP, step.input_ids.numel(), nd, max_blocks, len(step.prefills),
+                              step.logit_rows.numel(), body.numel(), step.num_prompt_rows])
+    dist.broadcast(header.to(device), src=0)
+    dist.broadcast(body, src=0)
+
+
+def receive_step(device: torch.device) -> StepInputs | None:
+    """Worker side: the next step, or None when the driver stops the group."""
+    header = torch.empty(_HEADER, dtype=torch.long, device=device)
+    dist.broadcast(header, src=0)
+    op, n, nd, max_blocks, np_, nrows, size, nprompt = header.tolist()
+    if op == _STOP:
+        return None
+    body = torch.empty(size, dtype=torch.long, device=device)
+    dist.broadcast(body, src=0)
+    at = 0
+
+    def take(count: int) -> torch.Tensor:
+        nonlocal at
+        at += count
+        return body[at - count:at]
+
+    input_ids, positions, slots = take(n), take(n), take(n)
+    tables = take(nd * max_blocks).view(nd, max_blocks) if nd else None
+    lens = take(nd) if nd else None
+    meta = take(4 * np_).view(np_, 4).tolist()
+    prefills = [(s, q, c, take(k)) for s, q, c, k in meta]
+    return StepInputs(input_ids, positions, slots, tables, lens, prefills, take(nrows), nprompt)
+
+
+# ---- local ranks (no Ray): `pdserve generate --tensor-parallel-size`, tests
+
+def _local_worker(config_json: str, rank: int, init_method: str) -> None:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.worker import run_worker
+
+    run_worker(EngineConfig.model_validate_json(config_json), rank, init_method)
+
+
+def spawn_local_workers(config, init_method: str) -> list[mp.Process]:
+    """Ranks 1..N-1 of `config` as child processes on this machine (rank 0 is the caller)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, config.tensor_parallel_size):
+        p = ctx.Process(target=_local_worker, args=(config.model_dump_json(), rank, init_method),
+                        name=f"pdserve-rank-{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def torch_threads_per_rank(config) -> int | None:
+    """CPU ranks share the machine: split the threads unless the config says otherwise."""
+    if config.num_threads:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
