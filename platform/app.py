@@ -45,8 +45,17 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
     kwargs = {"redis_url": router.redis_url, "stream": stream_name(config.name, deployment),
               "block_size": config.engine_config(pool).block_size, "queue_weight": router.queue_weight,
               "max_blocks_per_replica": router.max_blocks_per_replica, "approx_ttl_s": router.approx_ttl_s}
-    return {"name": deployment, "num_replicas": pool.num_replicas, "ray_actor_options": dict(pool.ray_actor_options),
+    options = {}
+    ranks = config.engine_config(pool).tensor_parallel_size
+    if ranks > 1:  # the replica and its rank workers: one bundle each, packed (DESIGN section 3)
+        from pdserve.rank_workers import rank_bundles
+
+        options = {"placement_group_bundles": rank_bundles(pool.ray_actor_options, ranks),
+                   "placement_group_strategy": "PACK"}
+    return {**options, "name": deployment, "num_replicas": pool.num_replicas,
+            "ray_actor_options": dict(pool.ray_actor_options),
             "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests,
+            "health_check_period_s": pool.health_check_period_s,
             "request_router_config": RequestRouterConfig(
                 request_router_class=pool.request_router_class or default_router, request_router_kwargs=kwargs,
                 request_routing_stats_period_s=router.stats_period_s,

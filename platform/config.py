@@ -64,6 +64,8 @@ class PoolConfig(BaseModel):
         description="Per replica: num_cpus, num_gpus, accelerator_type, resources ({custom: amount}), ... "
                     "Different options per pool put prefill and decode on different node types.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica accepts at once.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Ray Serve checks a replica (a dead "
+                                                                 "engine loop or rank worker fails the check).")
     max_queued_requests: int = Field(
         256, ge=-1, description="Requests a caller queues for this pool before answering 503; -1: no limit.")
     engine: dict[str, Any] = Field(
@@ -152,6 +154,15 @@ class ServeConfig(BaseModel):
     @model_validator(mode="after")
     def _check_engines(self) -> "ServeConfig":
         # Fail at load time, not in a replica: every pool's engine options must validate.
-        for pool in (self.prefill, self.decode):
-            EngineConfig(model=self.model or "-", **{**self.engine, **pool.engine})
+        prefill, decode = (EngineConfig(model=self.model or "-", **{**self.engine, **pool.engine})
+                           for pool in (self.prefill, self.decode))
+        if self.mode == "disaggregated":
+            p, d = prefill.tensor_parallel_size, decode.tensor_parallel_size
+            if d < p or d % p:
+                raise ValueError(f"prefill tensor_parallel_size {p} with decode tensor_parallel_size {d}: each decode "
+                                 "rank pulls its KV heads from one prefill rank, so the decode degree must be a "
+                                 "multiple of the prefill degree (equal, or k times it)")
+            if d > 1:
+                raise ValueError("tensor-parallel pools in disaggregated mode need per-rank KV transfer, which is "
+                                 "not built yet; use mode: colocated for tensor parallelism, or degree 1 pools")
         return self

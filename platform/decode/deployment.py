@@ -15,6 +15,7 @@ from pdserve.decode.server import DecodeServer
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer import BACKENDS, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.rank_workers import RankWorkers
 from pdserve.router.request_router import routing_stats, start_kv_events
 
 
@@ -37,8 +38,10 @@ class Decode:
             kv = engine.kv_cache.kv
             return importer_cls(kv, layout_of(kv, model_id=Path(engine.config.model).name))
 
-        self.server = DecodeServer(cfg.engine_config(cfg.decode), cfg.transfer, remote_prefill, make_importer,
-                                   cfg.remote_prefill_min_tokens)
+        engine_config = cfg.engine_config(cfg.decode)
+        self.ranks = RankWorkers(engine_config) if engine_config.tensor_parallel_size > 1 else None
+        self.server = DecodeServer(engine_config, cfg.transfer, remote_prefill, make_importer,
+                                   cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method)
         self.kv_events = start_kv_events(cfg, self.server.engine)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -46,7 +49,8 @@ class Decode:
             yield out
 
     def stats(self) -> dict:
-        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
+        ranks = self.ranks.check() if self.ranks is not None else []
+        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id(), "worker_ranks": ranks}
 
     def record_routing_stats(self) -> dict:
         return routing_stats(self.server.stats())
@@ -57,8 +61,12 @@ class Decode:
     def check_health(self) -> None:
         if not self.server.engine.is_healthy:
             raise RuntimeError("the decode engine loop died")
+        if self.ranks is not None:
+            self.ranks.check()
 
     def __del__(self):
         if self.kv_events is not None:
             self.kv_events.close()
         self.server.shutdown()
+        if self.ranks is not None:
+            self.ranks.close()

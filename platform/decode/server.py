@@ -36,8 +36,9 @@ class DecodeServer:
     def __init__(self, engine_config: EngineConfig, transfer: TransferConfig | None = None,
                  remote_prefill: RemotePrefill | None = None,
                  make_importer: Callable[[LLMEngine], KVImporter] | None = None,
-                 remote_prefill_min_tokens: int = 256):
-        self.engine = AsyncLLMEngine(LLMEngine(engine_config))
+                 remote_prefill_min_tokens: int = 256, init_method: str | None = None):
+        # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine).
+        self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         self.remote_prefill = remote_prefill
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()

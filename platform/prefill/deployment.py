@@ -8,6 +8,7 @@ from ray import serve
 from pdserve.config import ServeConfig
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.prefill.server import PrefillServer
+from pdserve.rank_workers import RankWorkers
 from pdserve.router.request_router import routing_stats, start_kv_events
 
 
@@ -21,15 +22,18 @@ class Prefill:
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.server = PrefillServer(cfg.engine_config(cfg.prefill), cfg.transfer, f"prefill-{replica}",
-                                    advertised_host(cfg))
+        engine_config = cfg.engine_config(cfg.prefill)
+        self.ranks = RankWorkers(engine_config) if engine_config.tensor_parallel_size > 1 else None
+        self.server = PrefillServer(engine_config, cfg.transfer, f"prefill-{replica}", advertised_host(cfg),
+                                    self.ranks and self.ranks.init_method)
         self.kv_events = start_kv_events(cfg, self.server.engine)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await self.server.prefill(req)
 
     def stats(self) -> dict:
-        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id()}
+        ranks = self.ranks.check() if self.ranks is not None else []
+        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id(), "worker_ranks": ranks}
 
     def record_routing_stats(self) -> dict:
         return routing_stats(self.server.stats())
@@ -40,8 +44,12 @@ class Prefill:
     def check_health(self) -> None:  # Ray Serve replaces a replica whose check raises
         if not self.server.engine.is_healthy:
             raise RuntimeError("the prefill engine loop died")
+        if self.ranks is not None:
+            self.ranks.check()
 
     def __del__(self):
         if self.kv_events is not None:
             self.kv_events.close()
         self.server.shutdown()
+        if self.ranks is not None:
+            self.ranks.close()

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 class PrefillServer:
     def __init__(self, engine_config: EngineConfig, transfer: TransferConfig, exporter_id: str,
-                 host: str = "127.0.0.1"):
-        self.engine = AsyncLLMEngine(LLMEngine(engine_config))
+                 host: str = "127.0.0.1", init_method: str | None = None):
+        # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine).
+        self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv
         self.layout = layout_of(kv, model_id=Path(engine_config.model).name)
         pool = self.engine.engine.block_pool
