@@ -49,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes; devices on GPU) the model is split over; gloo on CPU, nccl on CUDA")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: spread whole experts over the ranks instead of splitting each")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
     g.set_defaults(handler=_generate)
 
@@ -84,10 +88,14 @@ def _generate(args) -> int:
         prompts = _read_prompts(args)
         llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-        inputs = ([llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-                  if args.chat else prompts)
-        outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+        try:
+            inputs = ([llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+                      if args.chat else prompts)
+            outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1)
+        finally:
+            llm.engine.shutdown()
     except (PdserveError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

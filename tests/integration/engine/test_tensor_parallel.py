@@ -81,3 +81,14 @@ def test_a_dead_worker_rank_fails_the_engine_instead_of_hanging(tiny_llama):
         assert time.monotonic() - t0 < 60
     finally:
         engine._stop_workers(graceful=False)
+
+
+def test_generate_cli_with_two_ranks(tiny_llama, capsys):
+    from pdserve.cli import main
+
+    args = ["generate", "--model", tiny_llama, "--prompt", "Hello there", "--max-tokens", "8", "--json",
+            "--ignore-eos", "--num-kv-blocks", "32"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one
