@@ -162,7 +162,7 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"prefill tensor_parallel_size {p} with decode tensor_parallel_size {d}: each decode "
                                  "rank pulls its KV heads from one prefill rank, so the decode degree must be a "
                                  "multiple of the prefill degree (equal, or k times it)")
-            if d > 1:
-                raise ValueError("tensor-parallel pools in disaggregated mode need per-rank KV transfer, which is "
-                                 "not built yet; use mode: colocated for tensor parallelism, or degree 1 pools")
+            if d > 1 and self.transfer.backend != "ucx":
+                raise ValueError("tensor-parallel pools in disaggregated mode move KV rank to rank: "
+                                 "transfer.backend must be ucx")
         return self

@@ -36,12 +36,15 @@ class Decode:
         def make_importer(engine: LLMEngine):
             _, importer_cls = BACKENDS[cfg.transfer.backend]()
             kv = engine.kv_cache.kv
-            return importer_cls(kv, layout_of(kv, model_id=Path(engine.config.model).name))
+            return importer_cls(kv, layout_of(kv, Path(engine.config.model).name, engine.parallel.size))
 
         engine_config = cfg.engine_config(cfg.decode)
-        self.ranks = RankWorkers(engine_config) if engine_config.tensor_parallel_size > 1 else None
+        self.ranks = None
+        if engine_config.tensor_parallel_size > 1:  # ranks pull their own KV heads when there is a prefill pool
+            self.ranks = RankWorkers(engine_config, cfg.transfer if prefill is not None else None)
         self.server = DecodeServer(engine_config, cfg.transfer, remote_prefill, make_importer,
-                                   cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method)
+                                   cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method,
+                                   self.ranks and self.ranks.pull)
         self.kv_events = start_kv_events(cfg, self.server.engine)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -23,27 +24,32 @@ from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.errors import InvalidRequestError
-from pdserve.kvtransfer import KVImporter, KVTransferError
+from pdserve.kvtransfer import KVHandle, KVImporter, KVTransferError
+from pdserve.kvtransfer.protocol import source_rank
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.prefill.server import engine_stats
 
 log = logging.getLogger(__name__)
 
 RemotePrefill = Callable[[GenerateRequest], Awaitable[PrefillResult]]
+PullRank = Callable[[int, KVHandle, list[int], int, float], Awaitable[None]]
 
 
 class DecodeServer:
     def __init__(self, engine_config: EngineConfig, transfer: TransferConfig | None = None,
                  remote_prefill: RemotePrefill | None = None,
                  make_importer: Callable[[LLMEngine], KVImporter] | None = None,
-                 remote_prefill_min_tokens: int = 256, init_method: str | None = None):
-        # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine).
+                 remote_prefill_min_tokens: int = 256, init_method: str | None = None,
+                 pull_rank: PullRank | None = None):
+        # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
+        # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads.
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
+        self.pull_rank = pull_rank
         self.remote_prefill = remote_prefill
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
-        self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = 0
+        self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self._wants_remote_prefill(req):
@@ -85,23 +91,49 @@ class DecodeServer:
                                             req.params, result.first, state)
         recompute = dst is None  # no free blocks now: queue it here instead
         if not dst:  # every block is cached here already, or none is free
-            await asyncio.to_thread(self.importer.release, result.kv)
+            await self._release(result)
         else:
-            pull = asyncio.get_running_loop().run_in_executor(
-                None, partial(self.importer.pull, result.kv, dst, self.transfer.timeout_s, None, num_local))
+            pull = asyncio.ensure_future(self._pull(result, dst, num_local))
             try:
                 await asyncio.shield(pull)
                 self.num_pulled_blocks += len(dst)
             except KVTransferError as e:
                 log.warning("KV pull of %s failed (%s); recomputing its prompt here", req.request_id, e)
-                await asyncio.to_thread(self.importer.release, result.kv)
+                self.num_failed_pulls += 1
+                await self._release(result)
                 recompute = True
             except BaseException:
-                # Cancelled: the pull thread still writes into our blocks; wait before freeing them.
+                # Cancelled: the pulls still write into our blocks; wait before freeing them.
                 await asyncio.wait([pull])
                 self.engine.locked(engine.abort_request, req.request_id)
                 raise
         return recompute
+
+    async def _pull(self, result: PrefillResult, dst: list[int], first_block: int) -> None:
+        """Every rank of this replica pulls its KV heads from the prefill rank that holds them.
+        One rank on both sides: the pull acks its lease. Otherwise several ranks may read one
+        lease, so the leases are released once every pull has finished (or failed)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.transfer.timeout_s
+        ranks = self.engine.engine.parallel.size
+        handles = result.kv_by_rank
+        if ranks == 1 and len(handles) == 1:
+            await loop.run_in_executor(None, partial(self.importer.pull, result.kv, dst, timeout, None, first_block))
+            return
+        layouts = [replace(self.importer.layout, tp_rank=r) for r in range(ranks)]
+        sources = [handles[source_rank(len(handles), layout)] for layout in layouts]
+        pulls = [loop.run_in_executor(None, partial(self.importer.pull, sources[0], dst, timeout, None,
+                                                    first_block, False))]
+        pulls += [self.pull_rank(r, sources[r], dst, first_block, timeout) for r in range(1, ranks)]
+        outcomes = await asyncio.gather(*pulls, return_exceptions=True)  # all done: nothing writes any more
+        errors = [e for e in outcomes if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0] if isinstance(errors[0], KVTransferError) else KVTransferError(repr(errors[0]))
+        await self._release(result)
+
+    async def _release(self, result: PrefillResult) -> None:
+        for handle in result.kv_by_rank:
+            await asyncio.to_thread(self.importer.release, handle)
 
     def _wants_remote_prefill(self, req: GenerateRequest) -> bool:
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
@@ -113,7 +145,8 @@ class DecodeServer:
 
     def stats(self) -> dict:
         return {**engine_stats(self.engine), "num_remote_prefills": self.num_remote_prefills,
-                "num_local_prefills": self.num_local_prefills, "num_pulled_blocks": self.num_pulled_blocks}
+                "num_local_prefills": self.num_local_prefills, "num_pulled_blocks": self.num_pulled_blocks,
+                "num_failed_pulls": self.num_failed_pulls}
 
     def shutdown(self) -> None:
         if self.importer is not None:

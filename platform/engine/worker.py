@@ -15,14 +15,29 @@ from pdserve.engine.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 
+class WorkerRank:
+    """Joins the driver's group and loads this rank's shard; `serve()` runs steps until STOP.
+    `kv_cache` is this rank's cache, for the KV transfer endpoints a disaggregated replica adds."""
+
+    def __init__(self, config: EngineConfig, rank: int, init_method: str):
+        init_group(rank, config.tensor_parallel_size, init_method,
+                   backend_for(config.device, config.distributed_backend))
+        try:
+            self.parallel = ParallelState(rank, config.tensor_parallel_size, config.enable_expert_parallel)
+            model, _, self.kv_cache = load_rank(config, self.parallel)
+            self.runner = ModelRunner(model, self.kv_cache, None, None, config.device, self.parallel)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        log.info("rank %d ready: %d KV blocks", rank, self.kv_cache.num_blocks)
+
+    def serve(self) -> None:
+        try:
+            while (step := receive_step(self.runner.device)) is not None:
+                self.runner.run_step(step)
+        finally:
+            dist.destroy_process_group()
+
+
 def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
-    init_group(rank, config.tensor_parallel_size, init_method, backend_for(config.device, config.distributed_backend))
-    try:
-        parallel = ParallelState(rank, config.tensor_parallel_size, config.enable_expert_parallel)
-        model, _, kv_cache = load_rank(config, parallel)
-        runner = ModelRunner(model, kv_cache, None, None, config.device, parallel)
-        log.info("rank %d ready: %d KV blocks", rank, kv_cache.num_blocks)
-        while (step := receive_step(runner.device)) is not None:
-            runner.run_step(step)
-    finally:
-        dist.destroy_process_group()
+    WorkerRank(config, rank, init_method).serve()

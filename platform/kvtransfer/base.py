@@ -84,9 +84,10 @@ class KVImporter(ABC):
         self.buffers = BufferPool()
 
     def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
-             on_failure: Callable[[list[int]], None] | None = None, first_block: int = 0) -> None:
+             on_failure: Callable[[list[int]], None] | None = None, first_block: int = 0, ack: bool = True) -> None:
         """Fill `dst_block_ids` with the handle's blocks from `first_block` on (this side already
-        holds the ones before) and only this rank's heads, then ack.
+        holds the ones before) and only this rank's heads, then ack. With `ack=False` the lease
+        stays (several decode ranks read one prefill rank's lease; the last of them `release`s it).
 
         Raises a `KVTransferError` within about `timeout_s` on any failure, after calling
         `on_failure(dst_block_ids)` so the caller's blocks go back to its pool.
@@ -96,7 +97,7 @@ class KVImporter(ABC):
             if len(dst_block_ids) != len(handle.block_ids) - first_block or not dst_block_ids:
                 raise p.ProtocolError(f"{len(dst_block_ids)} destination blocks for {len(handle.block_ids)} "
                                       f"exported from block {first_block}")
-            self._fetch(handle, list(dst_block_ids), heads, timeout_s, first_block)
+            self._fetch(handle, list(dst_block_ids), heads, timeout_s, first_block, ack)
         except BaseException as e:
             if on_failure is not None:
                 on_failure(list(dst_block_ids))
@@ -121,8 +122,8 @@ class KVImporter(ABC):
 
     @abstractmethod
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
-               first_block: int) -> None:
-        """Move the blocks from `first_block` on into `dst` and ack, or raise."""
+               first_block: int, ack: bool) -> None:
+        """Move the blocks from `first_block` on into `dst` and ack (when `ack`), or raise."""
 
     @abstractmethod
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:

@@ -18,14 +18,15 @@ class LocalImporter(KVImporter):
         self.exporters = exporters
 
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
-               first_block: int) -> None:
+               first_block: int, ack: bool) -> None:
         exporter = self._exporter(handle)
         data = exporter.read(handle.request_id, self.layout, first_block)
         try:
             self.store(dst, data)
         finally:
             exporter.release_buffer(data)
-        exporter.ack(handle.request_id)
+        if ack:
+            exporter.ack(handle.request_id)
 
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
         self._exporter(handle).ack(handle.request_id)

@@ -27,7 +27,7 @@ HEADER_SIZE = HEADER.size  # 16
 MAX_PAYLOAD_BYTES = 1 << 20  # control messages are small; anything larger is corrupt
 
 # Frame kinds.
-READ, DATA, ACK, ERROR = 1, 2, 3, 4
+READ, DATA, ACK, ERROR, DONE = 1, 2, 3, 4, 5  # DONE: read complete, keep the lease
 
 
 class KVTransferError(PdserveError):
@@ -144,7 +144,7 @@ def decode_header(header: bytes) -> tuple[int, int]:
     if version != VERSION:
         raise ProtocolError(f"KV transfer protocol version {version}, this side speaks {VERSION}: "
                             "run the same pdserve version on both pools")
-    if kind not in (READ, DATA, ACK, ERROR) or length > MAX_PAYLOAD_BYTES:
+    if kind not in (READ, DATA, ACK, ERROR, DONE) or length > MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"bad frame kind {kind} or payload length {length}")
     return kind, length
 

@@ -49,7 +49,7 @@ class RayKVExportMixin:
 
 class RayImporter(KVImporter):
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
-               first_block: int) -> None:
+               first_block: int, ack: bool) -> None:
         import ray
 
         try:
@@ -70,7 +70,8 @@ class RayImporter(KVImporter):
             raise p.ProtocolError(f"exporter sent blocks of shape {tuple(tensor.shape)}, "
                                   f"expected {self.expected_shape(len(dst), heads)}")
         self.store(dst, tensor)
-        actor.kv_ack.remote(handle.request_id)
+        if ack:
+            actor.kv_ack.remote(handle.request_id)
 
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
         self._actor(handle).kv_ack.remote(handle.request_id)

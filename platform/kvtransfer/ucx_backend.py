@@ -135,8 +135,8 @@ class UCXImporter(KVImporter):
         self._loop.stop()
 
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
-               first_block: int) -> None:
-        self._loop.run(self._pull(handle, dst, heads, timeout_s, first_block), timeout_s + 5)
+               first_block: int, ack: bool) -> None:
+        self._loop.run(self._pull(handle, dst, heads, timeout_s, first_block, ack), timeout_s + 5)
 
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
         import ucxx
@@ -152,7 +152,7 @@ class UCXImporter(KVImporter):
         self._loop.run(asyncio.wait_for(ack(), timeout_s), timeout_s + 1)
 
     async def _pull(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
-                    first_block: int) -> None:
+                    first_block: int, ack: bool) -> None:
         import ucxx
 
         deadline = time.monotonic() + timeout_s
@@ -185,7 +185,8 @@ class UCXImporter(KVImporter):
                 self.store(dst, buf)
             finally:
                 self.buffers.give(buf)
-            await asyncio.wait_for(_send_frame(ep, p.ACK, {"request_id": handle.request_id}), left())
+            await asyncio.wait_for(_send_frame(ep, p.ACK if ack else p.DONE, {"request_id": handle.request_id}),
+                                   left())
             await asyncio.wait_for(ep.close(), left())
             ep = None
         except asyncio.TimeoutError:

@@ -23,9 +23,10 @@ class Prefill:
         cfg = ServeConfig.model_validate(config)
         replica = serve.get_replica_context().replica_id.unique_id
         engine_config = cfg.engine_config(cfg.prefill)
-        self.ranks = RankWorkers(engine_config) if engine_config.tensor_parallel_size > 1 else None
-        self.server = PrefillServer(engine_config, cfg.transfer, f"prefill-{replica}", advertised_host(cfg),
-                                    self.ranks and self.ranks.init_method)
+        host = advertised_host(cfg)
+        self.ranks = RankWorkers(engine_config, cfg.transfer, host) if engine_config.tensor_parallel_size > 1 else None
+        self.server = PrefillServer(engine_config, cfg.transfer, f"prefill-{replica}", host,
+                                    self.ranks and self.ranks.init_method, self.ranks and self.ranks.export)
         self.kv_events = start_kv_events(cfg, self.server.engine)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.kvtransfer import BACKENDS, layout_of
+from pdserve.kvtransfer import BACKENDS, KVHandle, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
+ExportRanks = Callable[[str, list[int], int], Awaitable[tuple[KVHandle, ...]]]
+
 
 class PrefillServer:
     def __init__(self, engine_config: EngineConfig, transfer: TransferConfig, exporter_id: str,
-                 host: str = "127.0.0.1", init_method: str | None = None):
-        # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine).
+                 host: str = "127.0.0.1", init_method: str | None = None, export_ranks: ExportRanks | None = None):
+        # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
+        # export_ranks: lease the same blocks on ranks 1..N-1 (each serves its own KV heads).
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
+        self.export_ranks = export_ranks
         kv = self.engine.engine.kv_cache.kv
-        self.layout = layout_of(kv, model_id=Path(engine_config.model).name)
+        self.layout = layout_of(kv, Path(engine_config.model).name, engine_config.tensor_parallel_size)
         pool = self.engine.engine.block_pool
         exporter_cls, _ = BACKENDS[transfer.backend]()
         options = {"host": host} if transfer.backend == "ucx" else {}
@@ -43,15 +48,18 @@ class PrefillServer:
             first = out
         if not first.needs_decode:
             return PrefillResult(first)
-        # No await from here on: nothing can cancel between export and release.
         try:
+            # Worker ranks lease first (they pin nothing): cancelled here, the engine's hold of the
+            # blocks is still released below and their leases just expire.
+            rank_kv = (await self.export_ranks(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
+                       if self.export_ranks is not None else ())
             handle = self.exporter.export(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
         finally:
             self.engine.locked(self.engine.engine.release_kv, req.request_id)
         state = first.generator_state
         # To the client this is the first chunk of a stream that decode continues.
         first.finished, first.kv_block_ids, first.generator_state = False, None, None
-        return PrefillResult(first, handle, bytes(state.numpy()) if state is not None else None)
+        return PrefillResult(first, handle, bytes(state.numpy()) if state is not None else None, rank_kv)
 
     def stats(self) -> dict:
         return {**engine_stats(self.engine), "num_kv_leases": len(self.exporter.leases)}

@@ -122,6 +122,29 @@ def test_tp1_to_tp2_each_rank_gets_its_heads(exporter, src):
         assert torch.equal(gather_blocks(kv, list(range(n))), expected)
 
 
+def test_two_ranks_read_one_lease_then_release_it(exporter, src):
+    """Decode TP 2 from prefill TP 1: both ranks read the same lease without acking; the
+    release after the last read frees the blocks."""
+    handle = exporter.export("shared-lease", 100)
+    n = len(handle.block_ids)
+    for rank in (0, 1):
+        kv = torch.zeros(LAYOUT["num_layers"], 2, 64, 16, 2, LAYOUT["head_dim"])
+        imp = UCXImporter(kv, p.KVLayout(**LAYOUT, tp_size=2, tp_rank=rank))
+        try:
+            imp.pull(handle, list(range(n)), ack=False)
+            expected = gather_blocks(src, list(handle.block_ids))[:, :, :, :, 2 * rank:2 * rank + 2]
+            assert torch.equal(gather_blocks(kv, list(range(n))), expected)
+            assert exporter.free_blocks() == NUM_BLOCKS - n  # still leased
+            if rank == 1:
+                imp.release(handle)
+        finally:
+            imp.close()
+    deadline = time.time() + 5
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.05)
+    assert exporter.free_blocks() == NUM_BLOCKS
+
+
 def test_unknown_request_and_expired_lease(exporter, importer):
     freed = []
     bogus = p.KVHandle("prefill-0", exporter.address, "nope", (1, 2), 20, p.KVLayout(**LAYOUT), 0.0)

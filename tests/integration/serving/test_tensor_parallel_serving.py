@@ -19,10 +19,10 @@ ENGINE = {"num_threads": 1, "num_kv_blocks": 64, "block_size": 8, "max_model_len
 PROMPTS = [[5, 17, 99, 3, 44, 7, 8, 9], list(range(20, 60)), [300, 301, 7]]
 
 
-def greedy(app: str, prompt: list[int], tag: str) -> list[int]:
+def greedy(app: str, prompt: list[int], tag: str, pool: str = "Unified") -> list[int]:
     from ray import serve
 
-    handle = serve.get_deployment_handle("Unified", app).options(stream=True)
+    handle = serve.get_deployment_handle(pool, app).options(stream=True)
     req = GenerateRequest(f"{app}-{tag}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     return [t for out in handle.generate.remote(req) for t in out.new_token_ids]
 
@@ -73,3 +73,36 @@ def test_a_killed_rank_worker_gets_the_replica_replaced(tp_apps):
         assert time.monotonic() < deadline, "the replica with a dead rank was not replaced"
         time.sleep(1)
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def disagg_tp_apps(tp_apps, tiny_llama):
+    """Prefill TP 1 -> decode TP 2 (each decode rank pulls its heads from the one prefill rank) and
+    prefill TP 2 -> decode TP 2 (rank to rank), every prompt prefilled remotely."""
+    from ray import serve
+
+    from pdserve.app import build
+
+    pool = {"ray_actor_options": {"num_cpus": 0.25}, "health_check_period_s": 1.0}
+    names = {"pd12": (1, 2), "pd22": (2, 2)}
+    for name, (p, d) in names.items():
+        cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, remote_prefill_min_tokens=0,
+                          transfer={"host": "127.0.0.1"},
+                          prefill={**pool, "engine": {"tensor_parallel_size": p}},
+                          decode={**pool, "engine": {"tensor_parallel_size": d}})
+        serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+    yield list(names)
+    for name in names:
+        serve.delete(name)
+
+
+def test_disaggregated_tensor_parallel_pools_match_one_rank(disagg_tp_apps):
+    from ray import serve
+
+    for app in disagg_tp_apps:
+        for i, p in enumerate(PROMPTS):
+            assert greedy(app, p, f"d{i}", pool="Decode") == greedy("tp1", p, f"d{i}"), (app, i)
+        stats = serve.get_deployment_handle("Decode", app).stats.remote().result(timeout_s=30)
+        # Every prompt went through prefill and came over as KV: no pull fell back to recompute.
+        assert stats["num_remote_prefills"] == len(PROMPTS) and stats["num_failed_pulls"] == 0, stats
+        assert stats["num_pulled_blocks"] > 0

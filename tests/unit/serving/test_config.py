@@ -63,3 +63,12 @@ def test_pools_get_pdserve_routers_unless_configured(tiny_llama):
     cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"request_router_class": pow2})})
     decode = _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["request_router_config"]
     assert decode.request_router_class == pow2
+
+
+def test_prefill_degree_above_decode_degree_is_rejected():
+    with pytest.raises(ValidationError, match="multiple of the prefill degree"):
+        ServeConfig(prefill={"engine": {"tensor_parallel_size": 2}}, decode={"engine": {"tensor_parallel_size": 1}})
+    with pytest.raises(ValidationError, match="multiple of the prefill degree"):
+        ServeConfig(prefill={"engine": {"tensor_parallel_size": 2}}, decode={"engine": {"tensor_parallel_size": 3}})
+    ServeConfig(prefill={"engine": {"tensor_parallel_size": 1}}, decode={"engine": {"tensor_parallel_size": 2}})
+    ServeConfig(mode="colocated", decode={"engine": {"tensor_parallel_size": 2}})
