@@ -40,7 +40,7 @@ def tp_apps(ray_session, tiny_llama):
 
     from pdserve.app import build
 
-    pool = {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1.0}
+    pool = {"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0}
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
     for name, tp in (("tp1", 1), ("tp2", 2)):
         cfg = ServeConfig(name=name, model=tiny_llama, mode="colocated", engine=ENGINE,
@@ -83,7 +83,7 @@ def disagg_tp_apps(tp_apps, tiny_llama):
 
     from pdserve.app import build
 
-    pool = {"ray_actor_options": {"num_cpus": 0.25}, "health_check_period_s": 1.0}
+    pool = {"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0}
     names = {"pd12": (1, 2), "pd22": (2, 2)}
     for name, (p, d) in names.items():
         cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, remote_prefill_min_tokens=0,
