@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.engine.kernels import triton_paged
 from pdserve.engine.kernels.paged_attention import (GatherWorkspace, paged_decode_attention,
                                                     paged_prefill_attention, write_kv)
 from pdserve.engine.kv_cache import KVCache
@@ -89,6 +90,8 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
         nd = meta.num_decode_tokens
+        if q.is_cuda and triton_paged.HAS_TRITON:
+            return self._forward_triton(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
         if nd == num_tokens:  # a pure decode step, the common case: no staging copy
             out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                          self.scale, ctx.workspace, meta.decode_mask)
@@ -102,3 +105,19 @@ class Attention(nn.Module):
             out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
                                                p.block_table, p.context_len, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _forward_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """GPU path: the Triton kernels (checked against the torch path in the tests)."""
+        nd = meta.num_decode_tokens
+        out = q.new_empty(q.shape)
+        if nd:
+            out[:nd] = triton_paged.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                           meta.decode_seq_lens, self.scale)
+        for p in meta.prefills:
+            s, e = p.query_start, p.query_start + p.query_len
+            cu = torch.tensor([0, p.query_len], device=q.device)
+            ctx = torch.tensor([p.context_len], device=q.device)
+            out[s:e] = triton_paged.paged_prefill_attention(q[s:e], k_cache, v_cache, cu, ctx, p.block_table[None],
+                                                            self.scale)
+        return out

@@ -16,10 +16,14 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.kernels import triton_paged
+
 
 def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int] | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous; into `out` when given."""
+    if kv.is_cuda and triton_paged.HAS_TRITON:
+        return triton_paged.gather_blocks(kv, block_ids, heads, out)
     idx = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
     src = kv if heads is None else kv[:, :, :, :, heads[0]:heads[1]]
     if out is None:
@@ -28,6 +32,8 @@ def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int]
 
 
 def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
+    if kv.is_cuda and triton_paged.HAS_TRITON:
+        return triton_paged.scatter_blocks(kv, block_ids, data)
     idx = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
     kv.index_copy_(2, idx, data)
 

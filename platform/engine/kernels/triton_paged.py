@@ -1,0 +1,206 @@
+"""Triton kernels for the paged KV cache (GPU path; on CPU they run under `TRITON_INTERPRET=1` for
+tests). Same semantics and layouts as the torch path in `paged_attention.py` and
+`kvtransfer/blocks.py`, which stay the reference:
+
+- `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)`: one query token
+  per sequence. One program per (sequence, KV head) serves that head's group of query heads
+  (GQA), walking the sequence's blocks through its block table with an online softmax in fp32.
+- `paged_prefill_attention(q, k_cache, v_cache, cu_query_lens, context_lens, block_tables, scale)`:
+  a varlen batch of prefill chunks in one launch; each chunk attends causally to its cached prefix
+  and itself (its K/V already written). One program per (sequence, query head, BLOCK_M queries).
+- `gather_blocks(kv, block_ids, heads)` / `scatter_blocks(kv, block_ids, data)`: a request's blocks
+  of the whole cache `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` to and from one
+  contiguous buffer (an optional KV-head slice), for the KV transfer.
+
+Cache halves per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`; query head h reads
+KV head h // (num_heads // num_kv_heads). head_dim and block_size must be powers of two (the
+engine's 16-token blocks are); prefill on a GPU also needs them >= 16 (tensor-core tiles).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import SimpleNamespace
+
+import torch
+
+# Triton is imported on first use, not with the engine: the CPU engine runs without it, and the
+# interpreter (TRITON_INTERPRET=1) must be chosen before the kernels are defined.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                       stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
+                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        s = tl.arange(0, BLOCK_SIZE)
+        heads = kv_head * GROUP + g
+        g_ok = g < GROUP
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None],
+                    other=0.0).to(tl.float32)
+        seq_len = tl.load(lens_ptr + seq)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for b in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+            block = tl.load(tables_ptr + seq * stride_tb + b)
+            offs = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+            valid = (b * BLOCK_SIZE + s) < seq_len
+            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_SIZE]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, cu_ptr, ctx_ptr, out_ptr, scale,
+                        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        HEAD_DIM: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        tile = tl.program_id(2)
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
+        # A tile past this chunk's end has every row masked: it loads and stores nothing.
+        context_len = tl.load(ctx_ptr + seq)
+        kv_head = head // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows_ok = rows < q_len
+        d = tl.arange(0, HEAD_DIM)
+        s = tl.arange(0, BLOCK_SIZE)
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=rows_ok[:, None], other=0.0)
+        pos = context_len - q_len + rows  # absolute positions of these queries
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        last = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)  # causal: no key past it
+        for b in range(0, tl.cdiv(last, BLOCK_SIZE)):
+            block = tl.load(tables_ptr + seq * stride_tb + b)
+            keys = b * BLOCK_SIZE + s
+            offs = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+            k = tl.load(k_ptr + offs, mask=(keys < context_len)[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=(keys < context_len)[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
+            visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < context_len)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
+
+    @triton.jit
+    def _copy_blocks_kernel(kv_ptr, buf_ptr, ids_ptr, n, first_head,
+                            stride_half, stride_block, stride_pos, stride_head,
+                            HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CHUNK: tl.constexpr, TO_BUFFER: tl.constexpr):
+        half = tl.program_id(0)  # layer * 2 + (0: K, 1: V)
+        i = tl.program_id(1)  # the i-th block of the request
+        block = tl.load(ids_ptr + i)
+        per_block = BLOCK_SIZE * HEADS * HEAD_DIM
+        for start in range(0, per_block, CHUNK):
+            e = start + tl.arange(0, CHUNK)
+            ok = e < per_block
+            pos = e // (HEADS * HEAD_DIM)
+            head = (e // HEAD_DIM) % HEADS
+            dim = e % HEAD_DIM
+            src = half * stride_half + block * stride_block + pos * stride_pos + (first_head + head) * stride_head + dim
+            dst = (half * n + i) * per_block + e
+            if TO_BUFFER:
+                tl.store(buf_ptr + dst, tl.load(kv_ptr + src, mask=ok), mask=ok)
+            else:
+                tl.store(kv_ptr + src, tl.load(buf_ptr + dst, mask=ok), mask=ok)
+
+    return SimpleNamespace(decode=_decode_kernel, prefill=_prefill_kernel, copy_blocks=_copy_blocks_kernel)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[batch, num_heads, head_dim]` -> `[batch, num_heads, head_dim]` (see the module docstring)."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    q = q.contiguous()
+    _kernels().decode[(batch, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=_pow2(group), BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                            scale: float, block_m: int = 16) -> torch.Tensor:
+    """q `[total_query_tokens, num_heads, head_dim]` -> same shape (see the module docstring)."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = context_lens.numel()
+    max_q = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
+    out = torch.empty_like(q)
+    q = q.contiguous()
+    _kernels().prefill[(batch, num_heads, -(-max_q // block_m))](
+        q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+    return out
+
+
+def _copy_blocks(kv: torch.Tensor, block_ids: torch.Tensor, heads: tuple[int, int], buf: torch.Tensor,
+                 to_buffer: bool) -> None:
+    layers, two, _, block_size, _, head_dim = kv.shape
+    assert kv.is_contiguous() and buf.is_contiguous()
+    n = block_ids.numel()
+    h0, h1 = heads
+    _kernels().copy_blocks[(layers * two, n)](
+        kv, buf, block_ids, n, h0, kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
+        HEADS=h1 - h0, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, CHUNK=1024, TO_BUFFER=to_buffer)
+
+
+def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """`[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous; into `out` when given."""
+    heads = heads or (0, kv.shape[4])
+    idx = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
+    shape = (*kv.shape[:2], idx.numel(), kv.shape[3], heads[1] - heads[0], kv.shape[5])
+    out = torch.empty(shape, dtype=kv.dtype, device=kv.device) if out is None else out
+    _copy_blocks(kv, idx, heads, out, to_buffer=True)
+    return out
+
+
+def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor,
+                   heads: tuple[int, int] | None = None) -> None:
+    """Write `data` (as `gather_blocks` returns it) into `block_ids` (and the head slice)."""
+    idx = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
+    _copy_blocks(kv, idx, heads or (0, kv.shape[4]), data.contiguous(), to_buffer=False)
