@@ -103,16 +103,16 @@ class LLMEngine:
         self._owns_group = False
         try:
             if config.tensor_parallel_size > 1:
+                parallel = ParallelState(0, config.tensor_parallel_size, config.enable_expert_parallel)
                 # Fail on a degree the model cannot be split by before any rank starts.
-                check_parallel(ModelArch.from_dir(config.model),
-                               ParallelState(0, config.tensor_parallel_size, config.enable_expert_parallel))
+                check_parallel(ModelArch.from_dir(config.model), parallel)
                 if init_method is None:
                     init_method = free_init_method()
                     self._local_workers = spawn_local_workers(config, init_method)
                 init_group(0, config.tensor_parallel_size, init_method,
                            backend_for(config.device, config.distributed_backend))
                 self._owns_group = True
-                self.parallel = ParallelState(0, config.tensor_parallel_size, config.enable_expert_parallel)
+                self.parallel = parallel
             self.tokenizer = Tokenizer(config.model)
             self.model, self.arch, self.kv_cache = load_rank(config, self.parallel)
         except BaseException:

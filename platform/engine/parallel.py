@@ -91,9 +91,10 @@ def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
     parts = [step.input_ids, step.positions, step.slot_mapping]
     if nd:
         parts += [step.decode_tables.flatten(), step.decode_lens]
-    parts += [torch.tensor([v for s, q, c, _ in step.prefills for v in (s, q, c, len(_))], dtype=torch.long,
-                           device=step.input_ids.device)]
-    parts += [t for *_, t in step.prefills] + [step.logit_rows]
+    prefill_meta = [v for start, q_len, context_len, table in step.prefills
+                    for v in (start, q_len, context_len, table.numel())]
+    parts += [torch.tensor(prefill_meta, dtype=torch.long, device=step.input_ids.device)]
+    parts += [table for *_, table in step.prefills] + [step.logit_rows]
     body = torch.cat([p.to(device) for p in parts])
     header[:] = torch.tensor([_STEP, step.input_ids.numel(), nd, max_blocks, len(step.prefills),
                               step.logit_rows.numel(), body.numel(), step.num_prompt_rows])
