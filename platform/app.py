@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from pdserve.config import PoolConfig, ServeConfig
+from pdserve.config import AutoscalingSpec, PoolConfig, ServeConfig
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -52,7 +52,11 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
 
         options = {"placement_group_bundles": rank_bundles(pool.ray_actor_options, ranks),
                    "placement_group_strategy": "PACK"}
-    return {**options, "name": deployment, "num_replicas": pool.num_replicas,
+    if pool.autoscaling is not None:
+        options["autoscaling_config"] = _autoscaling_config(pool.autoscaling, pool.num_replicas, deployment)
+    else:
+        options["num_replicas"] = pool.num_replicas
+    return {**options, "name": deployment,
             "ray_actor_options": dict(pool.ray_actor_options),
             "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests,
             "health_check_period_s": pool.health_check_period_s,
@@ -60,6 +64,24 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
                 request_router_class=pool.request_router_class or default_router, request_router_kwargs=kwargs,
                 request_routing_stats_period_s=router.stats_period_s,
                 request_routing_stats_timeout_s=max(1.0, 2 * router.stats_period_s))}
+
+
+_POLICIES = {"Prefill": ("PrefillQueuePolicy", ("target_queued_prefill_tokens", "target_ongoing_requests")),
+             "Decode": ("DecodeLoadPolicy", ("target_running_sequences", "target_kv_usage")),
+             "Unified": ("UnifiedPolicy", ("target_queued_prefill_tokens", "target_ongoing_requests",
+                                           "target_running_sequences", "target_kv_usage"))}
+
+
+def _autoscaling_config(spec: AutoscalingSpec, num_replicas: int, deployment: str) -> dict[str, Any]:
+    """Ray Serve's AutoscalingConfig with pdserve's policy for this pool."""
+    policy, fields = _POLICIES[deployment]
+    names = {"target_queued_prefill_tokens": "target_queued_tokens"}  # the policy's own names
+    return {"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
+            "initial_replicas": min(max(num_replicas, spec.min_replicas), spec.max_replicas),
+            "upscale_delay_s": spec.upscale_delay_s, "downscale_delay_s": spec.downscale_delay_s,
+            "look_back_period_s": spec.look_back_period_s, "metrics_interval_s": spec.look_back_period_s / 2,
+            "policy": {"policy_function": f"pdserve.autoscale.policies:{policy}",
+                       "policy_kwargs": {names.get(f, f): getattr(spec, f) for f in fields}}}
 
 
 def build(config: ServeConfig) -> "Application":

@@ -53,6 +53,33 @@ class EngineConfig(BaseModel):
         return self
 
 
+class AutoscalingSpec(BaseModel):
+    """How a pool follows its load (pdserve.autoscale): Ray Serve autoscaling with pdserve's policy
+    for the pool, within [min_replicas, max_replicas]; up after `upscale_delay_s` of wanting more,
+    down after `downscale_delay_s` of wanting fewer (replicas being removed drain first)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 only with scale_to_zero.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas.")
+    scale_to_zero: bool = Field(False, description="Allow min_replicas 0 (the first request waits for a replica).")
+    upscale_delay_s: float = Field(2.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(5.0, gt=0, description="Window the replicas' figures are averaged over.")
+    target_queued_prefill_tokens: float = Field(4096, gt=0, description="Prefill: waiting prompt tokens per replica.")
+    target_ongoing_requests: float = Field(8, gt=0, description="Prefill: requests per replica, queued ones included.")
+    target_running_sequences: float = Field(32, gt=0, description="Decode: running sequences per replica.")
+    target_kv_usage: float = Field(0.7, gt=0, le=1, description="Decode: KV-cache occupancy per replica.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "AutoscalingSpec":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        if self.min_replicas == 0 and not self.scale_to_zero:
+            raise ValueError("min_replicas 0 scales the pool to zero: set scale_to_zero: true to allow it")
+        return self
+
+
 class PoolConfig(BaseModel):
     """One Ray Serve deployment of engine replicas (prefill, decode or unified)."""
 
@@ -70,6 +97,8 @@ class PoolConfig(BaseModel):
         256, ge=-1, description="Requests a caller queues for this pool before answering 503; -1: no limit.")
     engine: dict[str, Any] = Field(
         default_factory=dict, description="EngineConfig fields that differ from the top-level engine in this pool.")
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="Follow the pool's load between min and max replicas (num_replicas is then the start).")
     request_router_class: str | None = Field(
         None, description="Import path of the Ray Serve RequestRouter for this pool; default: pdserve's "
                           "(prefix-aware for prefill and unified pools, KV headroom for decode). Ray Serve's own: "

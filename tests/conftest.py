@@ -33,7 +33,10 @@ def ray_session():
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false",
+                                       # Autoscaling tests: replicas report load every half second.
+                                       "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                                       "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}})
     yield ray
     try:
         from ray import serve

@@ -16,6 +16,7 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer import BACKENDS, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.rank_workers import RankWorkers
+from pdserve.autoscale import autoscaling_stats
 from pdserve.router.request_router import routing_stats, start_kv_events
 
 
@@ -57,6 +58,9 @@ class Decode:
 
     def record_routing_stats(self) -> dict:
         return routing_stats(self.server.stats())
+
+    def record_autoscaling_stats(self) -> dict:
+        return autoscaling_stats(self.server.stats())
 
     def health(self) -> bool:
         return self.server.engine.is_healthy

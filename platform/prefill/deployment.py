@@ -9,6 +9,7 @@ from pdserve.config import ServeConfig
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.prefill.server import PrefillServer
 from pdserve.rank_workers import RankWorkers
+from pdserve.autoscale import autoscaling_stats
 from pdserve.router.request_router import routing_stats, start_kv_events
 
 
@@ -28,6 +29,8 @@ class Prefill:
         self.server = PrefillServer(engine_config, cfg.transfer, f"prefill-{replica}", host,
                                     self.ranks and self.ranks.init_method, self.ranks and self.ranks.export)
         self.kv_events = start_kv_events(cfg, self.server.engine)
+        # Leases outstanding at shutdown get this long to be pulled (within Serve's graceful timeout).
+        self.drain_s = min(cfg.transfer.lease_s, 15.0)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await self.server.prefill(req)
@@ -38,6 +41,9 @@ class Prefill:
 
     def record_routing_stats(self) -> dict:
         return routing_stats(self.server.stats())
+
+    def record_autoscaling_stats(self) -> dict:
+        return autoscaling_stats(self.server.stats())
 
     def health(self) -> bool:
         return self.server.engine.is_healthy
@@ -51,6 +57,6 @@ class Prefill:
     def __del__(self):
         if self.kv_events is not None:
             self.kv_events.close()
-        self.server.shutdown()
+        self.server.shutdown(drain_s=self.drain_s)
         if self.ranks is not None:
             self.ranks.close()

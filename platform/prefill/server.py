@@ -10,6 +10,7 @@ by the decode side's ack, or on expiry).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -64,7 +65,14 @@ class PrefillServer:
     def stats(self) -> dict:
         return {**engine_stats(self.engine), "num_kv_leases": len(self.exporter.leases)}
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_s: float = 0.0) -> None:
+        """Stop; with `drain_s`, first give decode replicas that long to pull what is leased (a
+        replica removed by scale-down must not strand KV its requests still need)."""
+        deadline = time.monotonic() + drain_s
+        while len(self.exporter.leases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if len(self.exporter.leases):
+            log.warning("shutting down with %d KV leases unreleased", len(self.exporter.leases))
         self.exporter.close()
         self.engine.shutdown()
 

@@ -1,0 +1,65 @@
+"""Custom Ray Serve autoscaling policies (`AutoscalingConfig.policy`), one per pool.
+
+Each is a callable class (Ray Serve passes `policy_kwargs` to the constructor) called on every
+control-loop tick with Ray Serve's `AutoscalingContext`, returning the replicas it wants and its
+state. Ray Serve then applies min/max, the up/down delays (scale up fast, down slowly) and the
+scaling factors. The figures come from each replica's `record_autoscaling_stats`, averaged over
+the look-back window (`ctx.aggregated_metrics[name][replica]`), plus the requests waiting in
+callers' handles (`ctx.total_num_requests`), which a replica cannot see. Imports no Ray.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def _total(ctx, name: str) -> float | None:
+    per_replica = (ctx.aggregated_metrics or {}).get(name)
+    return None if not per_replica else float(sum(per_replica.values()))
+
+
+class PrefillQueuePolicy:
+    """Prefill pool: enough replicas that each has at most `target_queued_tokens` prompt tokens
+    waiting to be computed, and at most `target_ongoing_requests` requests."""
+
+    def __init__(self, target_queued_tokens: float = 4096, target_ongoing_requests: float = 8):
+        self.target_queued_tokens = target_queued_tokens
+        self.target_ongoing_requests = target_ongoing_requests
+
+    def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
+        tokens = _total(ctx, "queued_prefill_tokens")
+        if tokens is None:  # no report yet: keep what there is
+            return ctx.current_num_replicas, {}
+        by_tokens = tokens / self.target_queued_tokens
+        by_requests = ctx.total_num_requests / self.target_ongoing_requests
+        return math.ceil(max(by_tokens, by_requests)), {}
+
+
+class DecodeLoadPolicy:
+    """Decode pool: enough replicas that each runs at most `target_running_sequences` and keeps
+    its KV cache at most `target_kv_usage` full."""
+
+    def __init__(self, target_running_sequences: float = 32, target_kv_usage: float = 0.7):
+        self.target_running_sequences = target_running_sequences
+        self.target_kv_usage = target_kv_usage
+
+    def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
+        running, kv_usage = _total(ctx, "num_running"), _total(ctx, "kv_usage")
+        if running is None or kv_usage is None:
+            return ctx.current_num_replicas, {}
+        # Requests still queued in callers' handles will run too.
+        sequences = max(running, ctx.total_num_requests)
+        return math.ceil(max(sequences / self.target_running_sequences, kv_usage / self.target_kv_usage)), {}
+
+
+class UnifiedPolicy:
+    """Colocated pool: its replicas prefill and decode, so the larger of the two needs."""
+
+    def __init__(self, target_queued_tokens: float = 4096, target_ongoing_requests: float = 8,
+                 target_running_sequences: float = 32, target_kv_usage: float = 0.7):
+        self.prefill = PrefillQueuePolicy(target_queued_tokens, target_ongoing_requests)
+        self.decode = DecodeLoadPolicy(target_running_sequences, target_kv_usage)
+
+    def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
+        return max(self.prefill(ctx)[0], self.decode(ctx)[0]), {}

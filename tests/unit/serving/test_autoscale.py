@@ -1,0 +1,53 @@
+"""pdserve's autoscaling policies on Ray Serve's context, and the config that wires them."""
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from pdserve.autoscale.policies import DecodeLoadPolicy, PrefillQueuePolicy, UnifiedPolicy
+from pdserve.config import ServeConfig
+
+
+def ctx(current=1, requests=0.0, **metrics):
+    return SimpleNamespace(current_num_replicas=current, total_num_requests=requests,
+                           aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
+
+
+def test_prefill_scales_on_queued_tokens_and_requests():
+    policy = PrefillQueuePolicy(target_queued_tokens=1000, target_ongoing_requests=4)
+    assert policy(ctx(current=2))[0] == 2  # no reports yet: hold
+    assert policy(ctx(queued_prefill_tokens=[2500, 600]))[0] == 4  # 3100 tokens / 1000
+    assert policy(ctx(requests=10, queued_prefill_tokens=[0]))[0] == 3  # 10 requests / 4
+    assert policy(ctx(current=3, queued_prefill_tokens=[0, 0, 0]))[0] == 0  # Serve's min_replicas floors it
+
+
+def test_decode_scales_on_running_sequences_and_kv_usage():
+    policy = DecodeLoadPolicy(target_running_sequences=8, target_kv_usage=0.5)
+    assert policy(ctx(num_running=[4, 4], kv_usage=[0.9, 0.8]))[0] == 4  # KV: 1.7 / 0.5
+    assert policy(ctx(num_running=[20], kv_usage=[0.1]))[0] == 3  # sequences: 20 / 8
+    assert policy(ctx(requests=30, num_running=[2], kv_usage=[0.1]))[0] == 4  # handles' queue counts too
+    unified = UnifiedPolicy(1000, 4, 8, 0.5)
+    assert unified(ctx(queued_prefill_tokens=[5000], num_running=[1], kv_usage=[0.1]))[0] == 5
+
+
+def test_pools_get_their_policy_and_bounds(tiny_llama):
+    from pdserve.app import KV_HEADROOM_ROUTER, PREFIX_AWARE_ROUTER, _pool_options
+
+    auto = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 5, "target_queued_prefill_tokens": 512}
+    cfg = ServeConfig(model=tiny_llama, prefill={"num_replicas": 2, "autoscaling": auto})
+    options = _pool_options(cfg, cfg.prefill, "Prefill", PREFIX_AWARE_ROUTER)
+    assert "num_replicas" not in options
+    a = options["autoscaling_config"]
+    assert (a["min_replicas"], a["max_replicas"], a["initial_replicas"], a["downscale_delay_s"]) == (1, 3, 2, 5)
+    assert a["policy"] == {"policy_function": "pdserve.autoscale.policies:PrefillQueuePolicy",
+                           "policy_kwargs": {"target_queued_tokens": 512, "target_ongoing_requests": 8}}
+    assert _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["num_replicas"] == 1
+
+
+def test_scale_to_zero_must_be_asked_for():
+    with pytest.raises(ValidationError, match="scale_to_zero"):
+        ServeConfig(prefill={"autoscaling": {"min_replicas": 0}})
+    ServeConfig(prefill={"autoscaling": {"min_replicas": 0, "scale_to_zero": True}})
+    with pytest.raises(ValidationError, match="exceeds max_replicas"):
+        ServeConfig(decode={"autoscaling": {"min_replicas": 5, "max_replicas": 2}})
