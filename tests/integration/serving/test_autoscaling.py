@@ -95,3 +95,57 @@ def test_burst_scales_prefill_up_and_back_down_without_failures(scaling_app):
     decode_stats = serve.get_deployment_handle("Decode", "scaling").stats.remote().result(timeout_s=30)
     assert prefill["num_kv_leases"] == 0 and prefill["num_free_kv_blocks"] == prefill["num_kv_blocks"]
     assert decode_stats["num_failed_pulls"] == 0  # no request lost its KV to the replica that left
+
+
+@pytest.fixture(scope="module")
+def decode_scaling_app(ray_session, tiny_llama):
+    from ray import serve
+
+    from pdserve.app import build
+
+    small = {"ray_actor_options": {"num_cpus": 0.2}}
+    engine = {**ENGINE, "num_kv_blocks": 64}  # 1,024 tokens: a few long sequences fill it
+    cfg = ServeConfig(
+        name="decode-scaling", model=tiny_llama, engine=engine, remote_prefill_min_tokens=100_000,
+        transfer={"host": "127.0.0.1"}, prefill=small,
+        decode={**small, "max_ongoing_requests": 64,
+                "autoscaling": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 3,
+                                "look_back_period_s": 1, "target_running_sequences": 64, "target_kv_usage": 0.5}})
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    serve.run(build(cfg), name="decode-scaling", route_prefix="/decode-scaling")
+    yield
+    serve.delete("decode-scaling")
+
+
+def test_long_sequences_scale_decode_on_kv_occupancy(decode_scaling_app):
+    from ray import serve
+
+    decode = serve.get_deployment_handle("Decode", "decode-scaling").options(stream=True)
+    assert running_replicas("decode-scaling", "Decode") == 1
+    stop, failures = threading.Event(), []
+
+    def one(i: int) -> None:
+        req = GenerateRequest(f"long-{i}", list(range(10, 110)),
+                              SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+        try:
+            assert sum(len(out.new_token_ids) for out in decode.generate.remote(req)) == 300
+        except Exception as e:  # noqa: BLE001
+            failures.append(repr(e))
+
+    def load() -> None:  # 6 long sequences (~25 blocks each) at a time: the cache stays nearly full
+        with ThreadPoolExecutor(6) as pool:
+            i = 0
+            while not stop.is_set():
+                list(pool.map(one, range(i, i + 6)))
+                i += 6
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        scaled_up = wait_for(lambda: running_replicas("decode-scaling", "Decode") >= 2, 90)
+    finally:
+        stop.set()
+        loader.join(180)
+    assert scaled_up, "the decode pool never reached 2 replicas while its KV cache was full"
+    assert wait_for(lambda: running_replicas("decode-scaling", "Decode") == 1, 90), "the decode pool did not scale back"
+    assert not failures, failures[:3]
