@@ -32,7 +32,7 @@ def ray_session():
     Logical CPUs are oversubscribed on purpose: replicas mostly wait, and engines use one thread."""
     import ray
 
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false",
                                        # Autoscaling tests: replicas report load every half second.
                                        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",

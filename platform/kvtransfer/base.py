@@ -41,6 +41,11 @@ class KVExporter:
     def address(self) -> str:
         return f"local:{self.exporter_id}"
 
+    @property
+    def is_healthy(self) -> bool:
+        """Serving reads and expiring leases (a replica's health check fails otherwise)."""
+        return not self._closed.is_set() and self._expiry.is_alive()
+
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> p.KVHandle:
         """Pin a finished prefill's blocks under a lease and describe them for the importer."""
         self.leases.add(request_id, block_ids)

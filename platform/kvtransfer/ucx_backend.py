@@ -80,6 +80,10 @@ class UCXExporter(KVExporter):
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def is_healthy(self) -> bool:
+        return super().is_healthy and self._loop.thread.is_alive()
+
     def close(self) -> None:
         async def stop():
             self._listener.close()

@@ -51,6 +51,8 @@ class Prefill:
     def check_health(self) -> None:  # Ray Serve replaces a replica whose check raises
         if not self.server.engine.is_healthy:
             raise RuntimeError("the prefill engine loop died")
+        if not self.server.exporter.is_healthy:
+            raise RuntimeError("the KV transfer listener died")
         if self.ranks is not None:
             self.ranks.check()
 

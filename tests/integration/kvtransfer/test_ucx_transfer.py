@@ -255,3 +255,12 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     h = exporter.export("after-bad-peers", 40)
     importer.pull(h, _dst(3))
     assert torch.equal(gather_blocks(importer.kv, _dst(3)), gather_blocks(src, list(h.block_ids)))
+
+
+def test_ucx_exporter_reports_healthy_until_closed():
+    from pdserve.kvtransfer.ucx_backend import UCXExporter
+
+    exporter = UCXExporter("health", make_cache(), p.KVLayout(**LAYOUT), lambda ids: None, lambda ids: None)
+    assert exporter.is_healthy
+    exporter.close()
+    assert not exporter.is_healthy

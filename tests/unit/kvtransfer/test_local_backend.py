@@ -67,3 +67,10 @@ def test_failures_free_the_importers_blocks(side):
         LocalImporter(torch.zeros(2, 2, 8, 8, 4, 8), KVLayout(**{**LAYOUT.__dict__, "block_size": 8}),
                       {"prefill-0": exporter}).pull(exporter.export("x", [7], 4), [0], on_failure=freed.extend)
     assert freed == [0, 1, 3, 4, 0]
+
+
+def test_an_exporter_reports_healthy_until_closed():
+    exporter = KVExporter("x", torch.randn(2, 2, 4, 4, 4, 8), LAYOUT, lambda ids: None, lambda ids: None)
+    assert exporter.is_healthy
+    exporter.close()
+    assert not exporter.is_healthy
