@@ -43,8 +43,9 @@ def _kernels() -> SimpleNamespace:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                        stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        # int64 program ids: offsets into a large cache overflow 32 bits.
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1).to(tl.int64)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         s = tl.arange(0, BLOCK_SIZE)
@@ -79,8 +80,8 @@ def _kernels() -> SimpleNamespace:
                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         HEAD_DIM: tl.constexpr):
-        seq = tl.program_id(0)
-        head = tl.program_id(1)
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
         tile = tl.program_id(2)
         q_start = tl.load(cu_ptr + seq)
         q_len = tl.load(cu_ptr + seq + 1) - q_start
@@ -104,7 +105,8 @@ def _kernels() -> SimpleNamespace:
             offs = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
             k = tl.load(k_ptr + offs, mask=(keys < context_len)[:, None], other=0.0)
             v = tl.load(v_ptr + offs, mask=(keys < context_len)[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
+            # "ieee": fp32 inputs must not drop to TF32 on a GPU (bf16/fp16 are unaffected).
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < context_len)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -112,7 +114,7 @@ def _kernels() -> SimpleNamespace:
             alpha = tl.exp(m - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
             m = m_new
         out = acc / l[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -123,8 +125,8 @@ def _kernels() -> SimpleNamespace:
                             stride_half, stride_block, stride_pos, stride_head,
                             HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                             CHUNK: tl.constexpr, TO_BUFFER: tl.constexpr):
-        half = tl.program_id(0)  # layer * 2 + (0: K, 1: V)
-        i = tl.program_id(1)  # the i-th block of the request
+        half = tl.program_id(0).to(tl.int64)  # layer * 2 + (0: K, 1: V)
+        i = tl.program_id(1).to(tl.int64)  # the i-th block of the request
         block = tl.load(ids_ptr + i)
         per_block = BLOCK_SIZE * HEADS * HEAD_DIM
         for start in range(0, per_block, CHUNK):
