@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 from typing import AsyncIterator
 
-import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -16,12 +15,12 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer import BACKENDS, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.rank_workers import RankWorkers
-from pdserve.autoscale import autoscaling_stats
-from pdserve.router.request_router import routing_stats, start_kv_events
+from pdserve.replica import EngineReplica
+from pdserve.router.request_router import start_kv_events
 
 
 @serve.deployment(name="Decode")
-class Decode:
+class Decode(EngineReplica):
     def __init__(self, config: dict, prefill: DeploymentHandle | None = None):
         cfg = ServeConfig.model_validate(config)
         remote_prefill = None
@@ -52,28 +51,5 @@ class Decode:
         async for out in self.server.generate(req):
             yield out
 
-    def stats(self) -> dict:
-        ranks = self.ranks.check() if self.ranks is not None else []
-        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id(), "worker_ranks": ranks}
-
-    def record_routing_stats(self) -> dict:
-        return routing_stats(self.server.stats())
-
-    def record_autoscaling_stats(self) -> dict:
-        return autoscaling_stats(self.server.stats())
-
-    def health(self) -> bool:
-        return self.server.engine.is_healthy
-
-    def check_health(self) -> None:
-        if not self.server.engine.is_healthy:
-            raise RuntimeError("the decode engine loop died")
-        if self.ranks is not None:
-            self.ranks.check()
-
     def __del__(self):
-        if self.kv_events is not None:
-            self.kv_events.close()
-        self.server.shutdown()
-        if self.ranks is not None:
-            self.ranks.close()
+        self._shutdown()

@@ -9,8 +9,8 @@ from pdserve.config import ServeConfig
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.prefill.server import PrefillServer
 from pdserve.rank_workers import RankWorkers
-from pdserve.autoscale import autoscaling_stats
-from pdserve.router.request_router import routing_stats, start_kv_events
+from pdserve.replica import EngineReplica
+from pdserve.router.request_router import start_kv_events
 
 
 def advertised_host(config: ServeConfig) -> str:
@@ -19,7 +19,9 @@ def advertised_host(config: ServeConfig) -> str:
 
 
 @serve.deployment(name="Prefill")
-class Prefill:
+class Prefill(EngineReplica):
+    drain_s = 0.0
+
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
         replica = serve.get_replica_context().replica_id.unique_id
@@ -35,30 +37,10 @@ class Prefill:
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await self.server.prefill(req)
 
-    def stats(self) -> dict:
-        ranks = self.ranks.check() if self.ranks is not None else []
-        return {**self.server.stats(), "node_id": ray.get_runtime_context().get_node_id(), "worker_ranks": ranks}
-
-    def record_routing_stats(self) -> dict:
-        return routing_stats(self.server.stats())
-
-    def record_autoscaling_stats(self) -> dict:
-        return autoscaling_stats(self.server.stats())
-
-    def health(self) -> bool:
-        return self.server.engine.is_healthy
-
-    def check_health(self) -> None:  # Ray Serve replaces a replica whose check raises
-        if not self.server.engine.is_healthy:
-            raise RuntimeError("the prefill engine loop died")
+    def check_health(self) -> None:
+        super().check_health()
         if not self.server.exporter.is_healthy:
             raise RuntimeError("the KV transfer listener died")
-        if self.ranks is not None:
-            self.ranks.check()
 
     def __del__(self):
-        if self.kv_events is not None:
-            self.kv_events.close()
-        self.server.shutdown(drain_s=self.drain_s)
-        if self.ranks is not None:
-            self.ranks.close()
+        self._shutdown(drain_s=self.drain_s)
