@@ -264,6 +264,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        for p in self._local_workers:  # a collective with a dead rank would wait, not fail
+            if not p.is_alive():
+                raise RuntimeError(f"worker rank {p.name} exited with {p.exitcode}; this engine cannot step")
         sampled = self.runner.execute(plan)
         self.scheduler.update(plan)
         return [self._process(s.request, s.token_id, s.logprob) for s in sampled]

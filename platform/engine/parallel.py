@@ -54,13 +54,19 @@ def free_init_method(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-def init_group(rank: int, size: int, init_method: str, backend: str, timeout_s: float = 120.0) -> None:
-    """Join the replica's group (every rank calls this with the same init_method)."""
+def init_group(rank: int, size: int, init_method: str, backend: str, join_timeout_s: float = 120.0) -> None:
+    """Join the replica's group (every rank calls this with the same `tcp://host:port`).
+
+    Joining gives up after `join_timeout_s` (a rank that never starts). Collectives get no
+    practical timeout: a worker waits in `receive_step` for as long as the driver is idle. A dead
+    rank is found by the driver's liveness checks (local processes) or the replica's health check
+    (Ray rank workers), not by a collective timing out."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group: one parallel "
                            "replica per process")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timedelta(seconds=join_timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(days=7))
     log.info("rank %d/%d joined its %s group", rank, size, backend)
 
 

@@ -3,6 +3,7 @@ is over, back to 1, with no request failing and no KV lease left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -34,12 +35,46 @@ def wait_for(cond, timeout_s: float) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def scaling_app(ray_session, tiny_llama):
+def load_until(call, concurrency: int, cond, timeout_s: float, settle_s: float = 0.0) -> bool:
+    """Keep `concurrency` of `call(i)` in flight until `cond()` holds (then `settle_s` more) or the
+    timeout passes; True when it held. Returns once the last wave has finished."""
+    stop = threading.Event()
+
+    def load() -> None:
+        with ThreadPoolExecutor(concurrency) as pool:
+            i = 0
+            while not stop.is_set():
+                list(pool.map(call, range(i, i + concurrency)))
+                i += concurrency
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        held = wait_for(cond, timeout_s)
+        if held:
+            time.sleep(settle_s)
+    finally:
+        stop.set()
+        loader.join(180)
+    return held
+
+
+@contextlib.contextmanager
+def deployed(cfg: ServeConfig):
     from ray import serve
 
     from pdserve.app import build
 
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    serve.run(build(cfg), name=cfg.name, route_prefix=f"/{cfg.name}")
+    try:
+        yield
+    finally:
+        serve.delete(cfg.name)
+
+
+@pytest.fixture(scope="module")
+def scaling_app(ray_session, tiny_llama):
     small = {"ray_actor_options": {"num_cpus": 0.2}}
     cfg = ServeConfig(
         name="scaling", model=tiny_llama, engine=ENGINE, remote_prefill_min_tokens=0, transfer={"host": "127.0.0.1"},
@@ -47,10 +82,8 @@ def scaling_app(ray_session, tiny_llama):
                                           "downscale_delay_s": 3, "look_back_period_s": 1,
                                           "target_queued_prefill_tokens": 256, "target_ongoing_requests": 2}},
         decode={**small, "max_ongoing_requests": 256})
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    serve.run(build(cfg), name="scaling", route_prefix="/scaling")
-    yield
-    serve.delete("scaling")
+    with deployed(cfg):
+        yield
 
 
 def test_burst_scales_prefill_up_and_back_down_without_failures(scaling_app):
@@ -58,7 +91,7 @@ def test_burst_scales_prefill_up_and_back_down_without_failures(scaling_app):
 
     decode = serve.get_deployment_handle("Decode", "scaling").options(stream=True)
     assert running_replicas("scaling", "Prefill") == 1
-    stop, failures, done = threading.Event(), [], []
+    failures, done = [], []
     rng = random.Random(0)
 
     def one(i: int) -> None:
@@ -71,38 +104,24 @@ def test_burst_scales_prefill_up_and_back_down_without_failures(scaling_app):
         except Exception as e:  # noqa: BLE001 - counted, and the test fails on any
             failures.append(repr(e))
 
-    def load() -> None:  # 24 requests in flight until told to stop
-        with ThreadPoolExecutor(24) as pool:
-            i = 0
-            while not stop.is_set():
-                list(pool.map(one, range(i, i + 24)))
-                i += 24
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    try:
-        scaled_up = wait_for(lambda: running_replicas("scaling", "Prefill") >= 2, 90)
-        if scaled_up:
-            time.sleep(2)  # both replicas serve part of the burst
-    finally:
-        stop.set()
-        loader.join(120)
+    # 24 requests in flight until the second replica runs, and 2 s more so both serve the burst.
+    scaled_up = load_until(one, 24, lambda: running_replicas("scaling", "Prefill") >= 2, 90, settle_s=2)
     assert scaled_up, "the prefill pool never reached 2 replicas under the burst"
     assert wait_for(lambda: running_replicas("scaling", "Prefill") == 1, 90), "the prefill pool did not scale back"
     assert not failures, failures[:3]
     assert len(done) >= 24
-    prefill = serve.get_deployment_handle("Prefill", "scaling").stats.remote().result(timeout_s=30)
     decode_stats = serve.get_deployment_handle("Decode", "scaling").stats.remote().result(timeout_s=30)
-    assert prefill["num_kv_leases"] == 0 and prefill["num_free_kv_blocks"] == prefill["num_kv_blocks"]
     assert decode_stats["num_failed_pulls"] == 0  # no request lost its KV to the replica that left
+
+    def prefill_idle() -> bool:  # every lease released (by its ack, at the latest by expiry: 30 s)
+        stats = serve.get_deployment_handle("Prefill", "scaling").stats.remote().result(timeout_s=30)
+        return stats["num_kv_leases"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+    assert wait_for(prefill_idle, 40), "KV blocks of the surviving prefill replica stayed leased"
 
 
 @pytest.fixture(scope="module")
 def decode_scaling_app(ray_session, tiny_llama):
-    from ray import serve
-
-    from pdserve.app import build
-
     small = {"ray_actor_options": {"num_cpus": 0.2}}
     engine = {**ENGINE, "num_kv_blocks": 64}  # 1,024 tokens: a few long sequences fill it
     cfg = ServeConfig(
@@ -111,10 +130,8 @@ def decode_scaling_app(ray_session, tiny_llama):
         decode={**small, "max_ongoing_requests": 64,
                 "autoscaling": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 3,
                                 "look_back_period_s": 1, "target_running_sequences": 64, "target_kv_usage": 0.5}})
-    serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    serve.run(build(cfg), name="decode-scaling", route_prefix="/decode-scaling")
-    yield
-    serve.delete("decode-scaling")
+    with deployed(cfg):
+        yield
 
 
 def test_long_sequences_scale_decode_on_kv_occupancy(decode_scaling_app):
@@ -122,7 +139,7 @@ def test_long_sequences_scale_decode_on_kv_occupancy(decode_scaling_app):
 
     decode = serve.get_deployment_handle("Decode", "decode-scaling").options(stream=True)
     assert running_replicas("decode-scaling", "Decode") == 1
-    stop, failures = threading.Event(), []
+    failures = []
 
     def one(i: int) -> None:
         req = GenerateRequest(f"long-{i}", list(range(10, 110)),
@@ -132,20 +149,8 @@ def test_long_sequences_scale_decode_on_kv_occupancy(decode_scaling_app):
         except Exception as e:  # noqa: BLE001
             failures.append(repr(e))
 
-    def load() -> None:  # 6 long sequences (~25 blocks each) at a time: the cache stays nearly full
-        with ThreadPoolExecutor(6) as pool:
-            i = 0
-            while not stop.is_set():
-                list(pool.map(one, range(i, i + 6)))
-                i += 6
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    try:
-        scaled_up = wait_for(lambda: running_replicas("decode-scaling", "Decode") >= 2, 90)
-    finally:
-        stop.set()
-        loader.join(180)
+    # 6 long sequences (~25 blocks each) at a time: the cache stays nearly full.
+    scaled_up = load_until(one, 6, lambda: running_replicas("decode-scaling", "Decode") >= 2, 90)
     assert scaled_up, "the decode pool never reached 2 replicas while its KV cache was full"
     assert wait_for(lambda: running_replicas("decode-scaling", "Decode") == 1, 90), "the decode pool did not scale back"
     assert not failures, failures[:3]
