@@ -54,6 +54,14 @@ def make_trace(num_requests: int, num_prefixes: int, seed: int) -> list[tuple[in
 
 # ---- speed
 
+def place(idx: RadixIndex, tokens: list[int], replicas: list[str], i: int) -> None:
+    """One decision: hash, match, then insert for the longest match (round-robin when none)."""
+    hashes = block_hashes(tokens, BLOCK)
+    matched = idx.match(hashes, replicas)
+    best = max(matched, key=matched.__getitem__)
+    idx.insert(best if matched[best] else replicas[i % len(replicas)], hashes)
+
+
 def speed_pdserve(prompts: list[list[int]], replicas: list[str], max_blocks: int) -> dict:
     idx = RadixIndex(max_blocks_per_replica=max_blocks)
     lat = []
@@ -61,12 +69,7 @@ def speed_pdserve(prompts: list[list[int]], replicas: list[str], max_blocks: int
     start = time.perf_counter()
     for i, tokens in enumerate(prompts):
         t0 = clock()
-        hashes = block_hashes(tokens, BLOCK)
-        matched = idx.match(hashes, replicas)
-        best = max(matched, key=matched.__getitem__)
-        if matched[best] == 0:
-            best = replicas[i % len(replicas)]
-        idx.insert(best, hashes)
+        place(idx, tokens, replicas, i)
         lat.append(clock() - t0)
     elapsed = time.perf_counter() - start
     return _speed_report(len(prompts), elapsed, lat)
@@ -102,10 +105,7 @@ def memory_per_block(prompts: list[list[int]], replicas: list[str], max_blocks: 
     before = tracemalloc.get_traced_memory()[0]
     idx = RadixIndex(max_blocks_per_replica=max_blocks)
     for i, tokens in enumerate(prompts):
-        hashes = block_hashes(tokens, BLOCK)
-        matched = idx.match(hashes, replicas)
-        best = max(matched, key=matched.__getitem__)
-        idx.insert(best if matched[best] else replicas[i % len(replicas)], hashes)
+        place(idx, tokens, replicas, i)
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
