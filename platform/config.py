@@ -8,6 +8,7 @@ other leaves take plain values that the builders read from here. No I/O happens 
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -153,6 +154,25 @@ class GatewayConfig(BaseModel):
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
 
 
+class TelemetryConfig(BaseModel):
+    """What a deployment reports besides its answers: metrics, traces and status (pdserve.telemetry)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    traces: Literal["none", "console", "otlp"] = Field(
+        "none", description="Where OpenTelemetry spans go: none; console (each process's log); otlp (an OTLP/HTTP "
+                            "collector at otlp_endpoint). A client's traceparent header is honoured.")
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces; default: the standard "
+                          "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables, else http://localhost:4318/v1/traces.")
+    service_name: str = Field("pdserve", description="The service.name resource attribute of every span.")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Share of new traces recorded (a client's sampled "
+                                                                "traceparent is always followed).")
+    export_delay_ms: int = Field(500, ge=1, description="Longest a finished span waits before it is exported.")
+    metrics_period_s: float = Field(2.0, gt=0, description="How often replicas publish their gauges and counters "
+                                                           "(ray.util.metrics) and their `pdserve status` line.")
+
+
 class ServeConfig(BaseModel):
     """A whole pdserve deployment: model, pools, transfer and gateway."""
 
@@ -173,6 +193,14 @@ class ServeConfig(BaseModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name clients send (and metrics carry): configured, or the checkpoint directory's name."""
+        if self.gateway.served_model_name:
+            return self.gateway.served_model_name
+        return PurePath(self.model).name if self.model else "tiny-llama"
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine a replica of `pool` runs (model resolved by the caller)."""

@@ -6,7 +6,7 @@ engine's own `RequestOutput`s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -19,6 +19,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # W3C trace headers (traceparent, tracestate) of the request's span at the gateway: spans in
+    # other processes join its trace (pdserve.telemetry.tracing). Empty when tracing is off.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

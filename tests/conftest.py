@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -26,13 +27,21 @@ def tiny_llama(checkpoints) -> str:
     return checkpoints["tiny-llama"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for the whole session (2 cores: starting Ray is the expensive part).
     Logical CPUs are oversubscribed on purpose: replicas mostly wait, and engines use one thread."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    # Metrics: Ray's Prometheus export on a free port, reported every half second (tests/e2e/test_telemetry.py).
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=free_port(),
+             _system_config={"metrics_report_interval_ms": 500},
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false",
                                        # Autoscaling tests: replicas report load every half second.
                                        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",

@@ -5,4 +5,4 @@
 def autoscaling_stats(stats: dict) -> dict[str, float]:
     """The figures a replica reports for its pool's policy (Ray Serve's `record_autoscaling_stats`)."""
     return {"queued_prefill_tokens": float(stats["queued_prefill_tokens"]), "num_running": float(stats["num_running"]),
-            "kv_usage": 1.0 - stats["num_free_kv_blocks"] / stats["num_kv_blocks"]}
+            "kv_usage": stats["kv_usage"]}

@@ -5,7 +5,8 @@ control-loop tick with Ray Serve's `AutoscalingContext`, returning the replicas 
 state. Ray Serve then applies min/max, the up/down delays (scale up fast, down slowly) and the
 scaling factors. The figures come from each replica's `record_autoscaling_stats`, averaged over
 the look-back window (`ctx.aggregated_metrics[name][replica]`), plus the requests waiting in
-callers' handles (`ctx.total_num_requests`), which a replica cannot see. Imports no Ray.
+callers' handles (`ctx.total_num_requests`), which a replica cannot see. Every decision is
+counted (`pdserve_autoscaling_decisions`); only that, in the Serve controller, touches Ray.
 """
 
 from __future__ import annotations
@@ -14,12 +15,27 @@ import math
 from typing import Any
 
 
+def _decided(ctx, target: int) -> tuple[int, dict[str, Any]]:
+    from pdserve.telemetry.metrics import autoscaling_decision  # here: the policy runs in Serve's controller
+
+    autoscaling_decision(ctx.deployment_name.lower(), ctx.app_name or "", ctx.current_num_replicas, target)
+    return target, {}
+
+
 def _total(ctx, name: str) -> float | None:
     per_replica = (ctx.aggregated_metrics or {}).get(name)
     return None if not per_replica else float(sum(per_replica.values()))
 
 
-class PrefillQueuePolicy:
+class _Policy:
+    def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        return _decided(ctx, self.wanted(ctx))
+
+    def wanted(self, ctx) -> int:
+        raise NotImplementedError
+
+
+class PrefillQueuePolicy(_Policy):
     """Prefill pool: enough replicas that each has at most `target_queued_tokens` prompt tokens
     waiting to be computed, and at most `target_ongoing_requests` requests."""
 
@@ -27,16 +43,16 @@ class PrefillQueuePolicy:
         self.target_queued_tokens = target_queued_tokens
         self.target_ongoing_requests = target_ongoing_requests
 
-    def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
+    def wanted(self, ctx) -> int:
         tokens = _total(ctx, "queued_prefill_tokens")
         if tokens is None:  # no report yet: keep what there is
-            return ctx.current_num_replicas, {}
+            return ctx.current_num_replicas
         by_tokens = tokens / self.target_queued_tokens
         by_requests = ctx.total_num_requests / self.target_ongoing_requests
-        return math.ceil(max(by_tokens, by_requests)), {}
+        return math.ceil(max(by_tokens, by_requests))
 
 
-class DecodeLoadPolicy:
+class DecodeLoadPolicy(_Policy):
     """Decode pool: enough replicas that each runs at most `target_running_sequences` and keeps
     its KV cache at most `target_kv_usage` full."""
 
@@ -44,16 +60,16 @@ class DecodeLoadPolicy:
         self.target_running_sequences = target_running_sequences
         self.target_kv_usage = target_kv_usage
 
-    def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
+    def wanted(self, ctx) -> int:
         running, kv_usage = _total(ctx, "num_running"), _total(ctx, "kv_usage")
         if running is None or kv_usage is None:
-            return ctx.current_num_replicas, {}
+            return ctx.current_num_replicas
         # Requests still queued in callers' handles will run too.
         sequences = max(running, ctx.total_num_requests)
-        return math.ceil(max(sequences / self.target_running_sequences, kv_usage / self.target_kv_usage)), {}
+        return math.ceil(max(sequences / self.target_running_sequences, kv_usage / self.target_kv_usage))
 
 
-class UnifiedPolicy:
+class UnifiedPolicy(_Policy):
     """Colocated pool: its replicas prefill and decode, so the larger of the two needs."""
 
     def __init__(self, target_queued_tokens: float = 4096, target_ongoing_requests: float = 8,
@@ -61,5 +77,5 @@ class UnifiedPolicy:
         self.prefill = PrefillQueuePolicy(target_queued_tokens, target_ongoing_requests)
         self.decode = DecodeLoadPolicy(target_running_sequences, target_kv_usage)
 
-    def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
-        return max(self.prefill(ctx)[0], self.decode(ctx)[0]), {}
+    def wanted(self, ctx) -> int:
+        return max(self.prefill.wanted(ctx), self.decode.wanted(ctx))

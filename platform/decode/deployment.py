@@ -23,6 +23,7 @@ from pdserve.router.request_router import start_kv_events
 class Decode(EngineReplica):
     def __init__(self, config: dict, prefill: DeploymentHandle | None = None):
         cfg = ServeConfig.model_validate(config)
+        self._start_telemetry(cfg)
         remote_prefill = None
         if prefill is not None:
             async def remote_prefill(req: GenerateRequest) -> PrefillResult:
@@ -44,8 +45,9 @@ class Decode(EngineReplica):
             self.ranks = RankWorkers(engine_config, cfg.transfer if prefill is not None else None)
         self.server = DecodeServer(engine_config, cfg.transfer, remote_prefill, make_importer,
                                    cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method,
-                                   self.ranks and self.ranks.pull)
+                                   self.ranks and self.ranks.pull, self.metrics.pull)
         self.kv_events = start_kv_events(cfg, self.server.engine)
+        self._start_reporting(cfg)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         async for out in self.server.generate(req):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,7 @@ from pdserve.kvtransfer import KVHandle, KVImporter, KVTransferError
 from pdserve.kvtransfer.protocol import source_rank
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.prefill.server import engine_stats
+from pdserve.telemetry.tracing import end_span, span, start_span
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +42,14 @@ class DecodeServer:
                  remote_prefill: RemotePrefill | None = None,
                  make_importer: Callable[[LLMEngine], KVImporter] | None = None,
                  remote_prefill_min_tokens: int = 256, init_method: str | None = None,
-                 pull_rank: PullRank | None = None):
+                 pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
-        # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads.
+        # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads;
+        # on_pull(seconds): told the duration of every successful pull (a metric).
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
-        self.pull_rank = pull_rank
+        kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
+        self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
+        self.pull_rank, self.on_pull = pull_rank, on_pull
         self.remote_prefill = remote_prefill
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()
@@ -54,7 +59,8 @@ class DecodeServer:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self._wants_remote_prefill(req):
             self.num_local_prefills += 1
-            async for out in await self.engine.generate(req.request_id, req.prompt_token_ids, req.params):
+            async for out in self._decode(req, "local", self.engine.generate(req.request_id, req.prompt_token_ids,
+                                                                             req.params)):
                 yield out
             return
         try:
@@ -64,7 +70,8 @@ class DecodeServer:
         except Exception as e:  # noqa: BLE001 - a dead or failing prefill replica: prefill here instead
             log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id, e)
             self.num_local_prefills += 1
-            async for out in await self.engine.generate(req.request_id, req.prompt_token_ids, req.params):
+            async for out in self._decode(req, "local after a failed remote prefill",
+                                          self.engine.generate(req.request_id, req.prompt_token_ids, req.params)):
                 yield out
             return
         self.num_remote_prefills += 1
@@ -73,13 +80,30 @@ class DecodeServer:
             return
         try:
             yield result.first
-            recompute = await self._import(req, result)
+            with span("pdserve.kv_transfer", req.trace_context, request_id=req.request_id,
+                      backend=type(self.importer).__name__) as s:
+                recompute = await self._import(req, result)
+                s.set_attribute("recompute", recompute)
         except BaseException:  # the client left, or the import failed: free both sides
             self.engine.locked(self.engine.engine.abort_request, req.request_id)
             await asyncio.to_thread(self.importer.release, result.kv)
             raise
-        async for out in await self.engine.resume(req.request_id, recompute):
+        async for out in self._decode(req, "recomputed" if recompute else "remote",
+                                      self.engine.resume(req.request_id, recompute)):
             yield out
+
+    async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:
+        """The engine's stream for `req` under a decode span (it outlives yields: ended by hand)."""
+        s = start_span("pdserve.decode", req.trace_context, request_id=req.request_id, prefill=prefill)
+        error = None
+        try:
+            async for out in await opening:
+                yield out
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            end_span(s, error)
 
     async def _import(self, req: GenerateRequest, result: PrefillResult) -> bool:
         """Reserve blocks for what this cache lacks and pull them. True: the pull failed, so the
@@ -94,9 +118,12 @@ class DecodeServer:
             await self._release(result)
         else:
             pull = asyncio.ensure_future(self._pull(result, dst, num_local))
+            started = time.perf_counter()
             try:
                 await asyncio.shield(pull)
                 self.num_pulled_blocks += len(dst)
+                if self.on_pull is not None:
+                    self.on_pull(time.perf_counter() - started)
             except KVTransferError as e:
                 log.warning("KV pull of %s failed (%s); recomputing its prompt here", req.request_id, e)
                 self.num_failed_pulls += 1
@@ -146,7 +173,7 @@ class DecodeServer:
     def stats(self) -> dict:
         return {**engine_stats(self.engine), "num_remote_prefills": self.num_remote_prefills,
                 "num_local_prefills": self.num_local_prefills, "num_pulled_blocks": self.num_pulled_blocks,
-                "num_failed_pulls": self.num_failed_pulls}
+                "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes, "num_failed_pulls": self.num_failed_pulls}
 
     def shutdown(self) -> None:
         if self.importer is not None:

@@ -4,7 +4,6 @@ reaches the pools through deployment handles (Ray's exceptions become pdserve's 
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import AsyncIterator
 
 import ray
@@ -21,6 +20,8 @@ from pdserve.errors import OverloadedError
 from pdserve.gateway.grpc_service import GrpcGeneration
 from pdserve.gateway.openai_service import OpenAIService, UnavailableError
 from pdserve.messages import GenerateRequest
+from pdserve.telemetry.metrics import GatewayMetrics
+from pdserve.telemetry.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve deployment")
@@ -70,10 +71,12 @@ class Gateway:
         if prefill is not None:
             pools["prefill"] = prefill
         max_model_len = cfg.engine.get("max_model_len") or ModelArch.from_dir(cfg.model).context_len
-        name = cfg.gateway.served_model_name or Path(cfg.model).name
-        self.service = OpenAIService(PoolsClient(decode, pools), Tokenizer(cfg.model), name, max_model_len,
-                                     cfg.gateway)
-        self.grpc = GrpcGeneration(self.service.client, self.service.tokenizer, max_model_len, cfg.gateway.api_keys)
+        setup_tracing(cfg.telemetry, "gateway")
+        metrics = GatewayMetrics(serve.get_replica_context().replica_id.unique_id, cfg.served_model_name)
+        self.service = OpenAIService(PoolsClient(decode, pools), Tokenizer(cfg.model), cfg.served_model_name,
+                                     max_model_len, cfg.gateway, metrics)
+        self.grpc = GrpcGeneration(self.service.client, self.service.tokenizer, max_model_len, cfg.gateway.api_keys,
+                                   metrics)
 
     @api.get("/v1/models")
     def models(self, request: Request):

@@ -22,8 +22,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.gateway import pdserve_pb2 as pb
-from pdserve.gateway.openai_service import APIError, GenerateClient, UnavailableError, check_api_key, check_prompt
+from pdserve.gateway.openai_service import (APIError, GenerateClient, UnavailableError, check_api_key, check_prompt,
+                                            outcome_of)
 from pdserve.messages import GenerateRequest
+from pdserve.telemetry.requests import RequestRecord
 
 _DEFAULT_MAX_TOKENS = 16  # as /v1/completions
 
@@ -58,23 +60,28 @@ def _set_status(context: CallContext | None, e: BaseException) -> None:
 
 class GrpcGeneration:
     def __init__(self, client: GenerateClient, tokenizer: Tokenizer, max_model_len: int,
-                 api_keys: Sequence[str] = ()):
+                 api_keys: Sequence[str] = (), metrics=None):
+        # metrics: a pdserve.telemetry.metrics.GatewayMetrics, or None (no series recorded).
         self.client, self.tokenizer, self.max_model_len = client, tokenizer, max_model_len
-        self.api_keys = frozenset(api_keys)
+        self.api_keys, self.metrics = frozenset(api_keys), metrics
 
     async def generate(self, request_pb: pb.GenerateRequest, context: CallContext | None = None) -> pb.GenerateResponse:
         """The whole completion; `completion_tokens` counts `token_ids`."""
+        rec = self._record("Generate", request_pb, context)
         try:
-            rid, req = self._request(request_pb, context)
+            rid, req = self._request(request_pb, context, rec)
             text, token_ids, finish_reason = [], [], ""
             async for out in self.client.generate(req):
+                rec.output(0, len(out.new_token_ids))
                 text.append(out.new_text)
                 token_ids += out.new_token_ids
                 if out.finished:
                     finish_reason = out.finish_reason or ""
-        except Exception as e:
+        except BaseException as e:
+            rec.finish(outcome_of(e), e)
             _set_status(context, e)
             raise
+        rec.finish("ok", None, len(req.prompt_token_ids), len(token_ids))
         return pb.GenerateResponse(request_id=rid, text="".join(text), token_ids=token_ids,
                                    finish_reason=finish_reason, prompt_tokens=len(req.prompt_token_ids),
                                    completion_tokens=len(token_ids))
@@ -83,26 +90,35 @@ class GrpcGeneration:
                               context: CallContext | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """One response per engine output with new tokens (or the finish); their texts and token
         ids concatenate to `generate`'s. Leaving early cancels the request in the pools."""
+        rec = self._record("GenerateStream", request_pb, context)
         try:
-            rid, req = self._request(request_pb, context)
+            rid, req = self._request(request_pb, context, rec)
             num_tokens = 0
             async for out in self.client.generate(req):
+                rec.output(0, len(out.new_token_ids))
                 if not out.new_token_ids and not out.finished:
                     continue
                 num_tokens += len(out.new_token_ids)
                 yield pb.GenerateResponse(request_id=rid, text=out.new_text, token_ids=out.new_token_ids,
                                           finish_reason=(out.finish_reason or "") if out.finished else "",
                                           prompt_tokens=len(req.prompt_token_ids), completion_tokens=num_tokens)
-        except Exception as e:
+        except BaseException as e:
+            rec.finish(outcome_of(e), e)
             _set_status(context, e)
             raise
+        rec.finish("ok", None, len(req.prompt_token_ids), num_tokens)
 
     # -- request -> GenerateRequest ------------------------------------------------------------
     def _check_api_key(self, context: CallContext | None) -> None:
         metadata = dict(context.invocation_metadata()) if context is not None else {}
         check_api_key(metadata.get("authorization", ""), self.api_keys)
 
-    def _request(self, r: pb.GenerateRequest, context: CallContext | None) -> tuple[str, GenerateRequest]:
+    def _record(self, rpc: str, r: pb.GenerateRequest, context: CallContext | None) -> RequestRecord:
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        return RequestRecord(f"/pdserve.v1.Generation/{rpc}", r.request_id, metadata, self.metrics)
+
+    def _request(self, r: pb.GenerateRequest, context: CallContext | None,
+                 rec: RequestRecord) -> tuple[str, GenerateRequest]:
         self._check_api_key(context)
         source = r.WhichOneof("input")
         if source is None:
@@ -115,4 +131,4 @@ class GrpcGeneration:
                                 ignore_eos=r.ignore_eos, **optional)
         rid = r.request_id[:128] or uuid.uuid4().hex
         # Client ids may repeat; engine ids must not.
-        return rid, GenerateRequest(f"{rid}-{uuid.uuid4().hex[:8]}", ids, params)
+        return rid, GenerateRequest(f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, rec.trace_context)

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import AsyncIterator, Callable, Protocol
 
 from pydantic import BaseModel, ValidationError
@@ -31,6 +31,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.messages import GenerateRequest
+from pdserve.telemetry.requests import RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,19 @@ def error_response(e: BaseException) -> JSONResponse:
     log.error("request failed: %r", e, exc_info=e)
     return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error", None, 500),
                         500)
+
+
+def outcome_of(e: BaseException) -> str:
+    """How a failed request is counted (pdserve_requests' outcome label)."""
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        return "aborted"  # the client left
+    if isinstance(e, (OverloadedError, UnavailableError)):
+        return "overloaded"
+    if isinstance(e, APIError) and e.status in (401, 403):
+        return "rejected"
+    if isinstance(e, (InvalidRequestError, APIError)) and (not isinstance(e, APIError) or e.status < 500):
+        return "invalid"
+    return "error"
 
 
 def check_api_key(authorization: str, api_keys) -> None:
@@ -126,9 +140,10 @@ class _Choice:
 
 class OpenAIService:
     def __init__(self, client: GenerateClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 config: GatewayConfig):
+                 config: GatewayConfig, metrics=None):
+        # metrics: a pdserve.telemetry.metrics.GatewayMetrics, or None (no series recorded).
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
-        self.max_model_len, self.config = max_model_len, config
+        self.max_model_len, self.config, self.metrics = max_model_len, config, metrics
         self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -171,17 +186,32 @@ class OpenAIService:
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, param)
 
-    def _fan_out(self, rid: str, prompts: list[list[int]], n: int,
+    def _fan_out(self, rec: RequestRecord, rid: str, prompts: list[list[int]], n: int,
                  make_params: Callable[[int], SamplingParams]) -> list[tuple[int, GenerateRequest]]:
         """One sequence per prompt and choice, indexed as OpenAI numbers choices; `make_params(i)`
         gives choice i's sampling parameters."""
         if n > self.config.max_n:
             raise InvalidRequestError(f"n must be at most {self.config.max_n}", param="n")
         tag = uuid.uuid4().hex[:8]  # client ids may repeat; engine ids must not
-        return [(p * n + i, GenerateRequest(f"{rid}-{tag}-{p * n + i}", ids, make_params(i)))
+        return [(p * n + i, GenerateRequest(f"{rid}-{tag}-{p * n + i}", ids, make_params(i), rec.trace_context))
                 for p, ids in enumerate(prompts) for i in range(n)]
 
-    async def _merged(self, reqs: list[tuple[int, GenerateRequest]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _handle(self, request: Request, route: str, run) -> Response:
+        """Run one API call under its `RequestRecord`: errors before the first byte become HTTP
+        errors; `run(rid, rec)` finishes the record itself when it succeeds (or its stream does)."""
+        rid = self.request_id(request)
+        rec = RequestRecord(route, rid, request.headers, self.metrics)
+        try:
+            return await run(rid, rec)
+        except Exception as e:  # noqa: BLE001
+            rec.finish(outcome_of(e), e)
+            return error_response(e)
+        except BaseException as e:  # the client left
+            rec.finish("aborted", e)
+            raise
+
+    async def _merged(self, rec: RequestRecord,
+                      reqs: list[tuple[int, GenerateRequest]]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """All choices' outputs as they come; leaving early cancels every leg."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -203,6 +233,7 @@ class OpenAIService:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    rec.output(index, len(item.new_token_ids))
                     yield index, item
         finally:
             for t in tasks:
@@ -215,20 +246,29 @@ class OpenAIService:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices[::n])}}
 
-    def _sse(self, rid: str, chunks: AsyncIterator[dict]) -> StreamingResponse:
+    def _sse(self, rec: RequestRecord, chunks: AsyncIterator[dict], usage: Callable[[], dict]) -> StreamingResponse:
         async def body():
             try:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except Exception as e:  # noqa: BLE001 - after the first byte, errors go in-stream
+                rec.finish(outcome_of(e), e)
                 resp = error_response(e)
                 yield f"data: {resp.body.decode()}\n\n"
+            except BaseException as e:  # the client left mid-stream
+                rec.finish("aborted", e)
+                raise
+            self._finish_ok(rec, usage())
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    async def _collect(self, reqs, choices: list[_Choice]) -> None:
-        async for index, out in self._merged(reqs):
+    @staticmethod
+    def _finish_ok(rec: RequestRecord, usage: dict) -> None:
+        rec.finish("ok", None, usage["prompt_tokens"], usage["completion_tokens"])
+
+    async def _collect(self, rec: RequestRecord, reqs, choices: list[_Choice]) -> None:
+        async for index, out in self._merged(rec, reqs):
             c = choices[index]
             self._absorb(c, out)
             c.text += out.new_text
@@ -245,29 +285,30 @@ class OpenAIService:
 
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        rid = self.request_id(request)
-        try:
-            body: CompletionRequest = await self._body(request, CompletionRequest)
-            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
-            max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            for ids in prompts:
-                self._check_length(ids, max_tokens, "prompt")
-            k = body.logprobs
-            prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
-            reqs = self._fan_out(rid, prompts, body.n, lambda i: body.sampling_params(max_tokens, k, prompt_k, i))
-            choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
-            if body.stream:
-                return self._sse(rid, self._completion_chunks(rid, body, reqs, choices))
-            await self._collect(reqs, choices)
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        return await self._handle(request, "/v1/completions", partial(self._completions, request))
+
+    async def _completions(self, request: Request, rid: str, rec: RequestRecord) -> Response:
+        body: CompletionRequest = await self._body(request, CompletionRequest)
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        for ids in prompts:
+            self._check_length(ids, max_tokens, "prompt")
+        k = body.logprobs
+        prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
+        reqs = self._fan_out(rec, rid, prompts, body.n, lambda i: body.sampling_params(max_tokens, k, prompt_k, i))
+        choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
+        usage = partial(self._usage, choices, body.n)
+        if body.stream:
+            return self._sse(rec, self._completion_chunks(rec, rid, body, reqs, choices), usage)
+        await self._collect(rec, reqs, choices)
+        self._finish_ok(rec, usage())
         return JSONResponse({
             "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.model_name,
             "choices": [{"index": c.index, "text": (self._echo(c) if body.echo else "") + c.text,
                          "logprobs": self._completion_logprobs(c.logprobs, k, c.prompt_ids[0])
                          if k is not None else None,
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-            "usage": self._usage(choices, body.n)})
+            "usage": usage()})
 
     def _echo(self, c: _Choice) -> str:
         return self.tokenizer.decode(c.prompt_ids)
@@ -291,11 +332,12 @@ class OpenAIService:
             offset += len(tokens[-1] or "")
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _completion_chunks(self, rid, body: CompletionRequest, reqs, choices: list[_Choice]):
+    async def _completion_chunks(self, rec: RequestRecord, rid, body: CompletionRequest, reqs,
+                                 choices: list[_Choice]):
         created, k = int(time.time()), body.logprobs
         base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": self.model_name}
         started = set()
-        async for index, out in self._merged(reqs):
+        async for index, out in self._merged(rec, reqs):
             c = choices[index]
             before = len(c.logprobs)
             self._absorb(c, out)
@@ -315,29 +357,30 @@ class OpenAIService:
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        rid = self.request_id(request)
-        try:
-            body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
-            ids = self.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt)
-            asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            max_tokens = self._check_length(ids, asked, "messages")
-            if body.top_logprobs is not None and not body.logprobs:
-                raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-            k = (body.top_logprobs or 0) if body.logprobs else None
-            reqs = self._fan_out(rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i))
-            choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
-            if body.stream:
-                return self._sse(rid, self._chat_chunks(rid, body, reqs, choices, k))
-            await self._collect(reqs, choices)
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        return await self._handle(request, "/v1/chat/completions", partial(self._chat_completions, request))
+
+    async def _chat_completions(self, request: Request, rid: str, rec: RequestRecord) -> Response:
+        body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+        ids = self.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self._check_length(ids, asked, "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        reqs = self._fan_out(rec, rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i))
+        choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
+        usage = partial(self._usage, choices, body.n)
+        if body.stream:
+            return self._sse(rec, self._chat_chunks(rec, rid, body, reqs, choices, k), usage)
+        await self._collect(rec, reqs, choices)
+        self._finish_ok(rec, usage())
         return JSONResponse({
             "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": self._chat_logprobs(c.logprobs, k) if k is not None else None,
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-            "usage": self._usage(choices, body.n)})
+            "usage": usage()})
 
     def _chat_logprobs(self, lps: list[TokenLogprob], k: int) -> dict:
         def entry(tid: int, lp: float) -> dict:
@@ -347,13 +390,14 @@ class OpenAIService:
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:k]]}
                             for lp in lps]}
 
-    async def _chat_chunks(self, rid, body: ChatCompletionRequest, reqs, choices: list[_Choice], k):
+    async def _chat_chunks(self, rec: RequestRecord, rid, body: ChatCompletionRequest, reqs,
+                           choices: list[_Choice], k):
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         for c in choices:
             yield {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
-        async for index, out in self._merged(reqs):
+        async for index, out in self._merged(rec, reqs):
             c = choices[index]
             self._absorb(c, out)
             if not out.new_text and not out.finished and k is None:

@@ -78,6 +78,7 @@ class LeaseTable:
         self._pin, self._unpin, self.lease_s, self._clock = pin, unpin, lease_s, clock
         self._leases: dict[str, Lease] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()  # recent, to tell "expired" from "unknown"
+        self.num_expired = 0  # leases released by expiry since the start (a metric)
         self._lock = threading.Lock()
 
     def add(self, request_id: str, block_ids: list[int]) -> float:
@@ -122,6 +123,7 @@ class LeaseTable:
     def _drop_expired(self, request_id: str) -> None:
         self._unpin(self._leases.pop(request_id).block_ids)
         self._expired[request_id] = None
+        self.num_expired += 1
         while len(self._expired) > 4096:
             self._expired.popitem(last=False)
 

@@ -24,6 +24,7 @@ class Prefill(EngineReplica):
 
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
+        self._start_telemetry(cfg)
         replica = serve.get_replica_context().replica_id.unique_id
         engine_config = cfg.engine_config(cfg.prefill)
         host = advertised_host(cfg)
@@ -31,6 +32,7 @@ class Prefill(EngineReplica):
         self.server = PrefillServer(engine_config, cfg.transfer, f"prefill-{replica}", host,
                                     self.ranks and self.ranks.init_method, self.ranks and self.ranks.export)
         self.kv_events = start_kv_events(cfg, self.server.engine)
+        self._start_reporting(cfg)
         # Leases outstanding at shutdown get this long to be pulled (within Serve's graceful timeout).
         self.drain_s = min(cfg.transfer.lease_s, 15.0)
 

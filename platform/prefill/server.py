@@ -19,6 +19,7 @@ from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer import BACKENDS, KVHandle, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,14 @@ class PrefillServer:
                                      lease_s=transfer.lease_s, **options)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        with span("pdserve.prefill", req.trace_context, request_id=req.request_id,
+                  prompt_tokens=len(req.prompt_token_ids)) as s:
+            result = await self._prefill(req)
+            s.set_attribute("cached_tokens", result.first.num_cached_tokens)
+            s.set_attribute("exported_blocks", len(result.kv.block_ids) if result.kv is not None else 0)
+            return result
+
+    async def _prefill(self, req: GenerateRequest) -> PrefillResult:
         stream = await self.engine.generate(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
         async for out in stream:
             first = out
@@ -63,7 +72,8 @@ class PrefillServer:
         return PrefillResult(first, handle, bytes(state.numpy()) if state is not None else None, rank_kv)
 
     def stats(self) -> dict:
-        return {**engine_stats(self.engine), "num_kv_leases": len(self.exporter.leases)}
+        leases = self.exporter.leases
+        return {**engine_stats(self.engine), "num_kv_leases": len(leases), "num_expired_kv_leases": leases.num_expired}
 
     def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop; with `drain_s`, first give decode replicas that long to pull what is leased (a
@@ -83,8 +93,10 @@ def engine_stats(engine: AsyncLLMEngine) -> dict:
     s = e.scheduler
     hits, computed = s.num_prefix_hit_tokens, s.num_computed_prompt_tokens
     return {"healthy": engine.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
-            "num_running": len(s.running), "queued_prefill_tokens": s.num_queued_prefill_tokens(),
+            "num_waiting": len(s.waiting), "num_running": len(s.running), "queued_prefill_tokens": s.num_queued_prefill_tokens(),
             "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
             "num_preemptions": s.num_preemptions, "num_prefix_hit_tokens": hits,
-            "num_computed_prompt_tokens": computed,
-            "prefix_hit_rate": hits / (hits + computed) if hits + computed else 0.0}
+            "num_computed_prompt_tokens": computed, "num_prefix_query_tokens": hits + computed,
+            "prefix_hit_rate": hits / (hits + computed) if hits + computed else 0.0,
+            # Share of the cache requests hold (free cached blocks count as free).
+            "kv_usage": 1.0 - e.num_free_kv_blocks / e.block_pool.num_blocks}

@@ -7,7 +7,8 @@ reads a `KVEventIndex` fed by the pool's KV-event stream; both read the figures 
 (reports are periodic; in-flight accounting covers the gap between them).
 
 `request_router_kwargs` (JSON, see `pdserve.app`): redis_url, stream, block_size, queue_weight,
-max_blocks_per_replica, approx_ttl_s. The replica side (publishing KV events, reporting routing
+max_blocks_per_replica, approx_ttl_s, and pool and model (metric labels). Each placement is counted
+(`pdserve_router_decisions`) and traced (a `pdserve.route` span in the request's trace). The replica side (publishing KV events, reporting routing
 stats) is here too: `start_kv_events` and `routing_stats`, called by the pool deployments.
 """
 
@@ -25,6 +26,8 @@ from pdserve.messages import GenerateRequest
 from pdserve.router.block_hash import block_hashes
 from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
+from pdserve.telemetry.metrics import router_decision
+from pdserve.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,13 @@ class _PdserveRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._in_flight = InFlight()
         self._block_size = int(kwargs.get("block_size", 16))
+        self._pool, self._model = kwargs.get("pool", ""), kwargs.get("model", "")
+
+    def _record(self, req: GenerateRequest, replica: str, decision: str, mode: str, **attributes: Any) -> None:
+        router_decision(self._pool, replica, self._model, decision, mode)
+        with span("pdserve.route", req.trace_context, pool=self._pool, replica=replica, decision=decision,
+                  mode=mode, **attributes):
+            pass
 
     def _ranks(self, order: list[str], by_id: dict[str, RunningReplica]) -> list[list[RunningReplica]]:
         # One replica per rank: Ray Serve tries them in our order, skipping full ones.
@@ -111,6 +121,9 @@ class PrefixAwareRouter(_PdserveRouter):
         self._in_flight.add(id(pending_request.metadata), pending_request.metadata.internal_request_id, best,
                             n - min(matched[best] * self._block_size, n - 1))
         self._index.record_placement(best, hashes)
+        longest = max(matched.values(), default=0)
+        decision = "cold" if longest == 0 else "matched" if matched[best] == longest else "spread"
+        self._record(req, best, decision, self._index.mode, matched_blocks=matched[best], longest_match=longest)
         return self._ranks(order, by_id)
 
 
@@ -135,6 +148,7 @@ class KVHeadroomRouter(_PdserveRouter):
         order = rank_decode(list(by_id), loads, needed)
         self._in_flight.add(id(pending_request.metadata), pending_request.metadata.internal_request_id, order[0],
                             needed)
+        self._record(req, order[0], "headroom", "load", blocks_needed=needed)
         return self._ranks(order, by_id)
 
 

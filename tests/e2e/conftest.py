@@ -7,7 +7,6 @@ disaggregation below that). colo (/colo): one Unified replica, behind an API key
 
 from __future__ import annotations
 
-import socket
 import time
 
 import openai
@@ -16,17 +15,13 @@ import pytest
 
 from pdserve.config import ServeConfig
 
+from ..conftest import free_port
+
 ENGINE = {"num_threads": 1, "num_kv_blocks": 192, "block_size": 8, "max_model_len": 384, "max_num_seqs": 32,
           "max_num_batched_tokens": 512}
 POOL = {"ray_actor_options": {"num_cpus": 1}, "max_queued_requests": 300}
 REMOTE_PREFILL_MIN_TOKENS = 24
 API_KEY = "sk-pdserve-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class App:
@@ -63,7 +58,7 @@ def serve_apps(ray_session, tiny_llama):
 
     from pdserve.app import build, grpc_options
 
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port))
     disagg = ServeConfig(name="disagg", model=tiny_llama, engine=ENGINE, prefill=POOL, decode=POOL,
                          remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS,

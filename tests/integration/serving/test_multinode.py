@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.conftest import _free_port
+from tests.conftest import free_port as _free_port
 
 
 def test_pools_land_on_their_node_types_and_kv_crosses_raylets(tiny_llama):

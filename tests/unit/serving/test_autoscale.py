@@ -10,7 +10,8 @@ from pdserve.config import ServeConfig
 
 
 def ctx(current=1, requests=0.0, **metrics):
-    return SimpleNamespace(current_num_replicas=current, total_num_requests=requests,
+    return SimpleNamespace(deployment_name="Prefill", app_name="app", current_num_replicas=current,
+                           total_num_requests=requests,
                            aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
 
 

@@ -1,0 +1,2 @@
+"""What a running deployment tells its operators: Prometheus series (`metrics`, through
+ray.util.metrics), OpenTelemetry traces (`tracing`, no Ray) and `pdserve status` (`status`)."""

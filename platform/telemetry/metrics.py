@@ -1,0 +1,135 @@
+"""pdserve's Prometheus series, through `ray.util.metrics` (DESIGN.md section 3).
+
+Every series is named `pdserve_*` and labelled by pool (gateway, prefill, decode, unified),
+replica and model. Ray's metrics agent exports them with its own `ray_` prefix (counters also get
+`_total`), so `pdserve_requests` is scraped as `ray_pdserve_requests_total`, next to Ray Serve's
+series in the Ray dashboard's metrics view and in `deploy/grafana/pdserve.json`.
+
+Where each is measured: the gateway counts requests by outcome and times TTFT, inter-token
+latency and end-to-end latency per sequence; each engine replica publishes its scheduler and KV
+figures every `telemetry.metrics_period_s` (gauges, and counters advanced by the change in its
+cumulative figures) and times each KV pull; routers count their decisions; the autoscaling
+policies count theirs in the Serve controller. Outside a Ray worker the series are inert.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+TAGS = ("pool", "replica", "model")
+# Seconds: from sub-millisecond inter-token gaps on small models to minute-long requests.
+LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                      120.0]
+OUTCOMES = ("ok", "invalid", "rejected", "overloaded", "error", "aborted")
+
+
+@functools.cache
+def series() -> SimpleNamespace:
+    """Every pdserve series, created once per process (Ray keys a metric by name and process)."""
+    def counter(name, doc, *extra):
+        return Counter(f"pdserve_{name}", description=doc, tag_keys=TAGS + extra)
+
+    def gauge(name, doc, *extra):
+        return Gauge(f"pdserve_{name}", description=doc, tag_keys=TAGS + extra)
+
+    def histogram(name, doc):
+        return Histogram(f"pdserve_{name}", description=doc, boundaries=LATENCY_BOUNDARIES, tag_keys=TAGS)
+
+    return SimpleNamespace(
+        # gateway
+        requests=counter("requests", "API requests by outcome: " + ", ".join(OUTCOMES), "outcome"),
+        prompt_tokens=counter("prompt_tokens", "Prompt tokens of finished requests."),
+        generation_tokens=counter("generation_tokens", "Tokens generated for finished requests."),
+        ttft=histogram("time_to_first_token_seconds", "Request arrival to a sequence's first token."),
+        itl=histogram("inter_token_latency_seconds", "Gap between a sequence's successive tokens."),
+        e2e=histogram("e2e_request_latency_seconds", "Request arrival to its last token."),
+        # engine replicas
+        waiting_requests=gauge("waiting_requests", "Requests queued in the engine, not yet running."),
+        waiting_tokens=gauge("waiting_prompt_tokens", "Prompt tokens queued for prefill."),
+        running=gauge("running_sequences", "Sequences in the running batch."),
+        kv_usage=gauge("kv_cache_usage", "Share of KV-cache blocks held by requests (0..1)."),
+        kv_leases=gauge("kv_leases", "KV leases a prefill replica holds for decode replicas to pull."),
+        prefix_hits=counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."),
+        prefix_queries=counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
+        preemptions=counter("preemptions", "Requests preempted (recomputed later) for lack of KV blocks."),
+        transfer_bytes=counter("kv_transfer_bytes", "KV-cache bytes pulled from prefill replicas."),
+        transfer_failures=counter("kv_transfer_failures", "KV pulls that failed (the prompt is recomputed)."),
+        transfer_seconds=histogram("kv_transfer_seconds", "Duration of one request's KV pull, all ranks."),
+        leases_expired=counter("kv_leases_expired", "KV leases released by expiry instead of a pull."),
+        # routers and autoscaler
+        router_decisions=counter("router_decisions", "Placements: matched (longest prefix), spread (a shorter "
+                                 "match for load), cold (no match), headroom (decode); by router mode.",
+                                 "decision", "mode"),
+        autoscaling_decisions=counter("autoscaling_decisions", "Policy decisions: up, down, hold.", "app",
+                                      "direction"),
+        autoscaling_target=gauge("autoscaling_target_replicas", "Replicas a pool's policy asks for.", "app"),
+    )
+
+
+class GatewayMetrics:
+    def __init__(self, replica: str, model: str):
+        self.tags = {"pool": "gateway", "replica": replica, "model": model}
+
+    def request(self, outcome: str, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        s = series()
+        s.requests.inc(1, tags={**self.tags, "outcome": outcome})
+        if prompt_tokens:
+            s.prompt_tokens.inc(prompt_tokens, tags=self.tags)
+        if generation_tokens:
+            s.generation_tokens.inc(generation_tokens, tags=self.tags)
+
+    def first_token(self, seconds: float) -> None:
+        series().ttft.observe(seconds, tags=self.tags)
+
+    def inter_token(self, seconds: float) -> None:
+        series().itl.observe(seconds, tags=self.tags)
+
+    def finished(self, seconds: float) -> None:
+        series().e2e.observe(seconds, tags=self.tags)
+
+
+# An engine replica's cumulative figures (its stats()) -> the counter each advances.
+_COUNTED = {"num_prefix_hit_tokens": "prefix_hits", "num_prefix_query_tokens": "prefix_queries",
+            "num_preemptions": "preemptions", "num_pulled_bytes": "transfer_bytes",
+            "num_failed_pulls": "transfer_failures", "num_expired_kv_leases": "leases_expired"}
+
+
+class ReplicaMetrics:
+    """An engine replica's series, from its stats() (call `publish` periodically) and its pulls."""
+
+    def __init__(self, pool: str, replica: str, model: str):
+        self.tags = {"pool": pool, "replica": replica, "model": model}
+        self._last: dict[str, float] = {}
+
+    def publish(self, stats: dict) -> None:
+        s, tags = series(), self.tags
+        s.waiting_requests.set(stats["num_waiting"], tags=tags)
+        s.waiting_tokens.set(stats["queued_prefill_tokens"], tags=tags)
+        s.running.set(stats["num_running"], tags=tags)
+        s.kv_usage.set(stats["kv_usage"], tags=tags)
+        if "num_kv_leases" in stats:
+            s.kv_leases.set(stats["num_kv_leases"], tags=tags)
+        for key, name in _COUNTED.items():
+            if key in stats:
+                delta = stats[key] - self._last.get(key, 0)
+                if delta > 0:
+                    getattr(s, name).inc(delta, tags=tags)
+                self._last[key] = stats[key]
+
+    def pull(self, seconds: float) -> None:
+        series().transfer_seconds.observe(seconds, tags=self.tags)
+
+
+def router_decision(pool: str, replica: str, model: str, decision: str, mode: str) -> None:
+    series().router_decisions.inc(1, tags={"pool": pool, "replica": replica, "model": model,
+                                           "decision": decision, "mode": mode})
+
+
+def autoscaling_decision(pool: str, app: str, current: int, target: int) -> None:
+    tags = {"pool": pool, "replica": "", "model": "", "app": app}
+    direction = "up" if target > current else "down" if target < current else "hold"
+    series().autoscaling_decisions.inc(1, tags={**tags, "direction": direction})
+    series().autoscaling_target.set(target, tags=tags)
