@@ -1,0 +1,268 @@
+{{/*
+Names and labels.
+
+Object names are capped at 47 characters: KubeRay names a RayService's cluster <name>-<5 chars>
+and that cluster's Services <cluster>-serve-svc, which must stay within 63.
+*/}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 47 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 47 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels that never change between releases: selectors and Ray pod templates use only these. */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels of top-level objects (not of Ray pods: KubeRay fingerprints their templates). */}}
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ include "pdserve.chart" . }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/*
+The pdserve config from the values: a map, or YAML text (`--set-file config=FILE`). Rendered as
+YAML; callers read it back with fromYaml (a fresh copy every time, so .Values is never changed).
+*/}}
+{{- define "pdserve.userConfig" -}}
+{{- $config := .Values.config | default dict -}}
+{{- if kindIs "string" $config -}}
+{{- $config = fromYaml $config -}}
+{{- if hasKey $config "Error" -}}
+{{- fail (printf "config: not a YAML mapping of pdserve config fields (%s); check it with `pdserve config validate FILE`" (get $config "Error")) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/* The pools that run, in the order of their worker groups: colocated mode has one (decode = Unified). */}}
+{{- define "pdserve.poolNames" -}}
+{{- $config := include "pdserve.userConfig" . | fromYaml -}}
+{{- if eq (get $config "mode" | default "disaggregated") "colocated" -}}decode{{- else -}}prefill decode{{- end -}}
+{{- end -}}
+
+{{/* The Redis URL handed to the routers: external, bundled, or none (then the config's own). */}}
+{{- define "pdserve.redisUrl" -}}
+{{- if .Values.redis.externalUrl -}}
+{{- .Values.redis.externalUrl -}}
+{{- else if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis.%s.svc:6379/0" (include "pdserve.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What one replica of a pool needs, read from the config with ServeConfig's defaults: a pool's
+engine fields override the top-level engine's; ray_actor_options default to {num_cpus: 1};
+a tensor-parallel replica is a gang of `tp` ranks, each with the replica's ray_actor_options.
+Input: dict "config" (the user config) "pool" (prefill or decode).
+*/}}
+{{- define "pdserve.poolFacts" -}}
+{{- $pool := get .config .pool | default dict -}}
+{{- $engine := merge (deepCopy (get $pool "engine" | default dict)) (get .config "engine" | default dict) -}}
+{{- $tp := int (get $engine "tensor_parallel_size" | default 1) -}}
+{{- $options := dict "num_cpus" 1 -}}
+{{- if hasKey $pool "ray_actor_options" -}}{{- $options = get $pool "ray_actor_options" | default dict -}}{{- end -}}
+{{- $numCpus := 1.0 -}}
+{{- if hasKey $options "num_cpus" -}}{{- $numCpus = float64 (get $options "num_cpus") -}}{{- end -}}
+{{- $numGpus := float64 (get $options "num_gpus" | default 0) -}}
+{{- $replicas := int (get $pool "num_replicas" | default 1) -}}
+{{- $min := $replicas -}}
+{{- $max := $replicas -}}
+{{- $autoscaling := get $pool "autoscaling" -}}
+{{- if $autoscaling -}}
+{{- $min = hasKey $autoscaling "min_replicas" | ternary (int (get $autoscaling "min_replicas")) 1 -}}
+{{- $max = hasKey $autoscaling "max_replicas" | ternary (int (get $autoscaling "max_replicas")) 4 -}}
+{{- $replicas = min (max $replicas $min) $max -}}
+{{- end -}}
+tp: {{ $tp }}
+cpus: {{ mulf $numCpus $tp | ceil | int }}
+gpus: {{ mulf $numGpus $tp | ceil | int }}
+acceleratorType: {{ get $options "accelerator_type" | default "" | quote }}
+replicas: {{ $replicas }}
+minReplicas: {{ $min }}
+maxReplicas: {{ $max }}
+{{- end -}}
+
+{{/*
+The config the cluster runs: the user's, plus what Kubernetes needs (values.yaml, top).
+Everything else is left as written, so `pdserve serve-config` prints the same Serve config for it.
+*/}}
+{{- define "pdserve.config" -}}
+{{- $config := include "pdserve.userConfig" . | fromYaml -}}
+{{- $gateway := get $config "gateway" | default dict -}}
+{{- $_ := set $gateway "host" "0.0.0.0" -}}
+{{- $_ := set $gateway "port" (int .Values.ports.http) -}}
+{{- $_ := set $config "gateway" $gateway -}}
+{{- $redisUrl := include "pdserve.redisUrl" . -}}
+{{- if $redisUrl -}}
+{{- $router := get $config "router" | default dict -}}
+{{- $_ := set $router "redis_url" $redisUrl -}}
+{{- $_ := set $config "router" $router -}}
+{{- end -}}
+{{- range $name := include "pdserve.poolNames" . | splitList " " -}}
+{{- $pool := get $config $name | default dict -}}
+{{- $options := dict "num_cpus" 1 -}}
+{{- if hasKey $pool "ray_actor_options" -}}{{- $options = get $pool "ray_actor_options" | default dict -}}{{- end -}}
+{{- $resources := get $options "resources" | default dict -}}
+{{- /* A small share of the pool tag: the tag says where, GPUs and CPUs say how many fit. */ -}}
+{{- $_ := set $resources (printf "pdserve_%s" $name) 0.001 -}}
+{{- $_ := set $options "resources" $resources -}}
+{{- $_ := set $pool "ray_actor_options" $options -}}
+{{- $_ := set $config $name $pool -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/* The Ray Serve config (serveConfigV2): what app.serve_config returns for pdserve.config, plus gRPC. */}}
+{{- define "pdserve.serveConfig" -}}
+{{- $config := include "pdserve.config" . | fromYaml -}}
+{{- $app := dict "name" (get $config "name" | default "pdserve") "route_prefix" "/" "import_path" "pdserve.app:build_app" "args" $config -}}
+{{- $serve := dict "proxy_location" "EveryNode" "http_options" (dict "host" $config.gateway.host "port" $config.gateway.port) "applications" (list $app) -}}
+{{- if .Values.grpc.enabled -}}
+{{- $_ := set $serve "grpc_options" (dict "port" (int .Values.ports.grpc) "grpc_servicer_functions" (list "pdserve.gateway.pdserve_pb2_grpc.add_GenerationServicer_to_server")) -}}
+{{- end -}}
+{{- toYaml $serve -}}
+{{- end -}}
+
+{{/*
+One worker group's settings: a pool's facts, overridden by its values (`pools.<pool>` or an item
+of extraWorkerGroups). Input: dict "root" "name" "pool" "facts" "spec" "extra".
+*/}}
+{{- define "pdserve.group" -}}
+{{- $root := .root -}}
+{{- $spec := .spec -}}
+{{- $facts := .facts -}}
+{{- $accelerator := $facts.acceleratorType -}}
+{{- if .extra -}}{{- $accelerator = $spec.acceleratorType | default $accelerator -}}{{- end -}}
+{{- $known := dict -}}
+{{- if $accelerator -}}{{- $known = get $root.Values.accelerators $accelerator | default dict -}}{{- end -}}
+{{- $gpus := $facts.gpus -}}
+{{- if not (kindIs "invalid" $spec.gpus) -}}{{- $gpus = int $spec.gpus -}}{{- end -}}
+{{- $vendor := $spec.gpuVendor | default $known.vendor | default "nvidia" -}}
+{{- $replicas := .extra | ternary 0 $facts.replicas -}}
+{{- $min := .extra | ternary 0 $facts.minReplicas -}}
+{{- $max := $facts.maxReplicas -}}
+{{- if not (kindIs "invalid" $spec.replicas) -}}{{- $replicas = int $spec.replicas -}}{{- end -}}
+{{- if not (kindIs "invalid" $spec.minReplicas) -}}{{- $min = int $spec.minReplicas -}}{{- end -}}
+{{- if not (kindIs "invalid" $spec.maxReplicas) -}}{{- $max = int $spec.maxReplicas -}}{{- end -}}
+{{- $resources := dict (printf "pdserve_%s" .pool) "1" -}}
+{{- if kindIs "invalid" $spec.cpu -}}
+{{- /* Ray is told the replica's CPUs only, so one replica fills one pod; the pod has one core more. */ -}}
+{{- $_ := set $resources "CPU" (toString $facts.cpus) -}}
+{{- end -}}
+{{- if $accelerator -}}{{- $_ := set $resources (printf "accelerator_type:%s" $accelerator) "1" -}}{{- end -}}
+{{- range $key, $value := $spec.customResources | default dict -}}{{- $_ := set $resources $key (toString $value) -}}{{- end -}}
+name: {{ .name }}
+pool: {{ .pool }}
+replicas: {{ $replicas }}
+minReplicas: {{ $min }}
+maxReplicas: {{ $max }}
+cpu: {{ kindIs "invalid" $spec.cpu | ternary (add1 $facts.cpus) $spec.cpu | toString | quote }}
+memory: {{ $spec.memory | default (eq (int $gpus) 0 | ternary "4Gi" (printf "%dGi" (mul $gpus $root.Values.memoryPerGpuGi))) | quote }}
+gpus: {{ $gpus }}
+gpuResource: {{ eq $vendor "amd" | ternary "amd.com/gpu" "nvidia.com/gpu" }}
+resources: {{- toYaml $resources | nindent 2 }}
+nodeSelector: {{- merge (deepCopy ($spec.nodeSelector | default dict)) ($known.nodeSelector | default dict) | toYaml | nindent 2 }}
+tolerations: {{- $spec.tolerations | default list | toYaml | nindent 2 }}
+affinity: {{- $spec.affinity | default dict | toYaml | nindent 2 }}
+rayStartParams: {{- $spec.rayStartParams | default dict | toYaml | nindent 2 }}
+labels: {{- $spec.labels | default dict | toYaml | nindent 2 }}
+annotations: {{- $spec.annotations | default dict | toYaml | nindent 2 }}
+{{- end -}}
+
+{{/* Every worker group, in their fixed order: the pools' (prefill, decode), then extraWorkerGroups. */}}
+{{- define "pdserve.workerGroups" -}}
+{{- $root := . -}}
+{{- $config := include "pdserve.userConfig" . | fromYaml -}}
+{{- $groups := list -}}
+{{- range $pool := include "pdserve.poolNames" . | splitList " " -}}
+{{- $facts := include "pdserve.poolFacts" (dict "config" $config "pool" $pool) | fromYaml -}}
+{{- $spec := get $root.Values.pools $pool | default dict -}}
+{{- $groups = append $groups (include "pdserve.group" (dict "root" $root "name" $pool "pool" $pool "facts" $facts "spec" $spec "extra" false) | fromYaml) -}}
+{{- end -}}
+{{- range $spec := .Values.extraWorkerGroups -}}
+{{- $facts := include "pdserve.poolFacts" (dict "config" $config "pool" $spec.pool) | fromYaml -}}
+{{- $groups = append $groups (include "pdserve.group" (dict "root" $root "name" $spec.name "pool" $spec.pool "facts" $facts "spec" $spec "extra" true) | fromYaml) -}}
+{{- end -}}
+{{- toYaml (dict "groups" $groups) -}}
+{{- end -}}
+
+{{/* Environment of every Ray container: the API keys (when set) and the values' env. */}}
+{{- define "pdserve.rayEnv" -}}
+{{- if or .Values.apiKeys.keys .Values.apiKeys.existingSecret }}
+- name: PDSERVE_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "pdserve.fullname" .)) }}
+      key: {{ .Values.apiKeys.secretKey }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings every Ray pod shares. */}}
+{{- define "pdserve.rayPodSpec" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.podSecurityContext }}
+securityContext: {{- toYaml . | nindent 2 }}
+{{- end }}
+volumes:
+  - name: dshm
+    emptyDir:
+      medium: Memory
+      {{- with .Values.sharedMemorySize }}
+      sizeLimit: {{ . }}
+      {{- end }}
+{{- with .Values.volumes }}
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Container-level settings every Ray container shares. */}}
+{{- define "pdserve.rayContainer" -}}
+image: {{ include "pdserve.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- $env := include "pdserve.rayEnv" . }}
+{{- if $env }}
+env: {{- $env | trim | nindent 2 }}
+{{- end }}
+{{- with .Values.securityContext }}
+securityContext: {{- toYaml . | nindent 2 }}
+{{- end }}
+volumeMounts:
+  - name: dshm
+    mountPath: /dev/shm
+{{- with .Values.volumeMounts }}
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
