@@ -141,11 +141,34 @@ Everything else is left as written, so `pdserve serve-config` prints the same Se
 {{- define "pdserve.serveConfig" -}}
 {{- $config := include "pdserve.config" . | fromYaml -}}
 {{- $app := dict "name" (get $config "name" | default "pdserve") "route_prefix" "/" "import_path" "pdserve.app:build_app" "args" $config -}}
+{{- with get $config "pool_ratio" -}}
+{{- $_ := set $app "autoscaling_policy" (include "pdserve.poolRatioPolicy" (dict "config" $config "ratio" .) | fromYaml) -}}
+{{- end -}}
 {{- $serve := dict "proxy_location" "EveryNode" "http_options" (dict "host" $config.gateway.host "port" $config.gateway.port) "applications" (list $app) -}}
 {{- if .Values.grpc.enabled -}}
 {{- $_ := set $serve "grpc_options" (dict "port" (int .Values.ports.grpc) "grpc_servicer_functions" (list "pdserve.gateway.pdserve_pb2_grpc.add_GenerationServicer_to_server")) -}}
 {{- end -}}
 {{- toYaml $serve -}}
+{{- end -}}
+
+{{/*
+The application-level policy that keeps prefill:decode replicas within config.pool_ratio, as
+app.serve_config writes it (the defaults are AutoscalingSpec's and PoolRatio's; tests/helm checks
+both stay equal). Input: dict "config" "ratio".
+*/}}
+{{- define "pdserve.poolRatioPolicy" -}}
+{{- $prefill := get (get .config "prefill" | default dict) "autoscaling" | default dict -}}
+{{- $decode := get (get .config "decode" | default dict) "autoscaling" | default dict -}}
+policy_function: pdserve.autoscale.policies:PoolRatioPolicy
+policy_kwargs:
+  prefill:
+    target_queued_tokens: {{ get $prefill "target_queued_prefill_tokens" | default 4096 }}
+    target_ongoing_requests: {{ get $prefill "target_ongoing_requests" | default 8 }}
+  decode:
+    target_running_sequences: {{ get $decode "target_running_sequences" | default 32 }}
+    target_kv_usage: {{ get $decode "target_kv_usage" | default 0.7 }}
+  min_ratio: {{ get .ratio "min_prefill_per_decode" | default 0.25 }}
+  max_ratio: {{ get .ratio "max_prefill_per_decode" | default 4.0 }}
 {{- end -}}
 
 {{/*
