@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench import cli as bench_cli
     bench_cli.register(sub)
     _register_serve(sub)
+    _register_config(sub)
     return parser
 
 
@@ -38,6 +39,36 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
                        description="Print what `serve deploy` and KubeRay's serveConfigV2 take for CONFIG.")
     c.add_argument("config", nargs="?", help="a ServeConfig YAML file (default: the embedded config)")
     c.set_defaults(handler=_serve_config)
+
+
+def _register_config(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("config", help="check pdserve config files",
+                       description="Work with pdserve config files (the YAML `pdserve serve`, `serve-config` and "
+                                   "the Helm chart's `config` value take).")
+    actions = c.add_subparsers(dest="action", metavar="ACTION", required=True)
+    v = actions.add_parser("validate", help="check configs and explain every error",
+                           description="Check each FILE as a pdserve config. Every error is listed with its field "
+                                       "path and what the field is for; a valid file gets a summary of its pools, "
+                                       "replicas, parallelism and resources. Exit status 1 when any file has errors.")
+    v.add_argument("files", nargs="+", metavar="FILE", help="a pdserve config YAML, e.g. configs/tiny-cpu.yaml")
+    v.set_defaults(handler=_config_validate)
+
+
+def _config_validate(args) -> int:
+    from pdserve.config_check import validate_text
+
+    all_valid = True
+    for path in args.files:
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError as e:
+            print(f"{path}: cannot read it ({e.strerror})", file=sys.stderr)
+            all_valid = False
+            continue
+        is_valid, report = validate_text(text, path)
+        print(report, file=sys.stdout if is_valid else sys.stderr)
+        all_valid &= is_valid
+    return 0 if all_valid else 1
 
 
 def _serve(args) -> int:

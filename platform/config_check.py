@@ -1,0 +1,199 @@
+"""`pdserve config validate`: checks a pdserve config and explains every problem.
+
+In: a config's YAML text (or the parsed mapping). Out: the validated `ServeConfig` and no problems,
+or a `Problem` per error: the field's dotted path, what is wrong, and what the field is for (its
+description in config.py) or what to do. `summary` says in a few lines what a valid config runs.
+Pydantic reports an engine map's errors without their place (`engine` maps are validated inside
+ServeConfig's own check), so engine maps are checked here first, each at its own path.
+Knows nothing of Ray or Kubernetes; the Helm chart embeds the same config (deploy/helm).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from pdserve.config import EngineConfig, PoolConfig, ServeConfig
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str  # dotted field path, e.g. "prefill.autoscaling.min_replicas"; "" for the whole config
+    message: str  # what is wrong
+    hint: str  # what the field is for, or what to do
+
+    def __str__(self) -> str:
+        where = self.path or "(config)"
+        return f"{where}: {self.message}" + (f"\n    {self.hint}" if self.hint else "")
+
+
+def parse(text: str) -> tuple[Any, list[Problem]]:
+    """YAML text -> data, or a problem saying where the YAML is broken."""
+    try:
+        return yaml.safe_load(text), []
+    except yaml.YAMLError as e:
+        return None, [Problem("", f"not valid YAML: {e}", "fix the syntax first (indentation, quotes, colons)")]
+
+
+def check(data: Any) -> tuple[ServeConfig | None, list[Problem]]:
+    """Validate `data` as a ServeConfig: (config, []) when valid, else (None, every problem found)."""
+    if data is None:
+        data = {}  # an empty file is the embedded default, as for `pdserve serve`
+    if not isinstance(data, dict):
+        return None, [Problem("", f"expected a mapping of pdserve config fields, got {type(data).__name__}",
+                              "start from configs/tiny-cpu.yaml; fields: " + ", ".join(ServeConfig.model_fields))]
+    problems = _engine_problems(data)
+    # With broken engine maps, ServeConfig would stop at the first one (without its path): check
+    # the rest of the config with the engines left out instead.
+    rest = _without_engines(data) if problems else data
+    try:
+        config = ServeConfig.model_validate(rest)
+    except ValidationError as e:
+        return None, problems + [_problem(error, ServeConfig) for error in e.errors()]
+    return (None, problems) if problems else (config, [])
+
+
+def _engine_problems(data: dict) -> list[Problem]:
+    top = data.get("engine")
+    if not isinstance(top, dict):
+        return []  # not a mapping (or absent): ServeConfig's own errors say so
+    problems = _engine_errors("engine", top, owned=set(top))
+    # Pools inherit the top-level fields that are fine; each pool reports only what it causes.
+    broken = {p.path.split(".")[1] for p in problems if p.path.count(".") == 1}
+    inherited = {k: v for k, v in top.items() if k not in broken}
+    top_messages = {p.message for p in problems if p.path == "engine"}
+    for pool in POOLS:
+        own = data.get(pool, {}).get("engine") if isinstance(data.get(pool), dict) else None
+        if isinstance(own, dict) and own:
+            for p in _engine_errors(f"{pool}.engine", {**inherited, **own}, owned=set(own)):
+                if p.path != f"{pool}.engine" or p.message not in top_messages:
+                    problems.append(p)
+    return problems
+
+
+def _engine_errors(path: str, fields: dict, owned: set[str]) -> list[Problem]:
+    found = []
+    if "model" in fields:  # EngineConfig's model comes from the config's top-level `model`
+        found.append(Problem(f"{path}.model", "model is not an engine field here",
+                             "set the checkpoint with the top-level `model:` (all pools serve one model)"))
+    fields = {k: v for k, v in fields.items() if k != "model"}
+    try:
+        EngineConfig.model_validate({**fields, "model": "-"})
+    except ValidationError as e:
+        broken = set()
+        for error in e.errors():
+            loc = tuple(error["loc"])
+            broken.add(loc[0] if loc else None)
+            if loc and loc[0] not in owned:
+                continue  # a field this pool inherits: reported where it is written
+            found.append(_problem(error, EngineConfig, prefix=path))
+        if None not in broken:  # checks across fields run only once each field is fine: run them now
+            found += [p for p in _engine_errors(path, {k: v for k, v in fields.items() if k not in broken}, owned)
+                      if p.path == path]
+    return found
+
+
+def _without_engines(data: dict) -> dict:
+    rest = {**data, "engine": {}}
+    for pool in POOLS:
+        if isinstance(data.get(pool), dict) and "engine" in data[pool]:
+            rest[pool] = {**data[pool], "engine": {}}
+    return rest
+
+
+def _problem(error: dict, root: type[BaseModel], prefix: str = "") -> Problem:
+    loc = tuple(str(part) for part in error["loc"])
+    path = ".".join(filter(None, (prefix, *loc)))
+    owner, field = _walk(root, loc)
+    if error["type"] == "extra_forbidden":
+        known = [name for name in (owner.model_fields if owner else ()) if (owner, name) != (EngineConfig, "model")]
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        message = f"unknown field {loc[-1]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        return Problem(path, message, f"fields here: {', '.join(known)}" if known else "")
+    message = error["msg"].removeprefix("Value error, ")
+    value = error.get("input")
+    if error["type"] != "value_error" and isinstance(value, (str, int, float, bool)):
+        message += f" (got {value!r})"
+    if field is not None and field.description:
+        hint = field.description
+    elif field is not None and owner is not None and owner.__doc__:  # a field without a description
+        hint = " ".join(owner.__doc__.split("\n\n")[0].split())
+    else:
+        hint = ""  # a check across fields: its message says what to change
+    return Problem(path, message, hint)
+
+
+def _walk(model: type[BaseModel], loc: tuple[str, ...]):
+    """The model holding loc's last field, and that field's info (None where loc leaves the models)."""
+    owner, field = model, None
+    for i, key in enumerate(loc):
+        if owner is None or key not in owner.model_fields:
+            return (owner if i == len(loc) - 1 else None), None
+        field = owner.model_fields[key]
+        if i < len(loc) - 1:
+            owner = EngineConfig if key == "engine" else _model_of(field.annotation)
+    return owner, field
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation such as `PoolConfig` or `AutoscalingSpec | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(filter(None, map(_model_of, typing.get_args(annotation))), None)
+    return None
+
+
+def summary(config: ServeConfig) -> list[str]:
+    """What a valid config runs: model and mode, each pool's replicas and resources, gateway, router."""
+    lines = [f"model     {config.model or 'tiny-llama (generated on first use)'}, {config.mode}"]
+    pools = [("prefill", config.prefill), ("decode", config.decode)]
+    if config.mode == "colocated":
+        pools = [("unified", config.decode)]
+    for name, pool in pools:
+        lines.append(f"{name:<9} {_pool_line(config, pool)}")
+    gw = config.gateway
+    keys = f"{len(gw.api_keys)} API key(s)" if gw.api_keys else "no API keys"
+    lines.append(f"gateway   {gw.host}:{gw.port}, {gw.num_replicas} replica(s), {keys}")
+    events = config.router.redis_url or "no redis_url (`pdserve serve` starts a private redis-server if installed)"
+    transfer = f"; KV transfer: {config.transfer.backend}" if config.mode == "disaggregated" else ""
+    lines.append(f"router    KV events: {events}{transfer}")
+    return lines
+
+
+def _pool_line(config: ServeConfig, pool: PoolConfig) -> str:
+    engine = EngineConfig(model=config.model or "-", **{**config.engine, **pool.engine})
+    ranks = engine.tensor_parallel_size
+    scaling = pool.autoscaling
+    count = f"{pool.num_replicas} replica(s)"
+    if scaling is not None:
+        count += f" (autoscaling {scaling.min_replicas}-{scaling.max_replicas})"
+    parallel = f"TP {ranks}" + (" + EP" if engine.enable_expert_parallel else "")
+    options = pool.ray_actor_options
+    need = [f"{options.get('num_cpus', 1) * ranks:g} CPU"]
+    if options.get("num_gpus"):
+        need.append(f"{options['num_gpus'] * ranks:g} GPU")
+    if options.get("accelerator_type"):
+        need.append(str(options["accelerator_type"]))
+    need += [f"{amount:g} {name}" for name, amount in (options.get("resources") or {}).items()]
+    return f"{count}, {parallel}, per replica: {', '.join(need)}"
+
+
+def validate_text(text: str, source: str = "config") -> tuple[bool, str]:
+    """The whole report `pdserve config validate` prints for one file: (is_valid, text)."""
+    data, problems = parse(text)
+    config = None
+    if not problems:
+        config, problems = check(data)
+    if problems:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        return False, "\n".join([f"{source}: {count}", *(f"  {p}".replace("\n", "\n  ") for p in problems)])
+    return True, "\n".join([f"{source}: valid", *(f"  {line}" for line in summary(config))])
