@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,16 +74,19 @@ _POLICIES = {"Prefill": ("PrefillQueuePolicy", ("target_queued_prefill_tokens", 
                                            "target_running_sequences", "target_kv_usage"))}
 
 
+def _policy_kwargs(spec: AutoscalingSpec, deployment: str) -> dict[str, float]:
+    names = {"target_queued_prefill_tokens": "target_queued_tokens"}  # the policy's own names
+    return {names.get(f, f): getattr(spec, f) for f in _POLICIES[deployment][1]}
+
+
 def _autoscaling_config(spec: AutoscalingSpec, num_replicas: int, deployment: str) -> dict[str, Any]:
     """Ray Serve's AutoscalingConfig with pdserve's policy for this pool."""
-    policy, fields = _POLICIES[deployment]
-    names = {"target_queued_prefill_tokens": "target_queued_tokens"}  # the policy's own names
     return {"min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
             "initial_replicas": min(max(num_replicas, spec.min_replicas), spec.max_replicas),
             "upscale_delay_s": spec.upscale_delay_s, "downscale_delay_s": spec.downscale_delay_s,
             "look_back_period_s": spec.look_back_period_s, "metrics_interval_s": spec.look_back_period_s / 2,
-            "policy": {"policy_function": f"pdserve.autoscale.policies:{policy}",
-                       "policy_kwargs": {names.get(f, f): getattr(spec, f) for f in fields}}}
+            "policy": {"policy_function": f"pdserve.autoscale.policies:{_POLICIES[deployment][0]}",
+                       "policy_kwargs": _policy_kwargs(spec, deployment)}}
 
 
 def build(config: ServeConfig) -> "Application":
@@ -110,12 +114,39 @@ def build_app(args: dict[str, Any]) -> "Application":
 
 def serve_config(config: ServeConfig) -> dict[str, Any]:
     """The Ray Serve config (what `serve deploy` and KubeRay's serveConfigV2 take) for this deployment."""
-    return {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": config.gateway.host, "port": config.gateway.port},
-        "applications": [{"name": config.name, "route_prefix": "/", "import_path": "pdserve.app:build_app",
-                          "args": config.model_dump(mode="json", exclude_defaults=True)}],
-    }
+    app = {"name": config.name, "route_prefix": "/", "import_path": "pdserve.app:build_app",
+           "args": config.model_dump(mode="json", exclude_defaults=True)}
+    if config.pool_ratio is not None:  # an application-level policy: only a config can set one
+        ratio = config.pool_ratio
+        app["autoscaling_policy"] = {
+            "policy_function": "pdserve.autoscale.policies:PoolRatioPolicy",
+            "policy_kwargs": {"prefill": _policy_kwargs(config.prefill.autoscaling, "Prefill"),
+                              "decode": _policy_kwargs(config.decode.autoscaling, "Decode"),
+                              "min_ratio": ratio.min_prefill_per_decode, "max_ratio": ratio.max_prefill_per_decode}}
+    return {"proxy_location": "EveryNode", "http_options": {"host": config.gateway.host, "port": config.gateway.port},
+            "applications": [app]}
+
+
+def deploy(config: ServeConfig, timeout_s: float = 600.0) -> None:
+    """Deploy through Ray Serve's config path, as `serve deploy` and KubeRay do, and wait until the
+    application runs (Serve's error, if it fails)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(serve_config(config)))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(config.name)
+        status = str(getattr(app, "status", ""))
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
+            raise RuntimeError(f"Ray Serve could not deploy {config.name}: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{config.name} was not running after {timeout_s:.0f} s ({status}: "
+                               f"{getattr(app, 'message', '')})")
+        time.sleep(0.5)
 
 
 def load_config(path: str | None, **overrides: Any) -> ServeConfig:
@@ -139,7 +170,7 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
     try:
         ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
         serve.start(http_options={"host": gw.host, "port": gw.port})
-        serve.run(build(config), name=config.name, route_prefix="/")
+        deploy(config)
         base = f"http://{gw.host}:{gw.port}"
         print(f"pdserve is serving {config.model} ({config.mode})\n"
               f"  OpenAI API:    {base}/v1   (e.g. curl {base}/v1/models)\n"

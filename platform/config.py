@@ -154,6 +154,23 @@ class GatewayConfig(BaseModel):
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
 
 
+class PoolRatio(BaseModel):
+    """Keep the prefill:decode replica ratio of a disaggregated app within a band while both pools
+    autoscale (pdserve.autoscale.policies.PoolRatioPolicy, an application-level Ray Serve policy)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_prefill_per_decode: float = Field(0.25, gt=0, description="Fewest prefill replicas per decode replica.")
+    max_prefill_per_decode: float = Field(4.0, gt=0, description="Most prefill replicas per decode replica.")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> "PoolRatio":
+        if self.min_prefill_per_decode > self.max_prefill_per_decode:
+            raise ValueError(f"min_prefill_per_decode {self.min_prefill_per_decode} exceeds "
+                             f"max_prefill_per_decode {self.max_prefill_per_decode}")
+        return self
+
+
 class TelemetryConfig(BaseModel):
     """What a deployment reports besides its answers: metrics, traces and status (pdserve.telemetry)."""
 
@@ -194,13 +211,18 @@ class ServeConfig(BaseModel):
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    pool_ratio: PoolRatio | None = Field(
+        None, description="Disaggregated, both pools autoscaling: keep prefill:decode replicas within this band. "
+                          "Applies where Ray Serve deploys from a config (`pdserve serve`, `serve deploy`, KubeRay).")
 
     @property
     def served_model_name(self) -> str:
         """The model name clients send (and metrics carry): configured, or the checkpoint directory's name."""
         if self.gateway.served_model_name:
             return self.gateway.served_model_name
-        return PurePath(self.model).name if self.model else "tiny-llama"
+        if self.model is None:
+            raise ValueError("resolve the model first (pdserve.app.resolve_model)")
+        return PurePath(self.model).name
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine a replica of `pool` runs (model resolved by the caller)."""
@@ -222,4 +244,8 @@ class ServeConfig(BaseModel):
             if d > 1 and self.transfer.backend != "ucx":
                 raise ValueError("tensor-parallel pools in disaggregated mode move KV rank to rank: "
                                  "transfer.backend must be ucx")
+        if self.pool_ratio is not None and (self.mode != "disaggregated" or self.prefill.autoscaling is None
+                                            or self.decode.autoscaling is None):
+            raise ValueError("pool_ratio needs mode disaggregated and autoscaling on both the prefill and the "
+                             "decode pool")
         return self

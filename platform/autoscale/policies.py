@@ -79,3 +79,34 @@ class UnifiedPolicy(_Policy):
 
     def wanted(self, ctx) -> int:
         return max(self.prefill.wanted(ctx), self.decode.wanted(ctx))
+
+
+def ratio_band(prefill: int, decode: int, min_ratio: float, max_ratio: float) -> tuple[int, int]:
+    """Raise the pool that falls behind until prefill / decode lies in [min_ratio, max_ratio];
+    neither pool gets fewer replicas than it asked for."""
+    if decode and prefill < min_ratio * decode:
+        prefill = math.ceil(min_ratio * decode - 1e-9)
+    if prefill > max_ratio * decode:
+        decode = math.ceil(prefill / max_ratio - 1e-9)
+    return prefill, decode
+
+
+class PoolRatioPolicy:
+    """Application-level policy (Ray Serve's `autoscaling_policy` of an application) for a
+    disaggregated app whose pools both autoscale: each pool's own policy decides, then the
+    prefill:decode replica ratio is kept within [min_ratio, max_ratio] (`ratio_band`), so a burst
+    of long prompts that grows prefill also grows decode for the sequences it will hand over, and
+    the reverse. Ray Serve applies each pool's min/max and delays to the result."""
+
+    def __init__(self, prefill: dict[str, float], decode: dict[str, float], min_ratio: float, max_ratio: float):
+        self.prefill, self.decode = PrefillQueuePolicy(**prefill), DecodeLoadPolicy(**decode)
+        self.min_ratio, self.max_ratio = min_ratio, max_ratio
+
+    def __call__(self, contexts: dict) -> tuple[dict, dict]:
+        by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        if "Prefill" not in by_name or "Decode" not in by_name:  # a pool not registered yet: hold
+            return {dep_id: ctx.current_num_replicas for dep_id, ctx in contexts.items()}, {}
+        (p_id, p_ctx), (d_id, d_ctx) = by_name["Prefill"], by_name["Decode"]
+        prefill, decode = ratio_band(self.prefill.wanted(p_ctx), self.decode.wanted(d_ctx), self.min_ratio,
+                                     self.max_ratio)
+        return {p_id: _decided(p_ctx, prefill)[0], d_id: _decided(d_ctx, decode)[0]}, {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import subprocess
 import threading
 import time
 import urllib.request
@@ -215,6 +216,13 @@ def test_pdserve_status_shows_every_replica(telem):
         assert replica["healthy"] and replica["node_ip"] and 0 <= replica["kv_usage"] <= 1
     table = format_status(status)
     assert f"application {APP}: RUNNING" in table and "Prefill: HEALTHY (1 running)" in table
+    # The command itself, as a second driver on this cluster.
+    import ray
+
+    out = subprocess.run(["pdserve", "status", "--app", APP, "--address", ray.get_runtime_context().gcs_address],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Decode: HEALTHY (1 running)" in out.stdout and "kv used" in out.stdout
 
 
 def brittle_app(cfg: ServeConfig):

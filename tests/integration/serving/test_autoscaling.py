@@ -154,3 +154,25 @@ def test_long_sequences_scale_decode_on_kv_occupancy(decode_scaling_app):
     assert scaled_up, "the decode pool never reached 2 replicas while its KV cache was full"
     assert wait_for(lambda: running_replicas("decode-scaling", "Decode") == 1, 90), "the decode pool did not scale back"
     assert not failures, failures[:3]
+
+
+def test_pool_ratio_policy_runs_at_application_level(ray_session, tiny_llama):
+    """Deployed through Serve's config path (as `pdserve serve` and KubeRay do), the app-level
+    policy keeps at least 2 prefill replicas per decode replica, even with no load."""
+    from ray import serve
+
+    from pdserve.app import deploy
+
+    auto = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 600,
+            "look_back_period_s": 1}
+    small = {"ray_actor_options": {"num_cpus": 0.2}, "autoscaling": auto}
+    cfg = ServeConfig(name="ratio", model=tiny_llama, engine=ENGINE, transfer={"host": "127.0.0.1"},
+                      prefill=small, decode=small, gateway={"port": 0},
+                      pool_ratio={"min_prefill_per_decode": 2, "max_prefill_per_decode": 4})
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    deploy(cfg)
+    try:
+        assert wait_for(lambda: running_replicas("ratio", "Prefill") == 2, 90), "the ratio policy did not act"
+        assert running_replicas("ratio", "Decode") == 1
+    finally:
+        serve.delete("ratio")

@@ -52,3 +52,41 @@ def test_scale_to_zero_must_be_asked_for():
     ServeConfig(prefill={"autoscaling": {"min_replicas": 0, "scale_to_zero": True}})
     with pytest.raises(ValidationError, match="exceeds max_replicas"):
         ServeConfig(decode={"autoscaling": {"min_replicas": 5, "max_replicas": 2}})
+
+
+def test_ratio_band_raises_the_pool_that_falls_behind():
+    from pdserve.autoscale.policies import ratio_band
+
+    assert ratio_band(1, 1, 0.5, 2) == (1, 1)  # within the band: as asked
+    assert ratio_band(1, 4, 0.5, 2) == (2, 4)  # too few prefill for 4 decode replicas
+    assert ratio_band(6, 1, 0.5, 2) == (6, 3)  # too few decode for 6 prefill replicas
+    assert ratio_band(0, 0, 0.5, 2) == (0, 0)  # both scaled to zero stay there
+    assert ratio_band(1, 0, 0.5, 2) == (1, 1)  # prefill woke up: decode follows
+
+
+def test_pool_ratio_policy_decides_for_both_pools():
+    from pdserve.autoscale.policies import PoolRatioPolicy
+
+    policy = PoolRatioPolicy({"target_queued_tokens": 1000, "target_ongoing_requests": 4},
+                             {"target_running_sequences": 8, "target_kv_usage": 0.5}, min_ratio=1, max_ratio=2)
+    prefill = ctx(queued_prefill_tokens=[5000])  # wants 5
+    prefill.deployment_name = "Prefill"
+    decode = ctx(num_running=[1], kv_usage=[0.1])  # wants 1
+    decode.deployment_name = "Decode"
+    decisions, _ = policy({"p": prefill, "d": decode})
+    assert decisions == {"p": 5, "d": 3}
+
+
+def test_pool_ratio_needs_both_pools_autoscaling(tiny_llama):
+    auto = {"min_replicas": 1, "max_replicas": 3}
+    with pytest.raises(ValidationError, match="autoscaling on both"):
+        ServeConfig(model=tiny_llama, prefill={"autoscaling": auto}, pool_ratio={})
+    with pytest.raises(ValidationError, match="exceeds"):
+        ServeConfig(model=tiny_llama, prefill={"autoscaling": auto}, decode={"autoscaling": auto},
+                    pool_ratio={"min_prefill_per_decode": 3, "max_prefill_per_decode": 2})
+    cfg = ServeConfig(model=tiny_llama, prefill={"autoscaling": auto}, decode={"autoscaling": auto}, pool_ratio={})
+    from pdserve.app import serve_config
+
+    policy = serve_config(cfg)["applications"][0]["autoscaling_policy"]
+    assert policy["policy_function"] == "pdserve.autoscale.policies:PoolRatioPolicy"
+    assert policy["policy_kwargs"]["min_ratio"] == 0.25 and "target_kv_usage" in policy["policy_kwargs"]["decode"]

@@ -1,0 +1,49 @@
+"""The README's main command: `pdserve serve CONFIG` starts its own Ray, deploys through Ray
+Serve's config path (as `serve deploy` and KubeRay do), answers the OpenAI API, and stops cleanly
+on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import yaml
+
+from ..conftest import free_port
+
+
+def test_pdserve_serve_answers_and_stops(tiny_llama, tmp_path):
+    port = free_port()
+    config = {"model": tiny_llama, "mode": "colocated",
+              "engine": {"num_threads": 1, "num_kv_blocks": 64, "max_model_len": 256},
+              "decode": {"ray_actor_options": {"num_cpus": 1}}}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "RAY_ADDRESS": ""}  # its own Ray, not the test session's
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", str(path), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=tmp_path)
+    lines = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any("pdserve is serving" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "pdserve serve exited:\n" + "".join(lines)
+            lines.append(line)
+            assert time.monotonic() < deadline, "pdserve serve did not come up:\n" + "".join(lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        [model] = client.models.list().data
+        r = client.completions.create(model=model.id, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, "".join(lines) + out
+        assert "shutting down" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
