@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.register(sub)
     from pdserve.bench import cli as bench_cli
     bench_cli.register(sub)
+    from pdserve.telemetry import cli as status_cli
+    status_cli.register(sub)
     _register_serve(sub)
     _register_config(sub)
     return parser
