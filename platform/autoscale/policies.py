@@ -81,6 +81,10 @@ class UnifiedPolicy(_Policy):
         return max(self.prefill.wanted(ctx), self.decode.wanted(ctx))
 
 
+def _bounded(ctx, replicas: int) -> int:
+    return max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, replicas))
+
+
 def ratio_band(prefill: int, decode: int, min_ratio: float, max_ratio: float) -> tuple[int, int]:
     """Raise the pool that falls behind until prefill / decode lies in [min_ratio, max_ratio];
     neither pool gets fewer replicas than it asked for."""
@@ -107,6 +111,7 @@ class PoolRatioPolicy:
         if "Prefill" not in by_name or "Decode" not in by_name:  # a pool not registered yet: hold
             return {dep_id: ctx.current_num_replicas for dep_id, ctx in contexts.items()}, {}
         (p_id, p_ctx), (d_id, d_ctx) = by_name["Prefill"], by_name["Decode"]
-        prefill, decode = ratio_band(self.prefill.wanted(p_ctx), self.decode.wanted(d_ctx), self.min_ratio,
-                                     self.max_ratio)
+        # The band holds between what the pools will run, so each pool's bounds come first.
+        prefill, decode = ratio_band(_bounded(p_ctx, self.prefill.wanted(p_ctx)),
+                                     _bounded(d_ctx, self.decode.wanted(d_ctx)), self.min_ratio, self.max_ratio)
         return {p_id: _decided(p_ctx, prefill)[0], d_id: _decided(d_ctx, decode)[0]}, {}

@@ -4,6 +4,7 @@ reaches the pools through deployment handles (Ray's exceptions become pdserve's 
 
 import asyncio
 import logging
+import os
 from typing import AsyncIterator
 
 import ray
@@ -12,7 +13,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from pdserve.config import ServeConfig
+from pdserve.config import GatewayConfig, ServeConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.tokenizer import Tokenizer
@@ -62,11 +63,24 @@ class PoolsClient:
         return {n: r is True for n, r in zip(names, results)}
 
 
+API_KEYS_ENV = "PDSERVE_API_KEYS"
+
+
+def with_env_api_keys(gateway: GatewayConfig) -> GatewayConfig:
+    """The configured API keys plus the comma-separated ones in $PDSERVE_API_KEYS (how the Helm
+    chart passes keys from a Secret, so they never appear in the RayService object)."""
+    extra = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    if not extra:
+        return gateway
+    return gateway.model_copy(update={"api_keys": sorted(set(gateway.api_keys) | set(extra))})
+
+
 @serve.deployment(name="Gateway")
 @serve.ingress(api)
 class Gateway:
     def __init__(self, config: dict, decode: DeploymentHandle, prefill: "DeploymentHandle | None" = None):
         cfg = ServeConfig.model_validate(config)
+        cfg = cfg.model_copy(update={"gateway": with_env_api_keys(cfg.gateway)})
         pools = {"decode" if prefill is not None else "unified": decode}
         if prefill is not None:
             pools["prefill"] = prefill

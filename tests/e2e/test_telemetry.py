@@ -169,7 +169,7 @@ def test_metrics_count_the_traffic_sent(telem):
             break
         assert time.monotonic() < deadline, f"metrics never matched the traffic:\n{got}\n{want}\n{sorted(samples)}"
         time.sleep(0.5)
-    prefill_hits = total(samples, "ray_pdserve_prefix_cache_hit_tokens_total", pool="prefill")
+    prefill_hits = total(samples, "ray_pdserve_prefix_cache_hit_tokens_total", pool="prefill", **model)
     assert prefill_hits == prefill["num_prefix_hit_tokens"]
     # Gauges are labelled by pool and replica; idle now, so nothing waits.
     assert {lab["pool"] for lab, _ in samples["ray_pdserve_kv_cache_usage"] if lab["model"] == MODEL} >= {

@@ -69,12 +69,18 @@ def test_pool_ratio_policy_decides_for_both_pools():
 
     policy = PoolRatioPolicy({"target_queued_tokens": 1000, "target_ongoing_requests": 4},
                              {"target_running_sequences": 8, "target_kv_usage": 0.5}, min_ratio=1, max_ratio=2)
-    prefill = ctx(queued_prefill_tokens=[5000])  # wants 5
-    prefill.deployment_name = "Prefill"
-    decode = ctx(num_running=[1], kv_usage=[0.1])  # wants 1
-    decode.deployment_name = "Decode"
-    decisions, _ = policy({"p": prefill, "d": decode})
-    assert decisions == {"p": 5, "d": 3}
+    def pool(name, **metrics):
+        c = ctx(**metrics)
+        c.deployment_name, c.capacity_adjusted_min_replicas, c.capacity_adjusted_max_replicas = name, 1, 8
+        return c
+
+    prefill = pool("Prefill", queued_prefill_tokens=[5000])  # wants 5
+    decode = pool("Decode", num_running=[1], kv_usage=[0.1])  # wants 1
+    assert policy({"p": prefill, "d": decode})[0] == {"p": 5, "d": 3}
+    # Idle, both pools want 0 and get their minimum, 1: the band holds between those.
+    idle = PoolRatioPolicy({}, {}, min_ratio=2, max_ratio=4)
+    prefill, decode = pool("Prefill", queued_prefill_tokens=[0]), pool("Decode", num_running=[0], kv_usage=[0.0])
+    assert idle({"p": prefill, "d": decode})[0] == {"p": 2, "d": 1}
 
 
 def test_pool_ratio_needs_both_pools_autoscaling(tiny_llama):

@@ -73,3 +73,16 @@ def test_prefill_degree_above_decode_degree_is_rejected():
         ServeConfig(prefill={"engine": {"tensor_parallel_size": 2}}, decode={"engine": {"tensor_parallel_size": 3}})
     ServeConfig(prefill={"engine": {"tensor_parallel_size": 1}}, decode={"engine": {"tensor_parallel_size": 2}})
     ServeConfig(mode="colocated", decode={"engine": {"tensor_parallel_size": 2}})
+
+
+def test_api_keys_from_the_environment_add_to_the_configured_ones(monkeypatch):
+    from pdserve.config import GatewayConfig
+    from pdserve.gateway.deployment import API_KEYS_ENV, with_env_api_keys
+
+    gateway = GatewayConfig(api_keys=["sk-a"])
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    assert with_env_api_keys(gateway).api_keys == ["sk-a"]
+    monkeypatch.setenv(API_KEYS_ENV, " sk-b, ,sk-a,sk-c ")
+    assert with_env_api_keys(gateway).api_keys == ["sk-a", "sk-b", "sk-c"]
+    monkeypatch.delenv(API_KEYS_ENV)
+    assert with_env_api_keys(GatewayConfig()).api_keys == []  # no keys configured or set: no auth
