@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,15 @@ class PrefillChunkMeta:
     block_table: torch.Tensor  # [num_blocks] int64
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A step's prefill chunks as one varlen batch (the Triton kernel's input: one launch a layer)."""
+    cu_query_lens: torch.Tensor  # [chunks + 1], offsets into the prefill tokens
+    context_lens: torch.Tensor  # [chunks]
+    block_tables: torch.Tensor  # [chunks, max_blocks], padded with block 0 (never read)
+    max_query_len: int
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, where each token's K/V is written
@@ -38,6 +47,25 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunkMeta]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], built once a step
+    _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
+
+    def prefill_batch(self) -> PrefillBatch:
+        """The prefills as one batch, built on first use and shared by every layer of the step."""
+        if self._prefill_batch is None:
+            device = self.prefills[0].block_table.device
+            lens = [p.query_len for p in self.prefills]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            width = max(p.block_table.numel() for p in self.prefills)
+            tables = torch.zeros(len(self.prefills), width, dtype=torch.long, device=device)
+            for row, p in zip(tables, self.prefills):
+                row[:p.block_table.numel()] = p.block_table
+            self._prefill_batch = PrefillBatch(
+                torch.tensor(cu, dtype=torch.long, device=device),
+                torch.tensor([p.context_len for p in self.prefills], dtype=torch.long, device=device),
+                tables, max(lens))
+        return self._prefill_batch
 
 
 @dataclass
@@ -114,10 +142,8 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = triton_paged.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                            meta.decode_seq_lens, self.scale)
-        for p in meta.prefills:
-            s, e = p.query_start, p.query_start + p.query_len
-            cu = torch.tensor([0, p.query_len], device=q.device)
-            ctx = torch.tensor([p.context_len], device=q.device)
-            out[s:e] = triton_paged.paged_prefill_attention(q[s:e], k_cache, v_cache, cu, ctx, p.block_table[None],
-                                                            self.scale)
+        if meta.prefills:  # every chunk in one launch (they follow the decode tokens, contiguous)
+            b = meta.prefill_batch()
+            out[nd:] = triton_paged.paged_prefill_attention(q[nd:], k_cache, v_cache, b.cu_query_lens, b.context_lens,
+                                                            b.block_tables, self.scale, max_query_len=b.max_query_len)
         return out

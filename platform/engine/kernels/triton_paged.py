@@ -163,12 +163,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, block_m: int = 16) -> torch.Tensor:
-    """q `[total_query_tokens, num_heads, head_dim]` -> same shape (see the module docstring)."""
+                            scale: float, block_m: int = 16, max_query_len: int | None = None) -> torch.Tensor:
+    """q `[total_query_tokens, num_heads, head_dim]` -> same shape (see the module docstring).
+    `max_query_len`, when the caller knows it, spares a device sync."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = context_lens.numel()
-    max_q = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
+    max_q = max_query_len or int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     out = torch.empty_like(q)
     q = q.contiguous()
     _kernels().prefill[(batch, num_heads, -(-max_q // block_m))](

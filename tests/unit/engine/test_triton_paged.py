@@ -87,3 +87,34 @@ def test_block_gather_and_scatter_match_torch(device, heads):
     h0, h1 = heads or (0, 2)
     assert torch.equal(dst[:, :, [0, 5, 11], :, h0:h1], got)
     assert not dst[:, :, [1, 2, 3, 4, 6, 7, 8, 9, 10]].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_layer_runs_a_mixed_step_in_one_prefill_launch(device):
+    """The layer's Triton path on decodes followed by two prefill chunks (one varlen launch for
+    both, from the step's shared `PrefillBatch`) equals the torch kernels run one by one."""
+    from pdserve.engine.attention import Attention, AttentionMetadata, PrefillChunkMeta
+
+    k_cache, v_cache = cache(device)
+    decode_lens, chunks = [5, 40], [(0, 9), (21, 6)]  # (cached prefix, chunk)
+    contexts = [c + n for c, n in chunks]
+    tables = tables_for(decode_lens + contexts, device)
+    nd, q_lens = len(decode_lens), [n for _, n in chunks]
+    q = torch.randn(nd + sum(q_lens), HEADS, HEAD_DIM, device=device)
+    prefills, start = [], nd
+    for (cached, n), context, table in zip(chunks, contexts, tables[nd:]):
+        prefills.append(PrefillChunkMeta(start, n, context, table[:-(-context // BLOCK)]))
+        start += n
+    meta = AttentionMetadata(torch.empty(0), nd, tables[:nd], torch.tensor(decode_lens, device=device), prefills,
+                             None)
+    got = Attention(0, HEADS, KV_HEADS, HEAD_DIM, 0.25)._forward_triton(q, k_cache, v_cache, meta)
+
+    expected = [ref.paged_decode_attention(q[:nd], k_cache, v_cache, tables[:nd], meta.decode_seq_lens, 0.25)]
+    for p, (cached, _) in zip(prefills, chunks):
+        slots = torch.tensor([p.block_table[i // BLOCK] * BLOCK + i % BLOCK for i in range(cached, p.context_len)],
+                             device=device)
+        k_new, v_new = (c.view(-1, KV_HEADS, HEAD_DIM)[slots] for c in (k_cache, v_cache))
+        expected.append(ref.paged_prefill_attention(q[p.query_start:p.query_start + p.query_len], k_new, v_new,
+                                                    k_cache, v_cache, p.block_table, p.context_len, 0.25))
+    torch.testing.assert_close(got, torch.cat(expected), atol=2e-5, rtol=2e-5)
+    assert meta.prefill_batch() is meta.prefill_batch()  # built once a step, shared by every layer
