@@ -55,7 +55,10 @@ class PoolsClient:
                     raise UnavailableError(f"a decode replica went away mid-request ({type(e).__name__})") from None
                 log.warning("decode replica failed before %s streamed (%r); retrying", req.request_id, e)
             finally:
-                stream.cancel()  # no-op once finished; frees both pools when the client left
+                try:
+                    stream.cancel()  # no-op once finished; frees both pools when the client left
+                except Exception:  # noqa: BLE001 - a call that never reached a replica re-raises its error here
+                    pass
 
     async def health(self) -> dict[str, bool]:
         names = list(self.pools)

@@ -1,0 +1,96 @@
+"""Failures a client sees over HTTP: a full queue answers 503 with Retry-After (and the server
+keeps serving), and a decode replica killed mid-stream ends that stream with an in-stream error
+and [DONE] (no hang), after which Ray Serve's replacement serves again."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from pdserve.config import ServeConfig
+
+from .conftest import ENGINE
+
+LONG = {"max_tokens": 200, "ignore_eos": True}
+
+
+def deploy(name: str, tiny_llama: str, pool: dict):
+    from ray import serve
+
+    from pdserve.app import build
+
+    cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, mode="colocated",
+                      decode={"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0, **pool},
+                      telemetry={"metrics_period_s": 0.5})
+    serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+
+
+def test_a_full_queue_answers_503_with_retry_after(serve_apps, tiny_llama):
+    from ray import serve
+
+    name = "tight"
+    deploy(name, tiny_llama, {"max_ongoing_requests": 1, "max_queued_requests": 1})
+    url = f"{serve_apps['base']}/{name}/v1/completions"
+    try:
+        def post(i):
+            return requests.post(url, json={"prompt": f"queue {i}", **LONG}, timeout=120)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(post, range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert 200 in codes and 503 in codes and set(codes) <= {200, 503}, [r.text[-300:] for r in answers if r.status_code not in (200, 503)][:2]
+        rejected = next(r for r in answers if r.status_code == 503)
+        assert rejected.headers["Retry-After"] == "1"
+        assert rejected.json()["error"]["type"] == "service_unavailable"
+        assert requests.post(url, json={"prompt": "after", "max_tokens": 2}, timeout=60).status_code == 200
+    finally:
+        serve.delete(name)
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, tiny_llama):
+    import ray
+    from ray import serve
+
+    from pdserve.telemetry.status import read_replica_lines
+
+    name = "fragile"
+    deploy(name, tiny_llama, {})
+    base = f"{serve_apps['base']}/{name}"
+    try:
+        deadline = time.monotonic() + 30
+        while not read_replica_lines(name):  # the replica's first status line names it
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        [line] = read_replica_lines(name)
+        victim = ray.get_actor(f"SERVE_REPLICA::{name}#Unified#{line['replica']}", namespace="serve")
+        events = []
+        with requests.post(f"{base}/v1/completions", json={"prompt": "doomed", "stream": True, **LONG},
+                           stream=True, timeout=120) as r:
+            assert r.status_code == 200
+            for raw in r.iter_lines():
+                if not raw:
+                    continue
+                data = raw.decode()[len("data: "):]
+                events.append(data)
+                if len(events) == 3:
+                    ray.kill(victim)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable", error
+        tokens = sum(1 for e in events[:-2] if "choices" in json.loads(e))
+        assert 3 <= tokens < LONG["max_tokens"]
+        deadline = time.monotonic() + 90  # Serve starts a replacement; then requests succeed again
+        while True:
+            try:
+                if requests.post(f"{base}/v1/completions", json={"prompt": "again", "max_tokens": 2},
+                                 timeout=30).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "no replica served after the kill"
+            time.sleep(1)
+    finally:
+        serve.delete(name)
