@@ -176,6 +176,8 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
               f"  OpenAI API:    {base}/v1   (e.g. curl {base}/v1/models)\n"
               f"  health:        {base}/health\n"
               f"  Ray dashboard: {ctx.dashboard_url and 'http://' + ctx.dashboard_url or 'not running'}\n"
+              f"  metrics:       {_metrics_line()}\n"
+              f"  traces:        {_traces_line(config)}\n"
               f"  routing:       {_routing_line(config, redis_server)}\n"
               "Ctrl-C stops it.", flush=True)
         stop = threading.Event()
@@ -206,6 +208,24 @@ def _with_router_redis(config: ServeConfig):
         return config, None
     router = config.router.model_copy(update={"redis_url": server.url})
     return config.model_copy(update={"router": router}), server
+
+
+def _metrics_line() -> str:
+    import ray
+
+    node = next((n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")), None)
+    where = (f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics" if node
+             else "Ray's metrics export")
+    return f"{where} (ray_pdserve_*; Grafana: deploy/grafana/pdserve.json; `pdserve status` for a table)"
+
+
+def _traces_line(config: ServeConfig) -> str:
+    t = config.telemetry
+    if t.traces == "none":
+        return "off (set telemetry.traces: otlp or console)"
+    if t.traces == "console":
+        return "OpenTelemetry spans to each process's log"
+    return f"OpenTelemetry spans to {t.otlp_endpoint or 'the OTLP endpoint in OTEL_EXPORTER_OTLP_ENDPOINT'}"
 
 
 def _routing_line(config: ServeConfig, redis_server) -> str:

@@ -5,10 +5,12 @@ on SIGTERM."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import yaml
@@ -30,7 +32,7 @@ def test_pdserve_serve_answers_and_stops(tiny_llama, tmp_path):
     lines = []
     try:
         deadline = time.monotonic() + 300
-        while not any("pdserve is serving" in line for line in lines):
+        while not any("Ctrl-C stops it" in line for line in lines):  # the end of the banner
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "pdserve serve exited:\n" + "".join(lines)
             lines.append(line)
@@ -39,6 +41,14 @@ def test_pdserve_serve_answers_and_stops(tiny_llama, tmp_path):
         [model] = client.models.list().data
         r = client.completions.create(model=model.id, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
+        # The banner's metrics line points at Ray's Prometheus export, where the request shows up.
+        [metrics_url] = re.findall(r"metrics: +(http://\S+/metrics)", "".join(lines))
+        deadline = time.monotonic() + 90
+        while 'outcome="ok"' not in "".join(
+                line for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines()
+                if line.startswith("ray_pdserve_requests_total")):
+            assert time.monotonic() < deadline, "the request never showed in the metrics export"
+            time.sleep(1)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, "".join(lines) + out
