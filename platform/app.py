@@ -134,14 +134,16 @@ def deploy(config: ServeConfig, timeout_s: float = 600.0) -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
+    from pdserve.telemetry.status import state_name
+
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(serve_config(config)))
     deadline = time.monotonic() + timeout_s
     while True:
         app = serve.status().applications.get(config.name)
-        status = str(getattr(app, "status", ""))
-        if status.endswith("RUNNING"):
+        status = state_name(app.status) if app is not None else "NOT_STARTED"
+        if status == "RUNNING":
             return
-        if status.endswith("DEPLOY_FAILED") or status.endswith("UNHEALTHY"):
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise RuntimeError(f"Ray Serve could not deploy {config.name}: {app.message}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{config.name} was not running after {timeout_s:.0f} s ({status}: "

@@ -173,7 +173,8 @@ class DecodeServer:
     def stats(self) -> dict:
         return {**engine_stats(self.engine), "num_remote_prefills": self.num_remote_prefills,
                 "num_local_prefills": self.num_local_prefills, "num_pulled_blocks": self.num_pulled_blocks,
-                "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes, "num_failed_pulls": self.num_failed_pulls}
+                "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,
+                "num_failed_pulls": self.num_failed_pulls}
 
     def shutdown(self) -> None:
         if self.importer is not None:

@@ -73,7 +73,8 @@ class PrefillServer:
 
     def stats(self) -> dict:
         leases = self.exporter.leases
-        return {**engine_stats(self.engine), "num_kv_leases": len(leases), "num_expired_kv_leases": leases.num_expired}
+        return {**engine_stats(self.engine), "num_kv_leases": len(leases),
+                "num_expired_kv_leases": leases.num_expired}
 
     def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop; with `drain_s`, first give decode replicas that long to pull what is leased (a
@@ -93,7 +94,8 @@ def engine_stats(engine: AsyncLLMEngine) -> dict:
     s = e.scheduler
     hits, computed = s.num_prefix_hit_tokens, s.num_computed_prompt_tokens
     return {"healthy": engine.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
-            "num_waiting": len(s.waiting), "num_running": len(s.running), "queued_prefill_tokens": s.num_queued_prefill_tokens(),
+            "num_waiting": len(s.waiting), "num_running": len(s.running),
+            "queued_prefill_tokens": s.num_queued_prefill_tokens(),
             "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
             "num_preemptions": s.num_preemptions, "num_prefix_hit_tokens": hits,
             "num_computed_prompt_tokens": computed, "num_prefix_query_tokens": hits + computed,

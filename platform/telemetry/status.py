@@ -104,12 +104,16 @@ def collect_status(app: str | None = None) -> dict[str, Any]:
                 if line["app"] == name and line["deployment"] == dep:
                     node = nodes.get(line["node_id"], {})
                     replicas.append({**line, "accelerator_type": _accelerator_type(node.get("Resources", {}))})
-            deployments[dep] = {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
-                                "replica_states": {str(getattr(k, "value", k)): v for k, v in d.replica_states.items()},
+            deployments[dep] = {"status": state_name(d.status),
+                                "replica_states": {state_name(k): v for k, v in d.replica_states.items()},
                                 "replicas": replicas}
-        apps[name] = {"status": str(getattr(app_status.status, "value", app_status.status)),
-                      "deployments": deployments}
+        apps[name] = {"status": state_name(app_status.status), "deployments": deployments}
     return {"applications": apps}
+
+
+def state_name(state) -> str:
+    """A Ray Serve status enum (or its string) as its name, e.g. "RUNNING"."""
+    return str(getattr(state, "value", state))
 
 
 def _accelerator_type(resources: dict[str, float]) -> str | None:
