@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import triton_paged
-from pdserve.engine.kernels.paged_attention import (GatherWorkspace, paged_decode_attention,
+from pdserve.engine.kernels import cpu_attention, triton_paged
+from pdserve.engine.kernels.paged_attention import (GatherWorkspace, decode_mask, paged_decode_attention,
                                                     paged_prefill_attention, write_kv)
 from pdserve.engine.kv_cache import KVCache
 
@@ -46,8 +46,16 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunkMeta]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], built once a step
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_mask(self, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The torch path's `[num_decodes, 1, 1, max_blocks * block_size]` mask, built on first use
+        and shared by every layer of the step."""
+        if self._decode_mask is None:
+            width = self.decode_block_tables.shape[1] * block_size
+            self._decode_mask = decode_mask(self.decode_seq_lens, width, dtype)
+        return self._decode_mask
 
     def prefill_batch(self) -> PrefillBatch:
         """The prefills as one batch, built on first use and shared by every layer of the step."""
@@ -121,18 +129,25 @@ class Attention(nn.Module):
         if q.is_cuda and triton_paged.HAS_TRITON:
             return self._forward_triton(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
         if nd == num_tokens:  # a pure decode step, the common case: no staging copy
-            out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                         self.scale, ctx.workspace, meta.decode_mask)
-            return out.reshape(num_tokens, self.num_heads * self.head_dim)
+            return self._decode(q, k_cache, v_cache, ctx).reshape(num_tokens, self.num_heads * self.head_dim)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         if nd:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_seq_lens, self.scale, ctx.workspace, meta.decode_mask)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
             out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
                                                p.block_table, p.context_len, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """CPU decode: the C kernel (one pass over the blocks) where it applies, else gather + SDPA."""
+        meta = ctx.attn
+        if cpu_attention.supports(q, k_cache):
+            return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                        meta.decode_seq_lens, self.scale)
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                      self.scale, ctx.workspace, meta.decode_mask(k_cache.shape[1], q.dtype))
 
     def _forward_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forward_context
-from pdserve.engine.kernels.paged_attention import GatherWorkspace, decode_mask
+from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
 from pdserve.engine.request import Request, TokenLogprob
@@ -73,10 +73,8 @@ class ModelRunner:
         """The forward pass every rank runs: (prompt-logprob logits, sampling logits), each None
         when the step has no such rows (and on worker ranks, which only contribute shards)."""
         nd = 0 if step.decode_lens is None else step.decode_lens.numel()
-        mask = decode_mask(step.decode_lens, step.decode_tables.shape[1] * self.block_size,
-                           self.kv_cache.dtype) if nd else None
         prefills = [PrefillChunkMeta(s, q, c, table) for s, q, c, table in step.prefills]
-        meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills, mask)
+        meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills)
         with forward_context(meta, self.kv_cache, self.workspace):
             hidden = self.model(step.input_ids, step.positions)
         k = step.num_prompt_rows

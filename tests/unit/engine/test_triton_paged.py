@@ -105,8 +105,7 @@ def test_attention_layer_runs_a_mixed_step_in_one_prefill_launch(device):
     for (cached, n), context, table in zip(chunks, contexts, tables[nd:]):
         prefills.append(PrefillChunkMeta(start, n, context, table[:-(-context // BLOCK)]))
         start += n
-    meta = AttentionMetadata(torch.empty(0), nd, tables[:nd], torch.tensor(decode_lens, device=device), prefills,
-                             None)
+    meta = AttentionMetadata(torch.empty(0), nd, tables[:nd], torch.tensor(decode_lens, device=device), prefills)
     got = Attention(0, HEADS, KV_HEADS, HEAD_DIM, 0.25)._forward_triton(q, k_cache, v_cache, meta)
 
     expected = [ref.paged_decode_attention(q[:nd], k_cache, v_cache, tables[:nd], meta.decode_seq_lens, 0.25)]
