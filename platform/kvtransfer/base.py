@@ -1,9 +1,10 @@
 """The two sides of a KV transfer, whatever carries the bytes.
 
 `KVExporter` (prefill side) owns the leases over an engine's cache: `export` pins a finished
-prefill's blocks and returns the `KVHandle`; `read` checks the lease and the importer's layout and
-gathers the blocks (only the importer's heads) into a reused staging buffer; `ack` releases the
-lease. A daemon thread expires leases whose importer never came. `KVImporter` (decode side)
+prefill's blocks and returns the `KVHandle`; `open_read` checks the lease and the importer's layout
+and returns a `BlockRead` that yields the blocks (only the importer's heads) chunk by chunk, in
+place when they are one run of blocks and every head goes, else gathered into a reused staging
+buffer; `read` gathers them all at once; `ack` releases the lease. A daemon thread expires leases whose importer never came. `KVImporter` (decode side)
 checks the layout before any byte moves, fetches through its backend, scatters into its own
 blocks, and on any failure calls `on_failure(dst_block_ids)` and raises a typed error.
 
@@ -22,7 +23,8 @@ from typing import Callable
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.blocks import BufferPool, LeaseTable, gather_blocks, scatter_blocks
+from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, gather_blocks, scatter_blocks,
+                                       slab_view)
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +54,24 @@ class KVExporter:
         return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
                           time.time() + self.leases.lease_s)
 
-    def read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
-        """The leased blocks from `first_block` on (the importer caches the ones before), only the
-        importer's heads, in a staging buffer: hand it back with `release_buffer`."""
-        lease = self.leases.get(request_id)
+    def open_read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> "BlockRead":
+        """A read of the leased blocks from `first_block` on (the importer caches the ones before),
+        only the importer's heads. It holds the blocks until its `close`, ack or expiry notwithstanding."""
+        heads = p.head_slice(self.layout, importer)
+        lease = self.leases.hold(request_id)
         if lease is None:
             if self.leases.was_expired(request_id):
                 raise p.LeaseExpiredError(f"the KV lease for request {request_id!r} expired before it was pulled")
             raise p.UnknownRequestError(f"exporter {self.exporter_id} holds no KV blocks for request {request_id!r}")
-        heads = p.head_slice(self.layout, importer)
         if not isinstance(first_block, int) or not 0 <= first_block < len(lease.block_ids):
+            self.leases.unhold(lease)
             raise p.ProtocolError(f"first_block {first_block!r} outside the lease's {len(lease.block_ids)} blocks")
-        block_ids = lease.block_ids[first_block:]
-        shape = (*self.kv.shape[:2], len(block_ids), self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
-        return gather_blocks(self.kv, block_ids, heads, self.buffers.take(shape, self.kv.dtype))
+        return BlockRead(self, lease, lease.block_ids[first_block:], heads)
+
+    def read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
+        """All of `open_read`'s blocks gathered into a staging buffer: hand it back with `release_buffer`."""
+        with self.open_read(request_id, importer, first_block) as r:
+            return gather_blocks(self.kv, r.block_ids, r.heads, self.buffers.take(r.shape, self.kv.dtype))
 
     def release_buffer(self, buf: torch.Tensor) -> None:
         self.buffers.give(buf)
@@ -81,6 +87,49 @@ class KVExporter:
         while not self._closed.wait(0.2):
             for rid in self.leases.expire():
                 log.warning("KV lease for %s expired; its blocks return to the pool", rid)
+
+
+class BlockRead:
+    """One importer's read of a lease, in the chunks of the wire protocol (`protocol.chunk_bounds`).
+
+    `chunk(i)` is chunk i's bytes, contiguous: a view of the cache itself when the blocks are one
+    run and the importer takes every head (no copy), else gathered into a staging buffer (one per
+    read, reused across reads). The blocks stay pinned until `close`, which hands the buffer back:
+    call it only once nothing reads the chunks any more (sends completed or cancelled).
+    """
+
+    def __init__(self, exporter: KVExporter, lease: Lease, block_ids: list[int], heads: tuple[int, int]):
+        self._exporter, self._lease, self.block_ids, self.heads = exporter, lease, block_ids, heads
+        kv = exporter.kv
+        self.shape = (kv.shape[0], 2, len(block_ids), kv.shape[3], heads[1] - heads[0], kv.shape[5])
+        slab_bytes = len(block_ids) * kv.shape[3] * (heads[1] - heads[0]) * kv.shape[5] * kv.element_size()
+        self.chunks = p.chunk_bounds(kv.shape[0] * 2, slab_bytes)
+        self._run = block_run(block_ids) if heads == (0, kv.shape[4]) else None
+        self._staging: torch.Tensor | None = None
+        self._is_closed = False
+
+    def chunk(self, i: int) -> torch.Tensor:
+        s0, s1 = self.chunks[i]
+        slabs = slab_view(self._exporter.kv)
+        if self._run is not None and s1 - s0 == 1:
+            return slabs[s0, 0, self._run:self._run + len(self.block_ids)]
+        if self._staging is None:
+            self._staging = self._exporter.buffers.take(self.shape, self._exporter.kv.dtype)
+        return gather_blocks(slabs[s0:s1], self.block_ids, self.heads, slab_view(self._staging)[s0:s1])
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if self._staging is not None:
+            self._exporter.buffers.give(self._staging)
+        self._exporter.leases.unhold(self._lease)
+
+    def __enter__(self) -> "BlockRead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class KVImporter(ABC):

@@ -2,8 +2,10 @@
 
 The engine's cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`. A
 transfer moves `[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous, so it goes out
-in one send and lands in one receive. `LeaseTable` pins an exported request's blocks (ref counts
-through the engine's pool) until the importer acks or the lease runs out. Pure torch, no sockets.
+in one send and lands in one receive, or slab by slab (`slab_view`: one layer's K or V) when a
+transfer is pipelined. `LeaseTable` pins an exported request's blocks (ref counts through the
+engine's pool) until the importer acks or the lease runs out, and past that while a read is still
+sending them (`hold`/`unhold`). Pure torch, no sockets.
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -
     kv.index_copy_(2, idx, data)
 
 
+def slab_view(kv: torch.Tensor) -> torch.Tensor:
+    """`kv` (contiguous) as `[layers * 2, 1, num_blocks, ...]`: slab s is layer s // 2, K or V. A range
+    of slabs is again a cache tensor `gather_blocks`/`scatter_blocks` take, and contiguous."""
+    return kv.view(kv.shape[0] * kv.shape[1], 1, *kv.shape[2:])
+
+
+def block_run(block_ids: list[int]) -> int | None:
+    """The first id when the ids are one run of consecutive blocks (a slab's blocks are then one
+    contiguous range of memory, sent or received in place), else None."""
+    first = block_ids[0]
+    for i, b in enumerate(block_ids):
+        if b != first + i:
+            return None
+    return first
+
+
 class BufferPool:
     """Reusable staging buffers: a fresh multi-MiB tensor costs page faults on every transfer
     (~15 ms per 32 MiB measured), a reused one does not. Thread-safe; one buffer per transfer."""
@@ -68,10 +86,17 @@ class BufferPool:
 class Lease:
     block_ids: list[int]
     expiry_monotonic_s: float
+    num_readers: int = 0  # reads in flight (`hold`): the blocks stay pinned until they end
+    is_dropped: bool = False  # acked or expired; unpinned once num_readers is 0
 
 
 class LeaseTable:
-    """request id -> pinned blocks. `pin`/`unpin` are the engine pool's incref/free; thread-safe."""
+    """request id -> pinned blocks. `pin`/`unpin` are the engine pool's incref/free; thread-safe.
+
+    A read that sends the blocks over time (chunk by chunk, or straight from the cache) `hold`s the
+    lease: an ack or expiry meanwhile ends the lease at once (no new reads), but the blocks return
+    to the pool only at the last `unhold`, so the engine never overwrites blocks still on the wire.
+    """
 
     def __init__(self, pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
                  lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
@@ -94,11 +119,22 @@ class LeaseTable:
     def get(self, request_id: str) -> Lease | None:
         """The live lease, or None (an expired one is released on the spot)."""
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is not None and lease.expiry_monotonic_s <= self._clock():
-                self._drop_expired(request_id)
-                return None
+            return self._live(request_id)
+
+    def hold(self, request_id: str) -> Lease | None:
+        """The live lease with one more reader (its blocks stay pinned until `unhold`), or None."""
+        with self._lock:
+            lease = self._live(request_id)
+            if lease is not None:
+                lease.num_readers += 1
             return lease
+
+    def unhold(self, lease: Lease) -> None:
+        with self._lock:
+            lease.num_readers -= 1
+            assert lease.num_readers >= 0, "unhold without hold"
+            if lease.is_dropped and lease.num_readers == 0:
+                self._unpin(lease.block_ids)
 
     def was_expired(self, request_id: str) -> bool:
         with self._lock:
@@ -108,7 +144,7 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.pop(request_id, None)
             if lease is not None:
-                self._unpin(lease.block_ids)
+                self._drop(lease)
             return lease is not None
 
     def expire(self) -> list[str]:
@@ -120,12 +156,25 @@ class LeaseTable:
                 self._drop_expired(rid)
         return gone
 
+    def _live(self, request_id: str) -> Lease | None:
+        lease = self._leases.get(request_id)
+        if lease is not None and lease.expiry_monotonic_s <= self._clock():
+            self._drop_expired(request_id)
+            return None
+        return lease
+
+    def _drop(self, lease: Lease) -> None:
+        lease.is_dropped = True
+        if lease.num_readers == 0:
+            self._unpin(lease.block_ids)
+
     def _drop_expired(self, request_id: str) -> None:
-        self._unpin(self._leases.pop(request_id).block_ids)
+        self._drop(self._leases.pop(request_id))
         self._expired[request_id] = None
         self.num_expired += 1
         while len(self._expired) > 4096:
             self._expired.popitem(last=False)
 
     def __len__(self) -> int:
+        """Live leases (a dropped one still being read is not counted)."""
         return len(self._leases)

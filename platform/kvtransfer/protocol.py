@@ -6,8 +6,16 @@ made before any KV byte moves.
   sides cannot exchange blocks, and `head_slice` says which of the exporter's heads a decode rank
   pulls when decode runs k times prefill's TP degree.
 - `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack).
-- Frames: a 16-byte header `magic, version, kind, payload length` (struct), then a msgpack payload,
-  then (for data) raw tensor bytes. Nothing arriving from the network is unpickled.
+- Control frames: one message each, a 16-byte header `magic, version, kind, payload length`
+  (struct) followed by a msgpack map, at most `CONTROL_FRAME_BYTES` in all (a receiver posts one
+  buffer of that size, so a frame costs one message, not two). Nothing from the network is unpickled.
+- Block data (version 2): after its DATA frame, the exporter sends the blocks as `chunk_bounds`
+  says, one raw message per chunk. The transfer tensor `[layers, 2, n, block_size, heads, head_dim]`
+  is read as `layers * 2` slabs (slab s: layer s // 2, K if s is even, V if odd); a chunk is a run
+  of consecutive slabs, one slab each unless slabs are smaller than `MIN_CHUNK_BYTES`. Both sides
+  derive the same chunks from the shape, so the importer posts every receive before the first byte
+  arrives and each side copies (or sends/receives in place) chunk by chunk while the rest is on the
+  wire.
 Pure: no sockets, no torch.
 """
 
@@ -21,10 +29,12 @@ import msgpack
 from pdserve.errors import PdserveError
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # 2: one message per control frame; block data in chunks (`chunk_bounds`)
 HEADER = struct.Struct("<4sHHQ")  # magic, version, kind, payload length
 HEADER_SIZE = HEADER.size  # 16
-MAX_PAYLOAD_BYTES = 1 << 20  # control messages are small; anything larger is corrupt
+CONTROL_FRAME_BYTES = 64 << 10  # control frames are small; a larger one is corrupt
+MAX_PAYLOAD_BYTES = CONTROL_FRAME_BYTES - HEADER_SIZE
+MIN_CHUNK_BYTES = 256 << 10  # smaller slabs go together: per-message costs would dominate
 
 # Frame kinds.
 READ, DATA, ACK, ERROR, DONE = 1, 2, 3, 4, 5  # DONE: read complete, keep the lease
@@ -147,6 +157,20 @@ def decode_header(header: bytes) -> tuple[int, int]:
     if kind not in (READ, DATA, ACK, ERROR, DONE) or length > MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"bad frame kind {kind} or payload length {length}")
     return kind, length
+
+
+def decode_frame(frame: bytes) -> tuple[int, dict]:
+    """One control frame (header and payload, possibly followed by unused buffer) -> (kind, payload)."""
+    kind, length = decode_header(frame[:HEADER_SIZE])
+    if len(frame) < HEADER_SIZE + length:
+        raise ProtocolError(f"short frame: {len(frame) - HEADER_SIZE} of {length} payload bytes")
+    return kind, decode_payload(frame[HEADER_SIZE:HEADER_SIZE + length])
+
+
+def chunk_bounds(num_slabs: int, slab_bytes: int) -> list[tuple[int, int]]:
+    """The [start, end) slab ranges the block data travels in, one message each (see above)."""
+    per = max(1, -(-MIN_CHUNK_BYTES // max(slab_bytes, 1)))
+    return [(s, min(s + per, num_slabs)) for s in range(0, num_slabs, per)]
 
 
 def decode_payload(body: bytes) -> dict:

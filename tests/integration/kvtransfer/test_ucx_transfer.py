@@ -238,13 +238,20 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
         assert kind == p.ERROR and reply["code"] == "protocol"
     # A READ whose payload is not a map of the right fields.
     body = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte: corrupt
-    kind, reply = _raw_peer(exporter.address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, len(body)), body)
+    kind, reply = _raw_peer(exporter.address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, len(body)) + body)
+    assert kind == p.ERROR and reply["code"] == "protocol"
+    # A frame split over two messages (protocol version 1's way): its payload is missing.
+    split = p.encode_frame(p.READ, {"request_id": "split", "layout": LAYOUT})
+    kind, reply = _raw_peer(exporter.address, split[:p.HEADER_SIZE], split[p.HEADER_SIZE:])
+    assert kind == p.ERROR and reply["code"] == "protocol"
+    # A control frame larger than any control frame may be.
+    kind, reply = _raw_peer(exporter.address, bytes(p.CONTROL_FRAME_BYTES + 1))
     assert kind == p.ERROR and reply["code"] == "protocol"
     # An importer that asks for blocks and vanishes before reading them: the lease stays until it
     # expires (2 s here), then the blocks go back to the pool.
     handle = exporter.export("vanishing", 64)
     read = p.encode_frame(p.READ, {"request_id": "vanishing", "layout": LAYOUT})
-    assert _raw_peer(exporter.address, read[:p.HEADER_SIZE], read[p.HEADER_SIZE:], read_reply=False) is None
+    assert _raw_peer(exporter.address, read, read_reply=False) is None
     deadline = time.time() + 6
     while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
         time.sleep(0.1)

@@ -19,8 +19,8 @@ def test_frames_round_trip_and_reject_garbage():
         p.decode_header(frame[:10])
     with pytest.raises(p.ProtocolError, match="magic"):
         p.decode_header(b"HTTP" + frame[4:p.HEADER_SIZE])
-    with pytest.raises(p.ProtocolError, match="version 2"):
-        p.decode_header(p.HEADER.pack(p.MAGIC, 2, p.READ, 5))
+    with pytest.raises(p.ProtocolError, match=f"version {p.VERSION - 1}"):
+        p.decode_header(p.HEADER.pack(p.MAGIC, p.VERSION - 1, p.READ, 5))
     with pytest.raises(p.ProtocolError, match="kind"):
         p.decode_header(p.HEADER.pack(p.MAGIC, p.VERSION, 99, 5))
     with pytest.raises(p.ProtocolError, match="length"):
@@ -29,6 +29,23 @@ def test_frames_round_trip_and_reject_garbage():
         p.decode_payload(b"\xc1\xff")
     with pytest.raises(p.ProtocolError, match="not a map"):
         p.decode_payload(msgpack.packb([1, 2]))
+
+
+def test_a_frame_is_one_message_read_from_a_larger_buffer():
+    frame = p.encode_frame(p.DATA, {"shape": [2, 2, 3]})
+    padded = frame + bytes(p.CONTROL_FRAME_BYTES - len(frame))  # the receive buffer's unused rest
+    assert p.decode_frame(padded) == (p.DATA, {"shape": [2, 2, 3]})
+    with pytest.raises(p.ProtocolError, match="short frame"):
+        p.decode_frame(frame[:-1])
+    with pytest.raises(p.ProtocolError):  # a header sent alone: its payload reads as zeros
+        p.decode_frame(frame[:p.HEADER_SIZE] + bytes(64))
+
+
+def test_chunks_cover_every_slab_once_in_order():
+    assert p.chunk_bounds(16, 2 << 20) == [(s, s + 1) for s in range(16)]  # large slabs: one each
+    small = p.chunk_bounds(64, 40 << 10)  # 40 KiB slabs go together up to MIN_CHUNK_BYTES
+    assert small[0] == (0, 7) and small[-1] == (63, 64)
+    assert [s for a, b in small for s in range(a, b)] == list(range(64))
 
 
 def test_handle_round_trips_through_plain_data():
@@ -93,3 +110,27 @@ def test_leases_pin_release_and_expire():
     leases.add("c", [7])
     now[0] = 100.0
     assert leases.get("c") is None and leases.was_expired("c") and len(leases) == 0
+
+
+def test_a_lease_being_read_keeps_its_blocks_past_ack_and_expiry():
+    now = [0.0]
+    pool = BlockPool(8, 4)
+    leases = LeaseTable(pool.incref, pool.free, lease_s=30.0, clock=lambda: now[0])
+    blocks = pool.allocate(3)
+    leases.add("a", blocks)
+    pool.free(blocks)
+    first, second = leases.hold("a"), leases.hold("a")  # two ranks reading one lease
+    assert leases.release("a") and leases.get("a") is None and leases.hold("a") is None
+    assert pool.num_free_blocks == 5  # still on the wire
+    leases.unhold(first)
+    assert pool.num_free_blocks == 5
+    leases.unhold(second)
+    assert pool.num_free_blocks == 8
+    blocks = pool.allocate(2)
+    leases.add("b", blocks)
+    pool.free(blocks)
+    reading = leases.hold("b")
+    now[0] = 31.0
+    assert leases.expire() == ["b"] and pool.num_free_blocks == 6
+    leases.unhold(reading)
+    assert pool.num_free_blocks == 8
