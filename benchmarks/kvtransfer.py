@@ -1,11 +1,14 @@
 """KV transfer benchmark: pdserve's UCX pull against raw ucxx send/recv and a plain TCP socket,
-between the same two processes, in one run.
+between the same two processes, in one run, timed in turns.
 
     python benchmarks/kvtransfer.py [--repeats 10]
 
 Payloads: the KV of a 2,048-token prompt of the ~56M benchmark model (8 layers, 4 KV heads, head
-dim 64, fp32, block size 16: 32 MiB) and a 64 MiB one (4,096 tokens). Every transfer opens its
-own connection, as a pull does. Prints a markdown table and one JSON line.
+dim 64, fp32, block size 16: 32 MiB) and a 64 MiB one (4,096 tokens), each in blocks that are one
+run on both sides (sent and received in place), and the 2,048-token KV again in scattered blocks
+on both sides (every other block: gathered and scattered chunk by chunk). Every transfer opens its
+own connection, as a pull does; raw ucxx and the socket move the same number of bytes. Prints a
+markdown table and one JSON line.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ import time
 os.environ.setdefault("UCX_TLS", "tcp")
 
 LAYOUT = dict(model_id="bench-llama-56m", num_layers=8, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
-TOKENS = {"2048-token KV (32 MiB)": 2048, "64 MiB": 4096}
-NUM_BLOCKS = 4096 // 16 + 8
+# payload -> (tokens, block stride: 1 = one run of blocks, 2 = every other block on both sides)
+PAYLOADS = {"2048-token KV (32 MiB)": (2048, 1), "64 MiB": (4096, 1), "2048-token KV, scattered blocks": (2048, 2)}
+NUM_BLOCKS = 4096 // 16 + 8  # also holds 2,048 tokens at every other block
+
+
+def _block_ids(tokens: int, stride: int) -> list[int]:
+    return list(range(0, tokens // 16 * stride, stride))
 
 
 def _server(replies, repeats: int) -> None:
@@ -41,9 +49,9 @@ def _server(replies, repeats: int) -> None:
     pool = BlockPool(NUM_BLOCKS, 16)
     exporter = UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600)
     handles = {}
-    for name, tokens in TOKENS.items():
-        blocks = list(range(tokens // 16))
-        handles[name] = [exporter.export(f"{tokens}-{i}", blocks, tokens).to_dict() for i in range(repeats + 2)]
+    for name, (tokens, stride) in PAYLOADS.items():
+        blocks = _block_ids(tokens, stride)
+        handles[name] = [exporter.export(f"{name}-{i}", blocks, tokens).to_dict() for i in range(repeats + 2)]
     payload = np.random.bytes(64 << 20)
     buf = np.frombuffer(payload, dtype=np.uint8)
 
@@ -78,16 +86,23 @@ def _server(replies, repeats: int) -> None:
     asyncio.run(main())
 
 
-def _measure(fn, nbytes: int, repeats: int) -> dict:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def _measure(fns: dict, nbytes: int, repeats: int) -> dict:
+    """Each path warmed up, then timed in turns (path A, B, C, A, B, C, ...), so a change in the
+    machine's load during the run falls on all of them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    p50 = statistics.median(times)
-    p99 = sorted(times)[min(len(times) - 1, int(0.99 * len(times)))]
-    return {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "gb_s": nbytes / p50 / 1e9}
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    out = {}
+    for name, ts in times.items():
+        p50 = statistics.median(ts)
+        p99 = sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))]
+        out[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "gb_s": nbytes / p50 / 1e9}
+    return out
 
 
 def main() -> None:
@@ -111,33 +126,35 @@ def main() -> None:
     importer = UCXImporter(kv, KVLayout(**LAYOUT))
     raw_loop = asyncio.new_event_loop()
 
+    # The baselines receive into one reused buffer, as the importer receives into its cache (or a
+    # reused staging buffer): a fresh one would cost them page faults on every transfer.
+    raw_out, tcp_out = np.ones(64 << 20, dtype=np.uint8), bytearray(b"\1" * (64 << 20))
+
     def raw_ucxx(nbytes: int):
         async def go():
             ep = await ucxx.create_endpoint("127.0.0.1", ucx_port)
             await ep.send(np.array([nbytes], dtype=np.uint64))
-            out = np.empty(nbytes, dtype=np.uint8)
-            await ep.recv(out)
+            await ep.recv(raw_out[:nbytes])
             await ep.send(np.ones(1, dtype=np.uint8))
             await ep.close()
         raw_loop.run_until_complete(go())
 
     def plain_tcp(nbytes: int):
-        out = bytearray(nbytes)
         with socket.create_connection(("127.0.0.1", tcp_port)) as s:
             s.sendall(struct.pack("<Q", nbytes))
-            view, got = memoryview(out), 0
+            view, got = memoryview(tcp_out)[:nbytes], 0
             while got < nbytes:
                 got += s.recv_into(view[got:])
 
     rows, record = [], {}
-    for name, tokens in TOKENS.items():
+    for name, (tokens, stride) in PAYLOADS.items():
         nbytes = tokens * 8 * 2 * 4 * 64 * 4
         queue = [KVHandle.from_dict(h) for h in handles[name]]
-        dst = list(range(tokens // 16))
-        ours = _measure(lambda: importer.pull(queue.pop(), dst), nbytes, args.repeats)
-        raw = _measure(lambda: raw_ucxx(nbytes), nbytes, args.repeats)
-        tcp = _measure(lambda: plain_tcp(nbytes), nbytes, args.repeats)
-        record[name] = {"bytes": nbytes, "pdserve_ucx": ours, "raw_ucxx": raw, "plain_tcp": tcp}
+        dst = _block_ids(tokens, stride)
+        timed = _measure({"pdserve_ucx": lambda: importer.pull(queue.pop(), dst), "raw_ucxx": lambda: raw_ucxx(nbytes),
+                          "plain_tcp": lambda: plain_tcp(nbytes)}, nbytes, args.repeats)
+        ours, raw, tcp = timed["pdserve_ucx"], timed["raw_ucxx"], timed["plain_tcp"]
+        record[name] = {"bytes": nbytes, **timed}
         for label, r in (("pdserve UCX pull", ours), ("raw ucxx send/recv", raw), ("plain TCP socket", tcp)):
             rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
         rows.append(f"| {name} | pdserve / raw ucxx | {ours['gb_s'] / raw['gb_s']:.0%} | | |")
