@@ -163,9 +163,9 @@ PHASES = {f.__name__.removeprefix("phase_"): f for f in (
 
 # -- driver ---------------------------------------------------------------------------------------
 
-def _run_child(phase: str, argv: list[str], extra: list[str] = ()) -> dict:
+def _run_child(phase: str, argv: list[str], extra: list[str] = (), env: dict | None = None) -> dict:
     out = subprocess.run([sys.executable, __file__, "--phase", phase, *argv, *extra],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
     if out.returncode != 0:
         sys.stderr.write(out.stderr)
         raise SystemExit(f"phase {phase} failed")
@@ -214,6 +214,8 @@ def main() -> None:
     ours_dec = _run_child("ours_decode", argv)
     hf_dec = _run_child("hf_decode", argv)
     ours_tp = _run_child("ours_throughput", argv)
+    # The same run with decode attention on the torch path (gather + SDPA) instead of the C kernel.
+    ours_tp_torch = _run_child("ours_throughput", argv, env={"PDSERVE_CPU_ATTENTION": "torch"})
     hf_tps = [_run_child("hf_throughput", argv, ["--hf-batch", b]) for b in args.hf_batches.split(",")]
     best_hf = max(hf_tps, key=lambda r: r["output_tok_s"])
 
@@ -229,6 +231,8 @@ def main() -> None:
         (f"pdserve {args.num_requests} requests (continuous batching)",
          f"{ours_tp['output_tok_s']:.0f} output tok/s in {ours_tp['elapsed_s']:.1f} s, "
          f"peak RSS {ours_tp['peak_rss_mib']:.0f} MiB"),
+        ("pdserve, same run, torch attention path (`PDSERVE_CPU_ATTENTION=torch`)",
+         f"{ours_tp_torch['output_tok_s']:.0f} output tok/s in {ours_tp_torch['elapsed_s']:.1f} s"),
     ]
     for r in hf_tps:
         rows.append((f"transformers static batches of {r['batch_size']}",
@@ -242,7 +246,8 @@ def main() -> None:
     for name, value in rows:
         print(f"| {name} | {value} |")
     print(json.dumps({"bench": "engine_offline", "quick": args.quick, "roofline": roof, "ours_decode": ours_dec,
-                      "hf_decode": hf_dec, "ours_throughput": ours_tp, "hf_throughput": hf_tps}))
+                      "hf_decode": hf_dec, "ours_throughput": ours_tp, "ours_throughput_torch_attention": ours_tp_torch,
+                      "hf_throughput": hf_tps}))
 
 
 if __name__ == "__main__":

@@ -34,50 +34,167 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-/* One (sequence, KV head): `group` query heads at q (stride q_head_stride) against `len` tokens.
- * scores: scratch of group * len floats. acc: scratch of group * head_dim floats. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+/* [sum(a0), ..., sum(a7)] */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                           __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial, about 1 ulp. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* Ask for the cache lines of `bytes` bytes at p ahead of use: a sequence's blocks are scattered
+ * over the cache, so the hardware prefetcher loses the stream at every block boundary. */
+static inline void prefetch(const float *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+}
+
+/* Rows of one KV head for tokens [t, t + n) of a sequence: row(i) = base of token t + i. */
+static inline const float *row(const float *cache, const int64_t *table, int64_t t, int64_t block_size,
+                               int64_t block_stride, int64_t token_stride, int64_t head_offset) {
+    return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+}
+
+/* One sequence's KV heads [h0, h1) against its `len` tokens; each KV head serves `group` query
+ * heads (q row h * group + g, stride q_head_stride; out rows likewise, dense). Rows of all the
+ * heads of a token are adjacent in the cache, so reading them together streams whole blocks.
+ * scores: scratch of (h1 - h0) * group * len floats; acc: (h1 - h0) * group * head_dim floats. */
 static void attend(const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache,
-                   const int64_t *table, int64_t len, int64_t kv_head, int64_t group, int64_t head_dim,
+                   const int64_t *table, int64_t len, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
                    int64_t block_size, int64_t token_stride, float scale, float *scores, float *acc,
                    float *out) {
     const int64_t block_stride = block_size * token_stride;
-    const int64_t head_offset = kv_head * head_dim;
+    const int64_t rows = (h1 - h0) * group;
 
-    /* Pass 1: scores, reading each K row once for all the group's query heads. */
-    for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const float *kb = k_cache + table[blk] * block_stride + head_offset;
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t i = 0; i < n; ++i) {
-            const float *k = kb + i * token_stride;
+    /* Pass 1: scores, reading each K row once for all the query heads it serves. */
+    int64_t t = 0;
+#ifdef HAVE_AVX2
+    if (head_dim % 8 == 0) {
+        for (; t + 8 <= len; t += 8) {  /* eight tokens at a time: eight independent FMA chains */
+            const float *k[8];
+            for (int j = 0; j < 8; ++j) k[j] = row(k_cache, table, t + j, block_size, block_stride, token_stride, 0);
+            for (int64_t j = t + 16; j < t + 24 && j < len; ++j)  /* two steps ahead */
+                prefetch(row(k_cache, table, j, block_size, block_stride, token_stride, 0) + h0 * head_dim,
+                         (h1 - h0) * head_dim * 4);
+            for (int64_t h = h0; h < h1; ++h) {
+                const int64_t o = h * head_dim;
+                for (int64_t g = 0; g < group; ++g) {
+                    const float *qg = q + (h * group + g) * q_head_stride;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                    for (int64_t d = 0; d < head_dim; d += 8) {
+                        __m256 qv = _mm256_loadu_ps(qg + d);
+                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + o + d), a0);
+                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + o + d), a1);
+                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + o + d), a2);
+                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + o + d), a3);
+                        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + o + d), a4);
+                        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + o + d), a5);
+                        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + o + d), a6);
+                        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + o + d), a7);
+                    }
+                    _mm256_storeu_ps(scores + ((h - h0) * group + g) * len + t,
+                                     _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)));
+                }
+            }
+        }
+    }
+#endif
+    for (; t < len; ++t) {
+        const float *k = row(k_cache, table, t, block_size, block_stride, token_stride, 0);
+        for (int64_t h = h0; h < h1; ++h)
             for (int64_t g = 0; g < group; ++g)
-                scores[g * len + t0 + i] = dot(q + g * q_head_stride, k, head_dim) * scale;
-        }
+                scores[((h - h0) * group + g) * len + t] =
+                    dot(q + (h * group + g) * q_head_stride, k + h * head_dim, head_dim) * scale;
     }
+
     /* Softmax per query head; the normaliser is applied to the output at the end. */
-    float inv_sum[group];
-    for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * len;
+    float inv_sum[rows];
+    for (int64_t r = 0; r < rows; ++r) {
+        float *s = scores + r * len;
         float m = s[0];
-        for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t i = 1; i < len; ++i) m = s[i] > m ? s[i] : m;
         float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
+        int64_t i = 0;
+#ifdef HAVE_AVX2
+        __m256 mv = _mm256_set1_ps(m), sv = _mm256_setzero_ps();
+        for (; i + 8 <= len; i += 8) {
+            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+            _mm256_storeu_ps(s + i, e);
+            sv = _mm256_add_ps(sv, e);
         }
-        inv_sum[g] = 1.0f / sum;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, sv);
+        for (int j = 0; j < 8; ++j) sum += lanes[j];
+#endif
+        for (; i < len; ++i) {
+            s[i] = expf(s[i] - m);
+            sum += s[i];
+        }
+        inv_sum[r] = 1.0f / sum;
     }
-    /* Pass 2: the weighted sum of V, reading each V row once. */
-    memset(acc, 0, sizeof(float) * group * head_dim);
+
+    /* Pass 2: the weighted sum of V, a block at a time (its rows stay in cache across the heads). */
+    memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const float *vb = v_cache + table[blk] * block_stride + head_offset;
+        const float *vb = v_cache + table[blk] * block_stride;
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t i = 0; i < n; ++i) {
-            const float *v = vb + i * token_stride;
-            for (int64_t g = 0; g < group; ++g) axpy(acc + g * head_dim, scores[g * len + t0 + i], v, head_dim);
+        if (t0 + block_size < len)  /* the next block, one block ahead */
+            for (int64_t i = 0; i < block_size && t0 + block_size + i < len; ++i)
+                prefetch(v_cache + table[blk + 1] * block_stride + i * token_stride + h0 * head_dim,
+                         (h1 - h0) * head_dim * 4);
+        for (int64_t r = 0; r < rows; ++r) {
+            float *ar = acc + r * head_dim;
+            const float *p = scores + r * len + t0;
+            const float *vh = vb + (h0 + r / group) * head_dim;
+            int64_t d = 0;
+#ifdef HAVE_AVX2
+            for (; d + 32 <= head_dim; d += 32) {  /* four accumulators held across the block's tokens */
+                __m256 a0 = _mm256_loadu_ps(ar + d), a1 = _mm256_loadu_ps(ar + d + 8);
+                __m256 a2 = _mm256_loadu_ps(ar + d + 16), a3 = _mm256_loadu_ps(ar + d + 24);
+                for (int64_t i = 0; i < n; ++i) {
+                    const float *v = vh + i * token_stride + d;
+                    __m256 pv = _mm256_set1_ps(p[i]);
+                    a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v), a0);
+                    a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8), a1);
+                    a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 24), a3);
+                }
+                _mm256_storeu_ps(ar + d, a0);
+                _mm256_storeu_ps(ar + d + 8, a1);
+                _mm256_storeu_ps(ar + d + 16, a2);
+                _mm256_storeu_ps(ar + d + 24, a3);
+            }
+#endif
+            if (d < head_dim)
+                for (int64_t i = 0; i < n; ++i) axpy(ar + d, p[i], vh + i * token_stride + d, head_dim - d);
         }
     }
-    for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+    for (int64_t r = 0; r < rows; ++r) {
+        float *o = out + (h0 * group + r) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[r * head_dim + d] * inv_sum[r];
+    }
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
@@ -90,22 +207,26 @@ int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, i
     const int64_t token_stride = num_kv_heads * head_dim;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    /* Work items: whole sequences (all their heads: whole blocks stream in) when there are enough
+     * to keep every thread busy, else (sequence, KV head) pairs. */
+    const int64_t heads_per_item = batch >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t items_per_seq = num_kv_heads / heads_per_item;
+    const int64_t rows = heads_per_item * group;
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * group * (max_len > 0 ? max_len : 1));
-        float *acc = malloc(sizeof(float) * group * head_dim);
+        float *scores = malloc(sizeof(float) * rows * (max_len > 0 ? max_len : 1));
+        float *acc = malloc(sizeof(float) * rows * head_dim);
         if (scores == NULL || acc == NULL) failed = 1;
         /* Every thread takes part in the loop (a worksharing construct must be met by all). */
-#pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int64_t b = 0; b < batch; ++b) {
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
-                attend(q + b * q_batch_stride + h * group * q_head_stride, q_head_stride, k_cache, v_cache,
-                       block_tables + b * table_width, seq_lens[b], h, group, head_dim, block_size,
-                       token_stride, scale, scores, acc, out + (b * num_heads + h * group) * head_dim);
-            }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < batch * items_per_seq; ++item) {
+            const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
+            if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
+            attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, block_tables + b * table_width,
+                   seq_lens[b], h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores,
+                   acc, out + b * num_heads * head_dim);
         }
         free(scores);
         free(acc);

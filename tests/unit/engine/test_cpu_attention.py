@@ -38,8 +38,9 @@ def test_the_kernel_builds_on_this_machine():
     (6, 2, 24, 5, 33),     # odd sizes everywhere
     (2, 2, 16, 1, 9),      # one token per block
 ])
-def test_kernel_matches_torch(heads, kv_heads, head_dim, block_size, max_len):
-    q, k_cache, v_cache, tables, lens = random_case(7, heads, kv_heads, head_dim, block_size, max_len)
+@pytest.mark.parametrize("batch", [3, 40])  # work split by KV head; whole sequences per thread
+def test_kernel_matches_torch(heads, kv_heads, head_dim, block_size, max_len, batch):
+    q, k_cache, v_cache, tables, lens = random_case(batch, heads, kv_heads, head_dim, block_size, max_len)
     assert cpu_attention.supports(q, k_cache)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
