@@ -215,7 +215,7 @@ def main() -> None:
     hf_dec = _run_child("hf_decode", argv)
     ours_tp = _run_child("ours_throughput", argv)
     # The same run with decode attention on the torch path (gather + SDPA) instead of the C kernel.
-    ours_tp_torch = _run_child("ours_throughput", argv, env={"PDSERVE_CPU_ATTENTION": "torch"})
+    ours_tp_torch = _run_child("ours_throughput", argv, env={"PDSERVE_CPU_KERNELS": "torch"})
     hf_tps = [_run_child("hf_throughput", argv, ["--hf-batch", b]) for b in args.hf_batches.split(",")]
     best_hf = max(hf_tps, key=lambda r: r["output_tok_s"])
 
@@ -231,7 +231,7 @@ def main() -> None:
         (f"pdserve {args.num_requests} requests (continuous batching)",
          f"{ours_tp['output_tok_s']:.0f} output tok/s in {ours_tp['elapsed_s']:.1f} s, "
          f"peak RSS {ours_tp['peak_rss_mib']:.0f} MiB"),
-        ("pdserve, same run, torch attention path (`PDSERVE_CPU_ATTENTION=torch`)",
+        ("pdserve, same run, torch attention path (`PDSERVE_CPU_KERNELS=torch`)",
          f"{ours_tp_torch['output_tok_s']:.0f} output tok/s in {ours_tp_torch['elapsed_s']:.1f} s"),
     ]
     for r in hf_tps:

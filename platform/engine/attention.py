@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import cpu_attention, triton_paged
+from pdserve.engine.kernels import cpu_kernels, triton_paged
 from pdserve.engine.kernels.paged_attention import (GatherWorkspace, decode_mask, paged_decode_attention,
                                                     paged_prefill_attention, write_kv)
 from pdserve.engine.kv_cache import KVCache
@@ -143,8 +143,8 @@ class Attention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """CPU decode: the C kernel (one pass over the blocks) where it applies, else gather + SDPA."""
         meta = ctx.attn
-        if cpu_attention.supports(q, k_cache):
-            return cpu_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+        if cpu_kernels.usable(q, k_cache) and k_cache.is_contiguous():
+            return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                         meta.decode_seq_lens, self.scale)
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                       self.scale, ctx.workspace, meta.decode_mask(k_cache.shape[1], q.dtype))

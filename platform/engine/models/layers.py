@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.kernels import cpu_kernels
 from pdserve.errors import UnsupportedModelError
 
 
@@ -40,7 +41,12 @@ class RMSNorm(nn.Module):
         self.register_buffer("_eps", torch.tensor(eps), persistent=False)
         self.register_buffer("_inv_size", torch.tensor(1.0 / hidden_size), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with `add`, x += add first, in place (the residual add before the norm)."""
+        if cpu_kernels.usable(x, self.weight) and x.is_contiguous():
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, add)
+        if add is not None:
+            x += add
         if x.dtype == torch.float32:
             mean_square = torch.addcmul(self._eps, (x * x).sum(-1, keepdim=True), self._inv_size)
             return x * mean_square.rsqrt_() * self.weight
@@ -275,7 +281,7 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) from a precomputed cos/sin table.
 
     `table(positions)` gathers the step's rows once per forward pass; every layer then rotates its
-    q and k heads together with `apply`.
+    q and k heads together with `apply`, in place.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
@@ -288,15 +294,16 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
         self.head_dim = head_dim
 
-    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for the step's positions, `[tokens, 1, head_dim // 2]` each."""
-        cos_sin = self.cos_sin[positions]
-        return cos_sin[:, None, 0], cos_sin[:, None, 1]
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        """cos and sin rows for the step's positions, `[tokens, 2, head_dim // 2]`."""
+        return self.cos_sin[positions]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x `[tokens, heads, head_dim]` (any strides) -> rotated copy, in x's dtype."""
-        cos, sin = cos_sin
+    def apply(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x `[tokens, heads, head_dim]` (tokens at any stride) in place; returns x."""
+        if cpu_kernels.usable(x, cos_sin) and x.stride(1) == x.shape[2]:
+            return cpu_kernels.rotary_(x, cos_sin)
+        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
         x1, x2 = (x if x.dtype == torch.float32 else x.float()).chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return x

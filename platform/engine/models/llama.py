@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import Attention
+from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (LMHead, MergedColumnParallelLinear, QKVParallelLinear,
@@ -52,11 +53,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
                               scale=arch.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
-        qk = RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go
-        return self.o_proj(self.attn(qk[:, :nq], qk[:, nq:], heads[:, nqk:]))
+        RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go, in place
+        return self.o_proj(self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:]))
 
 
 class LlamaMLP(nn.Module):
@@ -67,7 +68,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank=tp.rank, tp_size=tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -79,10 +83,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # In place: h is this forward pass's own residual stream.
-        h += self.self_attn(self.input_layernorm(h), cos_sin)
-        h += self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        # In place: h is this forward pass's own residual stream (the attention output is added
+        # to it inside the second norm).
+        x = self.post_attention_layernorm(h, add=self.self_attn(self.input_layernorm(h), cos_sin))
+        h += self.mlp(x)
         return h
 
 

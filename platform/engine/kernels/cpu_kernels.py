@@ -1,4 +1,8 @@
-"""The CPU decode-attention kernel (`cpu_attention.c`): built on first use, called through ctypes.
+"""pdserve's fp32 CPU kernels (`cpu_kernels.c`): built on first use, called through ctypes.
+
+- `paged_decode_attention`: one pass over each sequence's KV blocks (no gather, no padding).
+- `rms_norm` (optionally adding the residual first), `silu_mul`, `rotary_`: one pass each where
+  torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
 
 The C source is compiled once per machine type with the system C compiler into the cache
 directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by the source, the compiler and the CPU, so a
@@ -6,8 +10,8 @@ shared cache serves mixed hosts. Replicas starting together may race to build it
 into a file of its own and renames it into place, so a reader sees a whole library or none.
 
 Where no compiler is found, or the build fails, `load()` logs why once and returns None, and
-attention stays on the torch path. `PDSERVE_CPU_ATTENTION=torch` chooses the torch path on
-purpose (for comparisons).
+the model stays on the torch path. `PDSERVE_CPU_KERNELS=torch` chooses the torch path on
+purpose (for comparisons). Callers check `usable(...)` first.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -39,7 +43,7 @@ class KernelBuildError(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("PDSERVE_CPU_ATTENTION", "auto").lower() != "torch"
+    return os.environ.get("PDSERVE_CPU_KERNELS", "auto").lower() != "torch"
 
 
 def _compiler() -> str | None:
@@ -63,7 +67,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     """Compile the kernel into `out_dir` (once per source, compiler and CPU) and return its path."""
     key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(_FLAGS).encode()
                          + _cpu_id().encode()).hexdigest()[:16]
-    target = out_dir / f"cpu_attention-{key}.so"
+    target = out_dir / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,32 +97,36 @@ def load() -> ctypes.CDLL | None:
 
         compiler = _compiler()
         if compiler is None:
-            logger.warning("no C compiler (cc, gcc or clang) found: CPU decode attention runs on the slower "
-                           "torch path; install gcc to build pdserve's kernel")
+            logger.warning("no C compiler (cc, gcc or clang) found: the model runs on the slower torch path "
+                           "on CPU; install gcc to build pdserve's kernels")
         else:
             try:
                 lib = ctypes.CDLL(str(build(compiler, cache_dir() / "kernels")))
-                fn = lib.pdserve_paged_decode_attention_f32
-                fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                               + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-                               + [ctypes.c_float, ctypes.c_int])
+                for name, (restype, argtypes) in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
                 _lib = lib
-            except (KernelBuildError, OSError, subprocess.SubprocessError) as e:
-                logger.warning("CPU decode attention runs on the slower torch path: %s", e)
+            except (KernelBuildError, OSError, subprocess.SubprocessError, AttributeError) as e:
+                logger.warning("the model runs on the slower torch path on CPU: %s", e)
         _tried = True
         return _lib
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: fp32 on CPU, dense cache, dense head dimension."""
-    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and q.stride(-1) == 1 and load() is not None)
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: fp32 on CPU, last dimension dense (each kernel's
+    own layout needs are checked by its caller), and the library built. (Called several times
+    per layer and step: kept to plain checks.)"""
+    if not enabled():
+        return False
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            return False
+    return load() is not None
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as `paged_attention.paged_decode_attention` (check `supports` first):
+    """Same contract as `paged_attention.paged_decode_attention` (check `usable` and a dense cache):
     q `[batch, num_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`,
     block_tables `[batch, width]` int64, seq_lens `[batch]` int64 -> `[batch, num_heads, head_dim]`."""
     batch, num_heads, head_dim = q.shape
@@ -133,3 +141,40 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last dimension of dense `[rows, dim]` x; with
+    `delta`, x += delta first, in place (the residual add fused into the next norm)."""
+    out = torch.empty_like(x)
+    load().pdserve_rms_norm_f32(x.data_ptr(), None if delta is None else delta.contiguous().data_ptr(),
+                                weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                                torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for dense `[rows, 2 * dim]` holding gate and up side by side -> `[rows, dim]`."""
+    rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, dim)
+    load().pdserve_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, dim, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x `[tokens, heads, head_dim]` in place (neox halves); heads dense within a token
+    (`x.stride(1) == head_dim`), tokens at any stride; cos_sin dense `[tokens, 2, head_dim // 2]`."""
+    tokens, heads, head_dim = x.shape
+    load().pdserve_rotary_f32(x.data_ptr(), tokens, heads, head_dim, x.stride(0), cos_sin.data_ptr(),
+                              torch.get_num_threads())
+    return x
+
+
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "pdserve_paged_decode_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I,
+                                                          _F, _T]),
+    "pdserve_rms_norm_f32": (None, [_P, _P, _P, _P, _I, _I, _F, _T]),
+    "pdserve_silu_mul_f32": (None, [_P, _P, _I, _I, _T]),
+    "pdserve_rotary_f32": (None, [_P, _I, _I, _I, _I, _P, _T]),
+}

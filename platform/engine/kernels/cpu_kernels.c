@@ -13,7 +13,7 @@
  *   seq_lens     [batch] int64
  *   out          [batch, num_heads, head_dim]       dense
  *
- * Built by cpu_attention.py with the system C compiler (-O3 -march=native -fopenmp); loaded after
+ * Built by cpu_kernels.py with the system C compiler (-O3 -march=native -fopenmp); loaded after
  * torch, so `libgomp.so.1` resolves to the OpenMP runtime torch already runs (one thread pool).
  */
 
@@ -232,4 +232,83 @@ int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, i
         free(acc);
     }
     return failed;
+}
+
+/* -- Elementwise kernels of the decoder layer ---------------------------------------------------
+ * Each replaces a handful of torch ops (and their temporaries) with one pass over the rows; a
+ * decode step runs them 2-3 times per layer, so the per-op cost of torch adds up at small
+ * batches. Rows of `dim` floats, dense. Parallel over rows only when there is enough work. */
+
+#define PARALLEL_MIN_ELEMS (1 << 15)
+
+static inline float sum_of_squares(const float *x, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+    return acc;
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight; with `delta`, first x += delta (the residual add). */
+void pdserve_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows,
+                          int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *xr = x + r * dim;
+        float *o = out + r * dim;
+        if (delta != NULL) {
+            const float *dr = delta + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; ++i) xr[i] += dr[i];
+        }
+        const float inv = 1.0f / sqrtf(sum_of_squares(xr, dim) / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * weight[i];
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, dim + i]  (gate and up side by side, as the merged
+ * projection writes them). */
+void pdserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * 2 * dim;
+        const float *u = g + dim;
+        float *o = out + r * dim;
+        int64_t i = 0;
+#ifdef HAVE_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= dim; i += 8) {
+            /* sigmoid from exp(-|x|) <= 1, so nothing overflows: 1/(1+e) for x >= 0, e/(1+e) below. */
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
+            __m256 num = _mm256_blendv_ps(one, e, x);  /* sign bit of x picks e */
+            __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < dim; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotate heads [0, heads) of every token in place, neox style (halves): x1' = x1 cos - x2 sin,
+ * x2' = x2 cos + x1 sin. x: [tokens, *, head_dim] with token stride `token_stride`;
+ * cos_sin: [tokens, 2, head_dim / 2] (cos then sin, the token's position's rows). */
+void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride,
+                        const float *cos_sin, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *c = cos_sin + t * 2 * half;
+        const float *s = c + half;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x1 = x + t * token_stride + h * head_dim;
+            float *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
 }
