@@ -4,9 +4,10 @@
 prefill's blocks and returns the `KVHandle`; `open_read` checks the lease and the importer's layout
 and returns a `BlockRead` that yields the blocks (only the importer's heads) chunk by chunk, in
 place when they are one run of blocks and every head goes, else gathered into a reused staging
-buffer; `read` gathers them all at once; `ack` releases the lease. A daemon thread expires leases whose importer never came. `KVImporter` (decode side)
-checks the layout before any byte moves, fetches through its backend, scatters into its own
-blocks, and on any failure calls `on_failure(dst_block_ids)` and raises a typed error.
+buffer; `read` gathers them all at once; `ack` releases the lease. A daemon thread expires leases
+whose importer never came. `KVImporter` (decode side) checks the layout before any byte moves,
+fetches through its backend, scatters into its own blocks, and on any failure calls
+`on_failure(dst_block_ids)` and raises a typed error.
 
 Backends (`ucx`, `local`) only move bytes. `pin`/`unpin` are the engine pool's incref/free and must
 be safe to call from the exporter's threads (take the engine's lock).

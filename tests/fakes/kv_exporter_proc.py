@@ -1,8 +1,10 @@
 """A prefill-side process for the KV transfer tests: a seeded random cache, a pool, a UCX exporter.
 
-Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict; ("free",) -> the
-pool's free block count; ("stop",). The cache is `make_cache(...)`, so the test process can
-rebuild the exact same bytes to compare against.
+Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
+("export_scattered", request_id, num_tokens) -> the same over every other block (the exporter then
+gathers chunk by chunk); ("free",) -> the pool's free block count; ("stop",). The cache is
+`make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
+`stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
 """
 
 from __future__ import annotations
@@ -39,9 +41,46 @@ def serve(commands, replies, lease_s: float) -> None:
             handle = exporter.export(rid, blocks, num_tokens)
             pool.free(blocks)  # the engine's own reference ends; the lease keeps them pinned
             replies.put(("handle", handle.to_dict()))
+        elif cmd[0] == "export_scattered":
+            _, rid, num_tokens = cmd
+            blocks = pool.allocate(2 * -(-num_tokens // LAYOUT["block_size"]))
+            handle = exporter.export(rid, blocks[::2], num_tokens)
+            pool.free(blocks)
+            replies.put(("handle", handle.to_dict()))
         elif cmd[0] == "free":
             replies.put(("free", pool.num_free_blocks))
         else:
             exporter.close()
             replies.put(("stopped",))
             return
+
+
+def stall(replies, num_blocks: int, num_chunks_sent: int) -> None:
+    """Answer every READ with a DATA frame for `num_blocks` blocks and `num_chunks_sent` chunks
+    of zeros, then keep the connection open and send nothing more."""
+    os.environ.setdefault("UCX_TLS", "tcp")
+    import asyncio
+
+    import numpy as np
+    import ucxx
+
+    from pdserve.kvtransfer import protocol as p
+    from pdserve.kvtransfer.ucx_backend import _recv_frame, _send_frame
+
+    async def main():
+        async def handler(ep):
+            _, req = await _recv_frame(ep)
+            heads = req["layout"]["num_kv_heads"] // req["layout"]["tp_size"]
+            shape = [LAYOUT["num_layers"], 2, num_blocks, LAYOUT["block_size"], heads, LAYOUT["head_dim"]]
+            slab_bytes = num_blocks * LAYOUT["block_size"] * heads * LAYOUT["head_dim"] * 4
+            chunks = p.chunk_bounds(2 * LAYOUT["num_layers"], slab_bytes)
+            await _send_frame(ep, p.DATA, {"shape": shape, "num_chunks": len(chunks)})
+            for s0, s1 in chunks[:num_chunks_sent]:
+                await ep.send(np.zeros((s1 - s0) * slab_bytes, dtype=np.uint8))
+            await asyncio.sleep(3600)
+
+        listener = ucxx.create_listener(handler, port=0)
+        replies.put(("ready", f"127.0.0.1:{listener.port}"))
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())

@@ -15,9 +15,9 @@ os.environ.setdefault("UCX_TLS", "tcp")
 ucxx = pytest.importorskip("ucxx")
 
 from pdserve.kvtransfer import protocol as p  # noqa: E402
-from pdserve.kvtransfer.blocks import gather_blocks  # noqa: E402
+from pdserve.kvtransfer.blocks import block_run, gather_blocks  # noqa: E402
 from pdserve.kvtransfer.ucx_backend import UCXImporter  # noqa: E402
-from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve  # noqa: E402
+from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, stall  # noqa: E402
 
 
 class Exporter:
@@ -35,6 +35,9 @@ class Exporter:
 
     def export(self, rid, num_tokens) -> p.KVHandle:
         return p.KVHandle.from_dict(self.call("export", rid, num_tokens)[0])
+
+    def export_scattered(self, rid, num_tokens) -> p.KVHandle:
+        return p.KVHandle.from_dict(self.call("export_scattered", rid, num_tokens)[0])
 
     def free_blocks(self) -> int:
         return self.call("free")[0]
@@ -120,6 +123,30 @@ def test_tp1_to_tp2_each_rank_gets_its_heads(exporter, src):
             imp.close()
         expected = gather_blocks(src, list(handle.block_ids))[:, :, :, :, 2 * rank:2 * rank + 2]
         assert torch.equal(gather_blocks(kv, list(range(n))), expected)
+
+
+@pytest.mark.parametrize("num_tokens", [17, 1000])  # one chunk of all slabs; one chunk per layer's K or V
+def test_pipelined_pulls_of_scattered_blocks_land_exact_bytes(exporter, src, num_tokens):
+    """The exporter gathers chunk by chunk (its blocks are not one run), the importer scatters chunk
+    by chunk or receives in place; with and without KV-head slicing."""
+    for tp_size, rank in ((1, 0), (2, 0), (2, 1)):
+        handle = exporter.export_scattered(f"scattered-{num_tokens}-{tp_size}-{rank}", num_tokens)
+        n = len(handle.block_ids)
+        assert n == 1 or block_run(list(handle.block_ids)) is None
+        heads = LAYOUT["num_kv_heads"] // tp_size
+        kv = torch.zeros(LAYOUT["num_layers"], 2, 256, 16, heads, LAYOUT["head_dim"])
+        imp = UCXImporter(kv, p.KVLayout(**LAYOUT, tp_size=tp_size, tp_rank=rank))
+        dst = list(range(n)) if rank == 1 else _dst(n)  # in place, or scattered on this side too
+        try:
+            imp.pull(handle, dst)
+        finally:
+            imp.close()
+        expected = gather_blocks(src, list(handle.block_ids))[:, :, :, :, heads * rank:heads * (rank + 1)]
+        assert torch.equal(gather_blocks(kv, dst), expected)
+    deadline = time.time() + 5
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.05)
+    assert exporter.free_blocks() == NUM_BLOCKS
 
 
 def test_two_ranks_read_one_lease_then_release_it(exporter, src):
@@ -262,6 +289,47 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     h = exporter.export("after-bad-peers", 40)
     importer.pull(h, _dst(3))
     assert torch.equal(gather_blocks(importer.kv, _dst(3)), gather_blocks(src, list(h.block_ids)))
+
+
+def test_importer_gone_mid_pipeline_the_blocks_return_at_lease_expiry(exporter, src, importer):
+    """A peer asks for 32 MiB, takes the DATA frame and vanishes: the exporter's sends fail or run
+    out of the peer's time, it lets go of the read, and the lease's expiry frees the blocks."""
+    handle = exporter.export_scattered("abandoned", 500 * 16)
+    read = p.encode_frame(p.READ, {"request_id": "abandoned", "layout": LAYOUT, "timeout_s": 1.0})
+    kind, reply = _raw_peer(exporter.address, read)
+    assert kind == p.DATA and reply["num_chunks"] == 2 * LAYOUT["num_layers"]
+    deadline = time.time() + 10
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.1)
+    assert exporter.free_blocks() == NUM_BLOCKS
+    with pytest.raises(p.LeaseExpiredError):
+        importer.pull(handle, list(range(500)))
+    h = exporter.export_scattered("after-abandoned", 1000)
+    importer.pull(h, _dst(63))
+    assert torch.equal(gather_blocks(importer.kv, _dst(63)), gather_blocks(src, list(h.block_ids)))
+
+
+def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(exporter, src, importer):
+    """DATA and 2 of 4 chunks, then silence: the pull raises the retryable error at its deadline,
+    hands its blocks back, and the next pull (through the same staging path) is exact."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    proc = ctx.Process(target=stall, args=(replies, 63, 2), daemon=True)
+    proc.start()
+    try:
+        kind, address = replies.get(timeout=60)
+        handle = p.KVHandle("stalling", address, "stalled", tuple(range(63)), 1000, p.KVLayout(**LAYOUT),
+                            time.time() + 30)
+        freed = []
+        with pytest.raises(p.ExporterUnreachableError) as e:
+            importer.pull(handle, _dst(63), timeout_s=2.0, on_failure=freed.extend)
+        assert e.value.retryable and freed == _dst(63)
+    finally:
+        proc.kill()
+        proc.join(10)
+    h = exporter.export_scattered("after-stall", 1000)
+    importer.pull(h, _dst(63))
+    assert torch.equal(gather_blocks(importer.kv, _dst(63)), gather_blocks(src, list(h.block_ids)))
 
 
 def test_ucx_exporter_reports_healthy_until_closed():

@@ -74,3 +74,37 @@ def test_an_exporter_reports_healthy_until_closed():
     assert exporter.is_healthy
     exporter.close()
     assert not exporter.is_healthy
+
+
+def test_a_read_yields_chunks_in_place_or_gathered_and_holds_its_blocks():
+    """Slabs of 256 KiB: one chunk per layer's K or V (half the heads: 128 KiB, two slabs a chunk).
+    Blocks in one run with every head go out as views of the cache; scattered blocks or a head
+    slice are gathered into staging."""
+    kv = torch.randn(2, 2, 64, 16, 4, 64)
+    layout = KVLayout("m", num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
+    pool = BlockPool(64, 16)
+    exporter = KVExporter("prefill-0", kv, layout, pool.incref, pool.free)
+    run, scattered = list(range(8, 24)), list(range(24, 56, 2))
+    exporter.export("run", run, 256)
+    exporter.export("scattered", scattered, 256)
+    tp2_rank1 = KVLayout(**{**layout.__dict__, "tp_size": 2, "tp_rank": 1})
+    try:
+        for rid, ids, importer, heads, num_chunks, is_in_place in (
+                ("run", run, layout, None, 4, True), ("scattered", scattered, layout, None, 4, False),
+                ("run", run, tp2_rank1, (2, 4), 2, False)):
+            with exporter.open_read(rid, importer) as read:
+                assert len(read.chunks) == num_chunks
+                chunks = [read.chunk(i) for i in range(num_chunks)]
+                shares_cache = [c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr() for c in chunks]
+                assert all(c.is_contiguous() for c in chunks) and shares_cache == [is_in_place] * num_chunks
+                data = torch.cat([c.reshape(-1) for c in chunks]).view(read.shape)
+                assert torch.equal(data, gather_blocks(kv, ids, heads))
+        # An ack while a read is still sending: the lease ends, the blocks stay until the read closes.
+        with exporter.open_read("run", layout):
+            assert exporter.ack("run")
+            assert pool.num_free_blocks == 64 - 32
+            with pytest.raises(p.UnknownRequestError):
+                exporter.open_read("run", layout)
+        assert pool.num_free_blocks == 64 - 16
+    finally:
+        exporter.close()

@@ -91,6 +91,20 @@ def test_gather_and_scatter_are_inverse():
     assert torch.equal(gather_blocks(kv, [1], (2, 4)), kv[:, :, [1], :, 2:4])
 
 
+def test_gather_and_scatter_copy_bits_of_any_dtype_and_check_ids():
+    kv = torch.randn(2, 2, 10, 4, 8, 3).to(torch.bfloat16)  # no numpy dtype: copied as int16
+    data = gather_blocks(kv, [7, 2], (1, 5))
+    assert data.dtype == torch.bfloat16 and torch.equal(data, kv[:, :, [7, 2], :, 1:5])
+    out = torch.zeros_like(kv)
+    scatter_blocks(out, [0, 9], gather_blocks(kv, [7, 2]))
+    assert torch.equal(out[:, :, [0, 9]], kv[:, :, [7, 2]])
+    for bad in ([10], [-1]):
+        with pytest.raises(IndexError):
+            gather_blocks(kv, bad)
+        with pytest.raises(IndexError):
+            scatter_blocks(out, bad, gather_blocks(kv, [0]))
+
+
 def test_leases_pin_release_and_expire():
     now = [0.0]
     pool = BlockPool(8, 4)
