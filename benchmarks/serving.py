@@ -2,11 +2,15 @@
 
     python benchmarks/serving.py            # full run (~10 minutes on 2 cores)
     python benchmarks/serving.py --quick    # smaller counts, for a smoke check
+    python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,colocated --rounds 2
+                                            # only the hop cost at concurrency 8, offline and colocated
+                                            # alternating twice (side by side, one run)
 
 Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (random prompts, fixed output
 length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine streams in this process, no
 HTTP), the colocated app (one Unified replica) and the disaggregated app (Prefill + Decode),
-all through `pdserve bench`'s runner for the served ones.
+all through `pdserve bench`'s runner for the served ones. HTTP comes in as `pdserve serve` takes
+it: HAProxy in front of the gateway replica (`--ingress proxy`: Ray Serve's Python proxy).
 
 Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats, some long
 prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
@@ -29,6 +33,7 @@ import socket
 import time
 
 PRESET = "serve-llama-40m"
+SETUPS = ("offline", "colocated", "disaggregated")
 
 
 def _free_port() -> int:
@@ -100,7 +105,17 @@ def served_runs(config, requests_by_c: dict[int, list], builder, rate: float | N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller counts for a smoke check")
+    ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (hops) or part 2 (interference)")
+    ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
+    ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
+    ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="haproxy",
+                    help="what takes HTTP in front of the gateway replicas: Ray Serve's Python proxy, or "
+                         "HAProxy forwarding to the replicas' own servers (direct ingress)")
     args = ap.parse_args()
+    setups = args.setups.split(",")
+    if not set(setups) <= set(SETUPS):
+        ap.error(f"--setups: choose from {','.join(SETUPS)}")
 
     import ray
 
@@ -111,9 +126,15 @@ def main() -> None:
     model = str(default_model(PRESET))
     builder = PromptBuilder(model)
     concurrencies = (1, 8) if args.quick else (1, 8, 32)
+    if args.concurrency:
+        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
     out_len = 16 if args.quick else 32
     requests_by_c = {c: random_workload(builder, max(4, 3 * c), "128", str(out_len), seed=c) for c in concurrencies}
 
+    if args.ingress == "haproxy":  # as `pdserve serve` does (gateway.ingress): set before Ray starts
+        from pdserve.app import HA_PROXY_ENV
+
+        os.environ[HA_PROXY_ENV] = "1"
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
     report: dict = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
@@ -123,12 +144,17 @@ def main() -> None:
         engine = {"num_threads": 2, "max_num_seqs": 64}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
         two_cores = {"ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": 2}}
-        report["hops"]["offline"] = {c: offline_run(model, reqs, c, 2) for c, reqs in requests_by_c.items()}
         colocated = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode=two_cores)
-        report["hops"]["colocated"] = served_runs(colocated, requests_by_c, builder)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
-        report["hops"]["disaggregated"] = served_runs(disagg, requests_by_c, builder)
+        runs = {"offline": lambda: {c: offline_run(model, reqs, c, 2) for c, reqs in requests_by_c.items()},
+                "colocated": lambda: served_runs(colocated, requests_by_c, builder),
+                "disaggregated": lambda: served_runs(disagg, requests_by_c, builder)}
+        for r in range(args.rounds if args.part != 2 else 0):
+            for setup in setups:
+                report["hops"][setup if args.rounds == 1 else f"{setup} #{r + 1}"] = runs[setup]()
+        if args.part == 1:
+            return
 
         # -- part 2: interference -------------------------------------------------------------
         n = 24 if args.quick else 60
@@ -141,7 +167,7 @@ def main() -> None:
         report["interference"]["colocated"] = served_runs(colocated, {0: mix}, builder, rate, slo)[0]
     finally:
         ray.shutdown()
-    _print(report)
+        _print(report)
 
 
 def _print(report: dict) -> None:
@@ -152,12 +178,18 @@ def _print(report: dict) -> None:
         for c, m in by_c.items():
             print(f"| {setup} | {c} | {m['median_ttft_ms']:.1f} | {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} "
                   f"| {m['output_throughput']:.1f} |")
-    offline = report["hops"]["offline"]
-    for setup in ("colocated", "disaggregated"):
-        for c in offline:
-            ratio = report["hops"][setup][c]["median_itl_ms"] / offline[c]["median_itl_ms"]
+    hops = report["hops"]
+    for setup, by_c in hops.items():  # each served run over the offline run of its round
+        offline = hops.get(setup.replace("colocated", "offline").replace("disaggregated", "offline"))
+        if offline is None or offline is by_c:
+            continue
+        for c in by_c:
+            ratio = by_c[c]["median_itl_ms"] / offline[c]["median_itl_ms"]
             print(f"{setup} median ITL / offline at concurrency {c}: {ratio:.3f}")
     inter = report["interference"]
+    if not inter:
+        print(json.dumps(report, default=str))
+        return
     print(f"\nlong-prompt mix at {inter['rate']} req/s:\n")
     print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | goodput req/s | completed |")
     print("|---|---|---|---|---|---|")
