@@ -145,6 +145,11 @@ class GatewayConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    ingress: Literal["haproxy", "proxy"] = Field(
+        "haproxy", description="What takes HTTP on host:port when `pdserve serve` starts Ray. haproxy: Ray Serve's "
+                               "HAProxy mode, HAProxy forwarding to each gateway replica's own HTTP server (one hop "
+                               "less per streamed token); proxy: Ray Serve's Python proxy actor. Ray-wide: on a "
+                               "cluster pdserve joins, set RAY_SERVE_ENABLE_HA_PROXY=1 on its nodes instead.")
     num_replicas: int = Field(1, ge=1, description="Gateway replicas.")
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0})
     served_model_name: str | None = Field(None, description="The model name clients send; default: the "
