@@ -1,9 +1,11 @@
-/* Paged decode attention for fp32 on CPU: one pass over each sequence's KV blocks, in place.
+/* pdserve's fp32 CPU kernels: paged decode attention, and the decoder layer's elementwise work
+ * (RMSNorm with the residual add, silu * up, rotary) at the end of the file.
  *
- * The torch path gathers a batch's blocks into one padded buffer and runs SDPA over it: the KV
- * bytes cross memory three times, and every sequence pays for the longest one. Here each
- * (sequence, KV head) pair reads its own blocks straight from the cache, once: scores for the
- * query heads that share the KV head (GQA), a softmax, then the weighted sum of V.
+ * Paged decode attention: the torch path gathers a batch's blocks into one padded buffer and runs
+ * SDPA over it, so the KV bytes cross memory three times and every sequence pays for the longest
+ * one. Here each sequence (or, at small batches, each of its KV heads) reads its own blocks
+ * straight from the cache, once: scores for the query heads that share a KV head (GQA), a
+ * softmax, then the weighted sum of V.
  *
  * Layouts (row-major; strides in elements):
  *   q            [batch, num_heads, head_dim]       q_batch_stride, q_head_stride; last dim dense
@@ -15,6 +17,7 @@
  *
  * Built by cpu_kernels.py with the system C compiler (-O3 -march=native -fopenmp); loaded after
  * torch, so `libgomp.so.1` resolves to the OpenMP runtime torch already runs (one thread pool).
+ * AVX2/FMA code paths where the CPU has them, plain C (vectorised by the compiler) elsewhere.
  */
 
 #include <math.h>
