@@ -200,6 +200,21 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
     }
 }
 
+/* Per-thread scratch that outlives the call (OpenMP's threads persist): long contexts need
+ * megabytes of scores, and a fresh allocation that size would be page-faulted in on every call.
+ * NULL when it cannot grow. */
+static float *scratch(int which, int64_t floats) {
+    static __thread float *buf[2];
+    static __thread int64_t cap[2];
+    if (floats > cap[which]) {
+        float *grown = realloc(buf[which], sizeof(float) * floats);
+        if (grown == NULL) return NULL;
+        buf[which] = grown;
+        cap[which] = floats;
+    }
+    return buf[which];
+}
+
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
 int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, int64_t q_head_stride,
                                        const float *k_cache, const float *v_cache, const int64_t *block_tables,
@@ -219,8 +234,8 @@ int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, i
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * rows * (max_len > 0 ? max_len : 1));
-        float *acc = malloc(sizeof(float) * rows * head_dim);
+        float *scores = scratch(0, rows * (max_len > 0 ? max_len : 1));
+        float *acc = scratch(1, rows * head_dim);
         if (scores == NULL || acc == NULL) failed = 1;
         /* Every thread takes part in the loop (a worksharing construct must be met by all). */
 #pragma omp for schedule(dynamic, 1)
@@ -231,8 +246,6 @@ int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, i
                    seq_lens[b], h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores,
                    acc, out + b * num_heads * head_dim);
         }
-        free(scores);
-        free(acc);
     }
     return failed;
 }
