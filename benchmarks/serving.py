@@ -135,6 +135,9 @@ def main() -> None:
         from pdserve.app import HA_PROXY_ENV
 
         os.environ[HA_PROXY_ENV] = "1"
+        # An ingress replica otherwise drains for 30 s (for outside load balancers) when Serve shuts
+        # down, past serve.shutdown's own wait: the next setup's serve.run then finds a dying controller.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
     report: dict = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
