@@ -106,6 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller counts for a smoke check")
     ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (hops) or part 2 (interference)")
+    ap.add_argument("--rate", type=float, help="part 2's Poisson arrival rate in requests/s (default 1.5)")
     ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
     ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
     ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
@@ -162,7 +163,7 @@ def main() -> None:
         # -- part 2: interference -------------------------------------------------------------
         n = 24 if args.quick else 60
         mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=1)
-        rate = 1.0 if args.quick else 1.5
+        rate = args.rate or (1.0 if args.quick else 1.5)
         slo = {"ttft": 4000.0, "tpot": 150.0}
         report["interference"]["rate"] = rate
         report["interference"]["disaggregated"] = served_runs(
