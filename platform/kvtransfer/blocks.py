@@ -72,7 +72,9 @@ def slab_view(kv: torch.Tensor) -> torch.Tensor:
 
 def block_run(block_ids: list[int]) -> int | None:
     """The first id when the ids are one run of consecutive blocks (a slab's blocks are then one
-    contiguous range of memory, sent or received in place), else None."""
+    contiguous range of memory, sent or received in place), else None (also for no ids)."""
+    if not block_ids:
+        return None
     first = block_ids[0]
     for i, b in enumerate(block_ids):
         if b != first + i:
