@@ -1,5 +1,6 @@
-/* pdserve's fp32 CPU kernels: paged decode attention, and the decoder layer's elementwise work
- * (RMSNorm with the residual add, silu * up, rotary) at the end of the file.
+/* pdserve's fp32 CPU kernels: paged decode attention; the linear layers' matmul over weights packed
+ * in column panels; and the decoder layer's elementwise work (RMSNorm with the residual add,
+ * silu * up, rotary) at the end of the file.
  *
  * Paged decode attention: the torch path gathers a batch's blocks into one padded buffer and runs
  * SDPA over it, so the KV bytes cross memory three times and every sequence pays for the longest
@@ -21,6 +22,7 @@
  */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -327,4 +329,207 @@ void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_di
             }
         }
     }
+}
+
+/* -- Linear layers: y = x W^T + b over W packed in column panels ---------------------------------
+ * oneDNN's and MKL's matmuls are built for large problems; at decode batch sizes (1-64 rows) they
+ * stream these models' weights at 60-75% of what the memory can deliver. The packed layout here
+ * stores W `[N, K]` as panels of 16 output columns, `[ceil(N / 16), K, 16]` (zero-padded), so:
+ * - one row of x (batch-1 decode) reads the weights as one contiguous stream per thread;
+ * - several rows use a 6 x 16 register tile: per k, two weight vectors and six broadcasts of x
+ *   feed twelve FMAs, so from about sixteen rows on the loop runs at the cores' FMA rate, not the
+ *   memory's; a panel (16 x K floats) stays in cache while every row block passes over it.
+ * Threads split the panels; rows are taken in blocks whose x fits in L2 (prefill chunks). */
+
+#define PANEL 16
+
+void pdserve_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t p = 0; p < panels; ++p) {
+        float *dst = packed + p * k * PANEL;
+        for (int64_t j = 0; j < PANEL; ++j) {
+            const int64_t col = p * PANEL + j;
+            for (int64_t i = 0; i < k; ++i) dst[i * PANEL + j] = col < n ? w[col * k + i] : 0.0f;
+        }
+    }
+}
+
+/* Write a 16-column result row: all 16 where the panel is whole, else the first `cols`. */
+static inline void store_row(float *out, const float *vals, int64_t cols, const float *bias) {
+    for (int64_t j = 0; j < cols; ++j) out[j] = vals[j] + (bias != NULL ? bias[j] : 0.0f);
+}
+
+#ifdef HAVE_AVX2
+/* Rows [0, MR) of x (row stride ldx) times one panel -> out rows (stride ldo), `cols` columns. */
+#define LINEAR_TILE(MR)                                                                               \
+    static inline __attribute__((always_inline)) void linear_tile_##MR(                             \
+        const float *x, int64_t ldx, const float *panel, int64_t k, float *out, int64_t ldo,         \
+        int64_t cols, const float *bias) {                                                           \
+        __m256 lo[MR], hi[MR];                                                                       \
+        for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();                           \
+        for (int64_t i = 0; i < k; ++i) {                                                            \
+            const __m256 w0 = _mm256_loadu_ps(panel + i * PANEL), w1 = _mm256_loadu_ps(panel + i * PANEL + 8); \
+            for (int r = 0; r < MR; ++r) {                                                           \
+                const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);                              \
+                lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);                                              \
+                hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);                                              \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < MR; ++r) {                                                               \
+            float vals[PANEL];                                                                       \
+            _mm256_storeu_ps(vals, lo[r]);                                                           \
+            _mm256_storeu_ps(vals + 8, hi[r]);                                                       \
+            store_row(out + r * ldo, vals, cols, bias);                                              \
+        }                                                                                            \
+    }
+LINEAR_TILE(6)
+LINEAR_TILE(4)
+LINEAR_TILE(2)
+LINEAR_TILE(1)
+
+/* One row of x: two k at a time, four independent FMA chains (memory-bound: keep loads in flight). */
+static void linear_row(const float *x, const float *panel, int64_t k, float *out, int64_t cols,
+                       const float *bias) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t i = 0;
+    for (; i + 2 <= k; i += 2) {
+        const __m256 x0 = _mm256_broadcast_ss(x + i), x1 = _mm256_broadcast_ss(x + i + 1);
+        const float *w = panel + i * PANEL;
+        a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w), a0);
+        a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + 8), a1);
+        b0 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + 16), b0);
+        b1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + 24), b1);
+    }
+    if (i < k) {
+        const __m256 x0 = _mm256_broadcast_ss(x + i);
+        a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + i * PANEL), a0);
+        a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + i * PANEL + 8), a1);
+    }
+    float vals[PANEL];
+    _mm256_storeu_ps(vals, _mm256_add_ps(a0, b0));
+    _mm256_storeu_ps(vals + 8, _mm256_add_ps(a1, b1));
+    store_row(out, vals, cols, bias);
+}
+#endif
+
+/* Plain C for CPUs without AVX2/FMA (the compiler vectorises the inner loop). */
+static void linear_rows_portable(const float *x, int64_t rows, int64_t k, const float *panel, float *out,
+                                 int64_t ldo, int64_t cols, const float *bias) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float vals[PANEL] = {0};
+        for (int64_t i = 0; i < k; ++i) {
+            const float xv = x[r * k + i];
+#pragma omp simd
+            for (int j = 0; j < PANEL; ++j) vals[j] += xv * panel[i * PANEL + j];
+        }
+        store_row(out + r * ldo, vals, cols, bias);
+    }
+}
+
+/* out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]), W packed by pdserve_pack_linear_f32. */
+void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                        float *out, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    /* Rows per block: x's block (block * k floats) fits in half of a 512 KiB L2, a multiple of 6. */
+    int64_t block = (128 * 1024) / (k > 0 ? k : 1);
+    block = block < 6 ? 6 : block - block % 6;
+    if (m * n * k < (1 << 16)) num_threads = 1;  /* too small to pay for waking threads */
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < m; m0 += block) {
+            const int64_t m1 = m0 + block < m ? m0 + block : m;
+            for (int64_t p = p0; p < p1; ++p) {
+                const float *panel = packed + p * k * PANEL;
+                const int64_t c = p * PANEL, cols = n - c < PANEL ? n - c : PANEL;
+                const float *b = bias != NULL ? bias + c : NULL;
+                int64_t r = m0;
+#ifdef HAVE_AVX2
+                if (m == 1) {
+                    linear_row(x, panel, k, out + c, cols, b);
+                    continue;
+                }
+                for (; r + 6 <= m1; r += 6) linear_tile_6(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+                for (; r + 4 <= m1; r += 4) linear_tile_4(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+                for (; r + 2 <= m1; r += 2) linear_tile_2(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+                for (; r < m1; ++r) linear_tile_1(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+#endif
+                linear_rows_portable(x + r * k, m1 - r, k, panel, out + r * n + c, n, cols, b);
+            }
+        }
+    }
+}
+
+/* -- A whole decode step's decoder layers in one call ----------------------------------------------
+ * At batch 1 a layer's eleven kernels run for ~1 ms in all, and calling them one by one from
+ * Python (module calls, views, checks, ctypes) cost about as much again. For a dense Llama-family
+ * layer in fp32 with every linear packed for pdserve_linear_f32, a decode-only step (one new token
+ * per sequence) runs every layer here instead: each layer is
+ *   x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
+ *   h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
+ * with the same kernels the Python path calls, so both paths compute the same values. */
+
+typedef struct {
+    const float *input_norm, *post_norm;                  /* [hidden] */
+    const float *qkv, *qkv_bias, *o, *gate_up, *down;     /* packed (pdserve_pack_linear_f32); bias may be NULL */
+    float *k_cache, *v_cache;                             /* [num_blocks, block_size, kv_heads, head_dim], dense */
+} pdserve_decoder_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} pdserve_decoder_shape;
+
+/* Rows [q_size, q_size + kv_size) and the next kv_size of each token's qkv row into its cache slot. */
+static void write_kv(const float *qkv, int64_t tokens, int64_t qkv_size, int64_t q_size, int64_t kv_size,
+                     const int64_t *slots, float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        memcpy(k_cache + slots[t] * kv_size, qkv + t * qkv_size + q_size, sizeof(float) * kv_size);
+        memcpy(v_cache + slots[t] * kv_size, qkv + t * qkv_size + q_size + kv_size, sizeof(float) * kv_size);
+    }
+}
+
+/* h [m, hidden] is the residual stream, updated in place; cos_sin [m, 2, head_dim / 2] the tokens'
+ * rotary rows; slots [m]; block_tables [m, table_width]; seq_lens [m]; work: scratch of
+ * pdserve_decode_work_floats(shape, m) floats. Returns 0, or 1 when attention's scratch could not
+ * be allocated. */
+static int64_t gate_up_floats(const pdserve_decoder_shape *s) {  /* also holds the o projection's output */
+    return 2 * s->intermediate > s->hidden ? 2 * s->intermediate : s->hidden;
+}
+
+int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
+    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
+    return m * (s->hidden + qkv + s->heads * s->head_dim + gate_up_floats(s) + s->intermediate);
+}
+
+int pdserve_decode_layers_f32(const pdserve_decoder_layer *layers, int64_t num_layers, const pdserve_decoder_shape *s,
+                              float *h, int64_t m, const float *cos_sin, const int64_t *slots,
+                              const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, float *work,
+                              int num_threads) {
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    float *x = work, *qkv = x + m * s->hidden, *attn = qkv + m * qkv_size, *gate_up = attn + m * q_size;
+    float *act = gate_up + m * gate_up_floats(s);
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const pdserve_decoder_layer *l = &layers[i];
+        pdserve_rms_norm_f32(h, NULL, l->input_norm, x, m, s->hidden, s->eps, num_threads);
+        pdserve_linear_f32(x, m, s->hidden, l->qkv, qkv_size, l->qkv_bias, qkv, num_threads);
+        pdserve_rotary_f32(qkv, m, s->heads + s->kv_heads, s->head_dim, qkv_size, cos_sin, num_threads);
+        write_kv(qkv, m, qkv_size, q_size, kv_size, slots, l->k_cache, l->v_cache);
+        if (pdserve_paged_decode_attention_f32(qkv, qkv_size, s->head_dim, l->k_cache, l->v_cache, block_tables,
+                                               table_width, seq_lens, attn, m, s->heads, s->kv_heads, s->head_dim,
+                                               s->block_size, s->scale, num_threads))
+            return 1;
+        /* h += attn Wo, then x = norm(h): the o projection lands in `gate_up` (free until the MLP). */
+        pdserve_linear_f32(attn, m, q_size, l->o, s->hidden, NULL, gate_up, num_threads);
+        pdserve_rms_norm_f32(h, gate_up, l->post_norm, x, m, s->hidden, s->eps, num_threads);
+        pdserve_linear_f32(x, m, s->hidden, l->gate_up, 2 * s->intermediate, NULL, gate_up, num_threads);
+        pdserve_silu_mul_f32(gate_up, act, m, s->intermediate, num_threads);
+        pdserve_linear_f32(act, m, s->intermediate, l->down, s->hidden, NULL, x, num_threads);
+#pragma omp simd
+        for (int64_t j = 0; j < m * s->hidden; ++j) h[j] += x[j];
+    }
+    return 0;
 }

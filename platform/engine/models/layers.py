@@ -5,9 +5,11 @@ Each parallel layer owns its shard and loads it itself (`weight_loader(param, fu
 shard_id)` narrows the checkpoint tensor to this rank's part), so tensor parallelism changes
 shapes and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
 Parameters are created empty in the checkpoint's `[out, in]` layout and the loader fills them; then
-`finalize()` packs each weight once for oneDNN's matmul on CPU: at the 8-64-row batches of
-continuous decoding it runs 1.5-2x faster than MKL's `mm` on these shapes, and about as fast for
-one row or thousands (measured per shape; see benchmarks/RESULTS.md).
+`finalize()` packs each weight once for the CPU: for pdserve's C matmul (`cpu_kernels.linear`,
+column panels) in fp32 where the kernels are built, else for oneDNN's matmul. On these shapes the
+C matmul streams a batch-1 decode's weights ~1.4x faster than oneDNN and matches or beats it from
+4 rows to thousands; oneDNN in turn runs 1.5-2x faster than MKL's `mm` at 8-64 rows (measured per
+shape; see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -76,18 +78,26 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 class _Linear(nn.Module):
     """Shared by the parallel linears: the checkpoint's `[out, in]` while loading; after
-    `finalize()`, packed for oneDNN on CPU (see the module docstring), else unchanged."""
+    `finalize()`, packed for the CPU (see the module docstring), else unchanged."""
 
     packed: torch.Tensor | None = None
+    packed_for: str | None = None  # "pdserve" (cpu_kernels.linear) or "onednn"
 
     def finalize(self) -> None:
         self.num_weight_bytes = self.weight.numel() * self.weight.element_size()
-        self.packed = _onednn_pack(self.weight.data)
+        self.out_features = self.weight.shape[0]
+        if cpu_kernels.usable(self.weight):
+            self.packed, self.packed_for = cpu_kernels.pack_linear(self.weight.data), "pdserve"
+        else:
+            self.packed = _onednn_pack(self.weight.data)
+            self.packed_for = "onednn" if self.packed is not None else None
         if self.packed is not None:
             self.weight = None  # the packed copy is the weight now
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed_for == "pdserve":
+            return cpu_kernels.linear(x, self.packed, self.out_features, bias)
+        if self.packed_for == "onednn":
             return _onednn_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import Attention
+from pdserve.engine.attention import Attention, get_forward_context
 from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (LMHead, MergedColumnParallelLinear, QKVParallelLinear,
@@ -66,6 +67,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
                                                        tp_rank=tp.rank, tp_size=tp.size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank=tp.rank, tp_size=tp.size)
+        self.intermediate_size = intermediate_size // tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -103,9 +105,60 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos_sin = self.rotary.table(positions)
-        for layer in self.layers:
-            h = layer(h, cos_sin)
+        if not self._decode_in_one_call(h, cos_sin):
+            for layer in self.layers:
+                h = layer(h, cos_sin)
         return self.norm(h)
+
+    _c_layers: tuple[KVCache, cpu_kernels.DecoderLayers] | None = None
+
+    def _decode_in_one_call(self, h: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+        """A decode-only step of a dense fp32 model on CPU runs every layer in one C call
+        (`cpu_kernels.DecoderLayers`: the same kernels, without Python between them). True if it did."""
+        ctx = get_forward_context()
+        meta = ctx.attn
+        if meta.prefills or meta.num_decode_tokens != h.shape[0] or not self._runs_in_c():
+            return False
+        kv = ctx.kv_cache
+        if not (cpu_kernels.usable(h, kv.kv) and kv.kv.is_contiguous()):
+            return False
+        if self._c_layers is None or self._c_layers[0] is not kv:
+            self._c_layers = (kv, self._layers_for_c(kv))
+        self._c_layers[1].run(h, cos_sin.contiguous(), meta.slot_mapping, meta.decode_block_tables.contiguous(),
+                              meta.decode_seq_lens)
+        return True
+
+    def _runs_in_c(self) -> bool:
+        """Whether every layer is one `DecoderLayers` can run: dense MLP, one rank, fp32 weights
+        packed for pdserve's C matmul (decided once, after `finalize`)."""
+        if not hasattr(self, "_all_layers_in_c"):
+            def plain(layer: DecoderLayer) -> bool:
+                a, mlp = layer.self_attn, layer.mlp
+                linears = [a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
+                return (isinstance(mlp, LlamaMLP) and a.o_proj.tp_size == 1 and a.o_proj.bias is None
+                        and all(lin.packed_for == "pdserve" for lin in linears)
+                        and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+            self._all_layers_in_c = all(plain(layer) for layer in self.layers)
+        return self._all_layers_in_c
+
+    def _layers_for_c(self, kv: KVCache) -> cpu_kernels.DecoderLayers:
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        pointers = []
+        for i, layer in enumerate(self.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = kv.layer(i).unbind(0)
+            pointers.append(cpu_kernels.DecoderLayerPointers(
+                address(layer.input_layernorm.weight), address(layer.post_attention_layernorm.weight),
+                address(a.qkv_proj.packed), address(a.qkv_proj.bias), address(a.o_proj.packed),
+                address(mlp.gate_up_proj.packed), address(mlp.down_proj.packed), address(k_cache), address(v_cache)))
+        first = self.layers[0]
+        attn = first.self_attn.attn
+        shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                                         attn.head_dim, first.mlp.intermediate_size, kv.block_size,
+                                         first.input_layernorm.eps, attn.scale)
+        return cpu_kernels.DecoderLayers(pointers, shape)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.kernels import paged_attention as ref
-from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
+from pdserve.engine.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding
 
 
 def random_case(batch, heads, kv_heads, head_dim, block_size, max_len, num_blocks=64):
@@ -98,6 +98,55 @@ def test_rotary_matches_torch_in_place_on_a_strided_view(tokens, heads, head_dim
     assert torch.equal(qkv[:, heads:], untouched)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 13, 64, 200])  # every register tile and its remainders
+@pytest.mark.parametrize("out_features,in_features", [
+    (48, 32),    # whole panels
+    (37, 19),    # a partial last panel, an odd inner dimension
+    (3, 1),      # narrower than one panel, inner dimension 1
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_torch(rows, out_features, in_features, with_bias):
+    w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    got = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), out_features, bias)
+    torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_at_the_benchmark_model_shapes_threaded():
+    # Big enough that the panels split over threads and the rows over L2-sized blocks.
+    for n, k in [(1024, 512), (512, 1408)]:
+        w = torch.randn(n, k)
+        packed = cpu_kernels.pack_linear(w)
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(cpu_kernels.linear(x, packed, n, None), F.linear(x, w),
+                                       atol=2e-4, rtol=1e-4)
+
+
+def test_linear_takes_a_strided_input_and_keeps_leading_dimensions():
+    w = torch.randn(24, 16)
+    x = torch.randn(3, 5, 32)[..., ::2]  # last dimension strided
+    got = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 24, None)
+    assert got.shape == (3, 5, 24)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert cpu_kernels.linear(torch.randn(0, 16), cpu_kernels.pack_linear(w), 24, None).shape == (0, 24)
+
+
+def test_linear_layer_packs_for_the_kernel_or_for_onednn(monkeypatch):
+    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(7, 24)
+    outputs = {}
+    for switch in ("auto", "torch"):
+        monkeypatch.setenv("PDSERVE_CPU_KERNELS", switch)
+        layer = ColumnParallelLinear(24, 40, bias=True)
+        layer.weight.data.copy_(w)
+        layer.bias.data.copy_(b)
+        layer.finalize()
+        outputs[layer.packed_for] = layer(x)
+    assert set(outputs) == {"pdserve", "onednn"}
+    for got in outputs.values():
+        torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
 def test_layers_take_the_same_values_on_both_paths(monkeypatch):
     """RMSNorm (with the residual add) and rotary through the layer classes, kernels on and off."""
     norm = RMSNorm(64, 1e-6)
@@ -138,3 +187,32 @@ def test_without_a_compiler_attention_falls_back_with_a_warning(monkeypatch, cap
     assert "no C compiler" in caplog.text
     q, k_cache, _, _, _ = random_case(2, 4, 2, 16, 16, 20)
     assert not cpu_kernels.usable(q, k_cache)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # qwen2: qkv bias, tied embeddings
+def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, monkeypatch):
+    """A decode-only step runs every layer in one C call (`DecoderLayers`); the same requests
+    through the Python layers give the same tokens and logprobs. Sequences of different lengths
+    decode together, so attention reads different block tables in one call."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    calls = []
+    run = cpu_kernels.DecoderLayers.run
+    monkeypatch.setattr(cpu_kernels.DecoderLayers, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    prompts = [list(range(5, 5 + n)) for n in (1, 9, 16, 17, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    def generate(in_c: bool):
+        llm = LLM(checkpoints[preset], block_size=4)
+        llm.engine.model.model._all_layers_in_c = in_c
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
+
+    fused = generate(True)
+    assert calls, "no decode step went through the one-call path"
+    calls.clear()
+    layered = generate(False)
+    assert not calls
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, layered):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)
