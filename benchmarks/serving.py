@@ -5,12 +5,16 @@
     python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,colocated --rounds 2
                                             # only the hop cost at concurrency 8, offline and colocated
                                             # alternating twice (side by side, one run)
+    python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3
+                                            # and the Ray hop alone (no gateway, no HTTP) between them
 
 Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (random prompts, fixed output
 length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine streams in this process, no
-HTTP), the colocated app (one Unified replica) and the disaggregated app (Prefill + Decode),
-all through `pdserve bench`'s runner for the served ones. HTTP comes in as `pdserve serve` takes
-it: HAProxy in front of the gateway replica (`--ingress proxy`: Ray Serve's Python proxy).
+HTTP), the colocated app read through the gateway's pool client in this process (`handle`: the
+Ray hop alone, no gateway, no HTTP), the colocated app (one Unified replica) and the
+disaggregated app (Prefill + Decode), all through `pdserve bench`'s runner for the served ones.
+HTTP comes in as `pdserve serve` takes it: HAProxy in front of the gateway replica (`--ingress
+proxy`: Ray Serve's Python proxy).
 
 Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats, some long
 prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
@@ -33,7 +37,7 @@ import socket
 import time
 
 PRESET = "serve-llama-40m"
-SETUPS = ("offline", "colocated", "disaggregated")
+SETUPS = ("offline", "handle", "colocated", "disaggregated")
 
 
 def _free_port() -> int:
@@ -74,6 +78,48 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int) -> dic
         records, duration = asyncio.run(main())
     finally:
         engine.shutdown()
+    return compute_metrics(records, duration)
+
+
+def handle_run(config, requests, concurrency: int) -> dict:
+    """The colocated app read without HTTP or the gateway: the gateway's own pool client
+    (`PoolsClient`) driven from this process, so only the Ray hop to the engine replica is measured."""
+    from ray import serve
+
+    from pdserve.app import build
+    from pdserve.bench.metrics import RequestRecord, compute_metrics
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.gateway.deployment import PoolsClient
+    from pdserve.messages import GenerateRequest
+
+    serve.run(build(config), name=config.name, route_prefix=None)
+    client = PoolsClient(serve.get_deployment_handle("Unified", config.name), {})
+
+    async def one(i, r, records):
+        rec = RequestRecord(send_s=time.perf_counter(), prompt_tokens=len(r.prompt_token_ids))
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+        async for out in client.generate(GenerateRequest(f"h{i}-{time.monotonic_ns()}", r.prompt_token_ids, params)):
+            rec.chunk_times_s.append(time.perf_counter())
+            rec.output_tokens += len(out.new_token_ids)
+        rec.end_s = time.perf_counter()
+        records.append(rec)
+
+    async def main():
+        await one(0, requests[0], [])  # warm-up
+        sem, records = asyncio.Semaphore(concurrency), []
+
+        async def limited(i, r):
+            async with sem:
+                await one(i, r, records)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(limited(i, r) for i, r in enumerate(requests)))
+        return records, time.perf_counter() - start
+
+    try:
+        records, duration = asyncio.run(main())
+    finally:
+        serve.shutdown()
     return compute_metrics(records, duration)
 
 
@@ -152,6 +198,7 @@ def main() -> None:
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
         runs = {"offline": lambda: {c: offline_run(model, reqs, c, 2) for c, reqs in requests_by_c.items()},
+                "handle": lambda: {c: handle_run(colocated, reqs, c) for c, reqs in requests_by_c.items()},
                 "colocated": lambda: served_runs(colocated, requests_by_c, builder),
                 "disaggregated": lambda: served_runs(disagg, requests_by_c, builder)}
         for r in range(args.rounds if args.part != 2 else 0):
@@ -184,7 +231,8 @@ def _print(report: dict) -> None:
                   f"| {m['output_throughput']:.1f} |")
     hops = report["hops"]
     for setup, by_c in hops.items():  # each served run over the offline run of its round
-        offline = hops.get(setup.replace("colocated", "offline").replace("disaggregated", "offline"))
+        offline = hops.get(setup.replace("colocated", "offline").replace("disaggregated", "offline")
+                           .replace("handle", "offline"))
         if offline is None or offline is by_c:
             continue
         for c in by_c:
