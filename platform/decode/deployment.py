@@ -1,11 +1,18 @@
-"""The `Decode` Ray Serve deployment (also the colocated `Unified` pool, with no prefill pool)."""
+"""The `Decode` Ray Serve deployment (also the colocated `Unified` pool, with no prefill pool).
+
+`generate(req, reply_to)` is called once per sequence through the pool's request router and stays
+open until the sequence ends; its outputs go over the gateway's output connection when it has
+one to this replica (pdserve.output_channel), else on the call itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from pathlib import Path
 from typing import AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -14,6 +21,7 @@ from pdserve.decode.server import DecodeServer
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer import BACKENDS, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.output_channel import ChannelDone, ChannelOffer, OutputChannelServer
 from pdserve.rank_workers import RankWorkers
 from pdserve.replica import EngineReplica
 from pdserve.router.request_router import start_kv_events
@@ -47,11 +55,39 @@ class Decode(EngineReplica):
                                    cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method,
                                    self.ranks and self.ranks.pull, self.metrics.pull)
         self.kv_events = start_kv_events(cfg, self.server.engine)
+        self.outputs = OutputChannelServer(ray.util.get_node_ip_address(), self._abort)
         self._start_reporting(cfg)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self.server.generate(req):
-            yield out
+    async def generate(self, req: GenerateRequest,
+                       reply_to: str | None = None) -> AsyncIterator[RequestOutput | ChannelOffer | ChannelDone]:
+        """The sequence's outputs; `reply_to` (a gateway id): over that gateway's output connection
+        when it has one here, then one `ChannelDone`; otherwise here, after a `ChannelOffer`."""
+        sink = self.outputs.sink(reply_to)
+        if sink is None:
+            if reply_to is not None:
+                yield await self.outputs.offer()
+            async with aclosing(self.server.generate(req)) as outs:
+                async for out in outs:
+                    yield out
+            return
+        num_outputs = 0
+        sink.request_ids.add(req.request_id)
+        try:
+            async with aclosing(self.server.generate(req)) as outs:
+                async for out in outs:
+                    sink.send(req.request_id, out)
+                    num_outputs += 1
+        finally:
+            sink.request_ids.discard(req.request_id)
+        yield ChannelDone(sink.conn_id, num_outputs)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "num_output_connections": self.outputs.num_connections}
+
+    def _abort(self, request_ids) -> None:
+        """Requests whose gateway connection closed: end them (frees their KV)."""
+        for request_id in request_ids:
+            self.server.engine.abort(request_id)
 
     def __del__(self):
         self._shutdown()

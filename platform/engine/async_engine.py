@@ -126,10 +126,15 @@ class AsyncLLMEngine:
                 with self._lock:
                     outputs = self.engine.step()
                     targets = [(self._streams.get(o.request_id), o) for o in outputs]
+                # One hand-off per event loop and step: its streams wake in the same loop turn, so
+                # what they pass on (a replica's output connection) leaves as one message.
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for stream, out in targets:
                     if stream is not None:
                         loop, queue = stream
-                        loop.call_soon_threadsafe(queue.put_nowait, out)
+                        by_loop.setdefault(loop, []).append((queue, out))
+                for loop, items in by_loop.items():
+                    loop.call_soon_threadsafe(_deliver, items)
         except BaseException as e:  # noqa: BLE001 - any failure kills the replica's engine
             log.exception("engine loop died")
             self._error = e
@@ -145,3 +150,8 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, error)
             except RuntimeError:  # that caller's event loop is already closed
                 pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)

@@ -21,6 +21,7 @@ from pdserve.errors import OverloadedError
 from pdserve.gateway.grpc_service import GrpcGeneration
 from pdserve.gateway.openai_service import OpenAIService, UnavailableError
 from pdserve.messages import GenerateRequest
+from pdserve.output_channel import END, ChannelDone, ChannelOffer, OutputChannelError, OutputChannels, Pending
 from pdserve.telemetry.metrics import GatewayMetrics
 from pdserve.telemetry.tracing import setup_tracing
 
@@ -29,24 +30,41 @@ api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve d
 
 
 class PoolsClient:
-    """Sends each sequence to the decode (or unified) pool and streams its outputs back."""
+    """Sends each sequence to the decode (or unified) pool and streams its outputs back: from the
+    replica's output connection to this process when there is one (pdserve.output_channel: one
+    frame per engine step for all of this gateway's sequences there), else from the call itself.
+    The call goes through the pool's handle either way (its router picks the replica), and stays
+    open until the sequence ends; cancelling it aborts the sequence on the replica."""
 
     def __init__(self, decode: DeploymentHandle, pools: dict[str, DeploymentHandle]):
         self.decode = decode.options(stream=True)
         self.pools = pools
+        self.channels = OutputChannels()
+        self._tails: set[asyncio.Task] = set()  # calls whose outputs are all in, until their end arrives
 
     async def generate(self, req: GenerateRequest, attempts: int = 2) -> AsyncIterator[RequestOutput]:
         """A replica that dies before the first token is retried on another (once, by default);
         after the first token the error ends this request only."""
         for attempt in range(attempts):
-            streamed = False
-            stream = self.decode.generate.remote(req)
+            pending = self.channels.register(req.request_id)
+            stream = self.decode.generate.remote(req, self.channels.gateway_id)
+            reader = asyncio.ensure_future(self._read(stream, pending))
+            streamed = finished = False
             try:
-                async for out in stream:
+                while True:
+                    item = await pending.queue.get()
+                    if item is END:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
                     streamed = True
-                    yield out
-                return
+                    finished = item.finished
+                    yield item
+                    if finished:
+                        return
             except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, OutputChannelError):  # the replica lost our output connection
+                    raise UnavailableError(str(e.cause)) from None
                 raise e.cause if isinstance(e.cause, Exception) else e from None
             except BackPressureError as e:
                 raise OverloadedError(f"the decode pool's queue is full ({e})") from None
@@ -54,11 +72,37 @@ class PoolsClient:
                 if streamed or attempt + 1 == attempts:
                     raise UnavailableError(f"a decode replica went away mid-request ({type(e).__name__})") from None
                 log.warning("decode replica failed before %s streamed (%r); retrying", req.request_id, e)
+            except OutputChannelError as e:
+                raise UnavailableError(str(e)) from None
             finally:
-                try:
-                    stream.cancel()  # no-op once finished; frees both pools when the client left
-                except Exception:  # noqa: BLE001 - a call that never reached a replica re-raises its error here
-                    pass
+                self.channels.unregister(pending)
+                if finished and not reader.done():  # the call's own end is still on its way
+                    self._tails.add(reader)
+                    reader.add_done_callback(self._tails.discard)
+                else:
+                    reader.cancel()
+                    try:
+                        stream.cancel()  # no-op once finished; frees both pools when the client left
+                    except Exception:  # noqa: BLE001 - a call that never reached a replica re-raises its error here
+                        pass
+
+    async def _read(self, stream, pending: Pending) -> None:
+        """The call's items into `pending`: outputs (no connection yet), an offer to connect, or
+        the count of outputs sent over the connection; its error, if it fails."""
+        is_direct = True
+        try:
+            async for item in stream:
+                if isinstance(item, ChannelDone):
+                    is_direct = False
+                    self.channels.done(pending, item)
+                elif isinstance(item, ChannelOffer):
+                    self.channels.offer(item)
+                else:
+                    pending.queue.put_nowait(item)
+            if is_direct:
+                pending.queue.put_nowait(END)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            pending.fail(e)
 
     async def health(self) -> dict[str, bool]:
         names = list(self.pools)

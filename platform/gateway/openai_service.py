@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import AsyncIterator, Callable, Protocol
@@ -39,7 +40,9 @@ log = logging.getLogger(__name__)
 class GenerateClient(Protocol):
     """What the gateway needs from the pools."""
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """An async generator of the sequence's outputs, ending after the finished one; closing it
+        early aborts the sequence."""
 
     async def health(self) -> dict[str, bool]: ...
 
@@ -213,6 +216,13 @@ class OpenAIService:
     async def _merged(self, rec: RequestRecord,
                       reqs: list[tuple[int, GenerateRequest]]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """All choices' outputs as they come; leaving early cancels every leg."""
+        if len(reqs) == 1:  # nothing to merge: no task and queue hop per token
+            [(index, req)] = reqs
+            async with aclosing(self.client.generate(req)) as outs:
+                async for out in outs:
+                    rec.output(index, len(out.new_token_ids))
+                    yield index, out
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, req: GenerateRequest):

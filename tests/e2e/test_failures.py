@@ -1,6 +1,7 @@
 """Failures a client sees over HTTP: a full queue answers 503 with Retry-After (and the server
 keeps serving), and a decode replica killed mid-stream ends that stream with an in-stream error
-and [DONE] (no hang), after which Ray Serve's replacement serves again."""
+and [DONE] (no hang), whether its outputs came on the call or over the replica's output
+connection, after which Ray Serve's replacement serves again."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 
 from pdserve.config import ServeConfig
@@ -51,13 +53,14 @@ def test_a_full_queue_answers_503_with_retry_after(serve_apps, tiny_llama):
         serve.delete(name)
 
 
-def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, tiny_llama):
+@pytest.mark.parametrize("connected", [False, True], ids=["outputs-on-the-call", "outputs-over-the-connection"])
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, tiny_llama, connected):
     import ray
     from ray import serve
 
     from pdserve.telemetry.status import read_replica_lines
 
-    name = "fragile"
+    name = "fragile-connected" if connected else "fragile"
     deploy(name, tiny_llama, {})
     base = f"{serve_apps['base']}/{name}"
     try:
@@ -67,6 +70,13 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, t
             time.sleep(0.2)
         [line] = read_replica_lines(name)
         victim = ray.get_actor(f"SERVE_REPLICA::{name}#Unified#{line['replica']}", namespace="serve")
+        if connected:  # a first request makes the gateway connect to the replica for outputs
+            assert requests.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                 timeout=60).status_code == 200
+            handle = serve.get_deployment_handle("Unified", name)
+            while handle.stats.remote().result(timeout_s=30)["num_output_connections"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
         events = []
         with requests.post(f"{base}/v1/completions", json={"prompt": "doomed", "stream": True, **LONG},
                            stream=True, timeout=120) as r:
@@ -83,6 +93,8 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, t
         assert error["type"] == "service_unavailable", error
         tokens = sum(1 for e in events[:-2] if "choices" in json.loads(e))
         assert 3 <= tokens < LONG["max_tokens"]
+        if connected:
+            return  # the replacement is checked once, below
         deadline = time.monotonic() + 90  # Serve starts a replacement; then requests succeed again
         while True:
             try:
