@@ -52,6 +52,7 @@ VERSION = 1
 _LEN = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
 RETRY_CONNECT_S = 30.0  # an address the gateway could not reach is tried again after this long
+CONNECT_TIMEOUT_S = 10.0  # meanwhile that replica's outputs keep coming on the calls themselves
 
 
 class OutputChannelError(Exception):
@@ -295,7 +296,7 @@ class OutputChannels:
         writer = None
         error: BaseException = OutputChannelError(f"the output connection to {conn.address} closed")
         try:
-            reader, writer = await asyncio.open_connection(*conn.address)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*conn.address), CONNECT_TIMEOUT_S)
             writer.write(_frame({"v": VERSION, "gateway": self.gateway_id, "conn": conn.conn_id}))
             while True:
                 version, batch = await _read_frame(reader)
@@ -311,7 +312,7 @@ class OutputChannels:
                     p.deliver(decode_output(request_id, out))
         except asyncio.IncompleteReadError:
             pass
-        except (OSError, OutputChannelError, ValueError) as e:
+        except (OSError, OutputChannelError, ValueError, asyncio.TimeoutError) as e:
             log.warning("output connection to %s failed: %r", conn.address, e)
             error = OutputChannelError(f"the output connection to {conn.address} failed: {e!r}")
             self._failed_at[conn.address] = time.monotonic()

@@ -4,6 +4,7 @@ sent in one loop turn leaves as one frame, and a connection that closes on eithe
 aborts exactly the requests it carried."""
 
 import asyncio
+import socket
 
 import pytest
 
@@ -128,5 +129,23 @@ def test_a_replica_that_goes_fails_only_the_requests_waiting_on_it():
         assert isinstance(await late.queue.get(), OutputChannelError)
         channels.close()
         other.close()
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_replica_is_not_retried_at_once():
+    from pdserve.output_channel import ChannelOffer
+
+    async def main():
+        channels = OutputChannels()
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        channels.offer(ChannelOffer("127.0.0.1", port))
+        assert channels.num_connections == 1  # connecting
+        while channels.num_connections:
+            await asyncio.sleep(0.01)
+        channels.offer(ChannelOffer("127.0.0.1", port))  # refused a moment ago: requests stay on their calls
+        assert channels.num_connections == 0
 
     asyncio.run(main())
