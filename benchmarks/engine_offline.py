@@ -33,56 +33,70 @@ def _peak_rss_mib() -> float:
 
 # -- phases (each runs in a child process) -------------------------------------------------------
 
+def _gemv_forms(k: int, nbytes: int) -> dict[str, callable]:
+    """One fp32 GEMV over `nbytes` of weights with inner dimension k, in each formulation this
+    machine has: `x @ W^T`, `x @ W`, oneDNN's packed matmul, pdserve's packed matmul."""
+    from pdserve.engine.kernels import cpu_kernels
+
+    w = torch.randn(nbytes // 4 // k, k)
+    x = torch.randn(1, k)
+    forms = {"x@W^T": lambda: torch.nn.functional.linear(x, w)}
+    wt = w.t().contiguous()
+    forms["x@W"] = lambda: torch.mm(x, wt)
+    if torch.backends.mkldnn.is_available():
+        onednn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        forms["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+    if cpu_kernels.usable(w):
+        panels = cpu_kernels.pack_linear(w)
+        forms["pdserve"] = lambda: cpu_kernels.linear(x, panels, w.shape[0], None)
+    return forms
+
+
+def _gemv_rate(f, nbytes: int, repeats: int) -> float:
+    """Bytes per second of f() (a GEMV over nbytes), median over `repeats` calls after warm-up."""
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
 def phase_roofline(args) -> dict:
     """One large fp32 GEMV over as many bytes as a decode step reads, as fast as this machine does
-    it: the best over three inner dimensions and four formulations (`x @ W^T`, `x @ W`, oneDNN's
-    packed matmul, and pdserve's own packed matmul, `cpu_kernels.linear`). A conservative ceiling:
-    the decode step runs many smaller GEMVs."""
-    from pdserve.engine.kernels import cpu_kernels
+    it: the best over three inner dimensions and every formulation of `_gemv_forms`. A conservative
+    ceiling: the decode step runs many smaller GEMVs."""
     from pdserve.engine.models.loader import load_model
 
     model, _ = load_model(args.model)
     nbytes = model.num_decode_weight_bytes()
     del model
-    best, best_form, rates = 0.0, "", {}
+    rates = {}
     for k in (512, 1408, 4096):
-        w = torch.randn(nbytes // 4 // k, k)
-        x = torch.randn(1, k)
-        forms = {"x@W^T": (lambda w=w, x=x: torch.nn.functional.linear(x, w))}
-        wt = w.t().contiguous()
-        forms["x@W"] = lambda wt=wt, x=x: torch.mm(x, wt)
-        if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            forms["onednn"] = lambda p=packed, x=x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-        if cpu_kernels.usable(w):
-            panels, n = cpu_kernels.pack_linear(w), w.shape[0]
-            forms["pdserve"] = lambda p=panels, x=x, n=n: cpu_kernels.linear(x, p, n, None)
-        for form, f in forms.items():
-            for _ in range(3):
-                f()
-            times = []
-            for _ in range(args.repeats * 5):
-                t = time.perf_counter()
-                f()
-                times.append(time.perf_counter() - t)
-            rate = nbytes / statistics.median(times)
-            rates[f"{form}, K={k}"] = round(rate / 1e9, 2)
-            if rate > best:
-                best, best_form = rate, f"{form}, K={k}"
-        del w, wt, forms
-        packed = panels = None  # noqa: F841 (frees this size's copies before the next)
-    return {"gemv_bytes": nbytes, "gemv_gb_s": best / 1e9, "gemv_form": best_form, "gemv_gb_s_by_form": rates,
-            "peak_rss_mib": _peak_rss_mib()}
+        for form, f in _gemv_forms(k, nbytes).items():
+            rates[f"{form}, K={k}"] = _gemv_rate(f, nbytes, args.repeats * 5) / 1e9
+    best_form = max(rates, key=rates.get)
+    return {"gemv_bytes": nbytes, "gemv_gb_s": rates[best_form], "gemv_form": best_form,
+            "gemv_gb_s_by_form": {f: round(r, 2) for f, r in rates.items()}, "peak_rss_mib": _peak_rss_mib()}
 
 
 def phase_ours_decode(args) -> dict:
+    """Batch-1 decode; with --roofline-form, that GEMV is timed right after each repeat, so each
+    repeat has its own roofline (this machine's memory bandwidth drifts by tens of percent within
+    minutes, so a roofline measured in another phase is a poor yardstick)."""
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, num_kv_blocks=256)
     engine = llm.engine
     nbytes = engine.model.num_decode_weight_bytes()
-    rates = []
+    gemv = None
+    if args.roofline_form:
+        form, k = args.roofline_form.split(", K=")
+        gemv = _gemv_forms(int(k), nbytes).get(form)
+    rates, ratios = [], []
     for i in range(args.repeats + 1):  # the first run warms up
         engine.add_request(f"d{i}", list(range(100, 116)), SamplingParams(max_tokens=args.decode_tokens + 1,
                                                                           temperature=0, ignore_eos=True))
@@ -91,11 +105,15 @@ def phase_ours_decode(args) -> dict:
         n = 0
         while engine.has_unfinished_requests():
             n += len(engine.step())
+        rate = n / (time.perf_counter() - t)
         if i:
-            rates.append(n / (time.perf_counter() - t))
+            rates.append(rate)
+            if gemv is not None:
+                ratios.append(rate * nbytes / _gemv_rate(gemv, nbytes, 15))
     tok_s = statistics.median(rates)
     return {"decode_tok_s": tok_s, "step_ms": 1e3 / tok_s, "weight_bytes": nbytes,
-            "implied_gb_s": nbytes * tok_s / 1e9, "peak_rss_mib": _peak_rss_mib()}
+            "implied_gb_s": nbytes * tok_s / 1e9, "paired_roofline_ratios": ratios,
+            "paired_roofline_ratio": statistics.median(ratios) if ratios else None, "peak_rss_mib": _peak_rss_mib()}
 
 
 def phase_hf_decode(args) -> dict:
@@ -203,6 +221,7 @@ def main() -> None:
     ap.add_argument("--min-out", type=int, default=16)
     ap.add_argument("--max-out", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--roofline-form", help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="64,16", help="static batch sizes tried for transformers")
     args = ap.parse_args()
 
@@ -219,7 +238,7 @@ def main() -> None:
             "--min-out", str(args.min_out), "--max-out", str(args.max_out)]
 
     roof = _run_child("roofline", argv)
-    ours_dec = _run_child("ours_decode", argv)
+    ours_dec = _run_child("ours_decode", argv, ["--roofline-form", roof["gemv_form"]])
     # The same engine without its C kernels (oneDNN matmuls, torch attention, layer by layer).
     torch_path = {"PDSERVE_CPU_KERNELS": "torch"}
     ours_dec_torch = _run_child("ours_decode", argv, env=torch_path)
@@ -236,6 +255,10 @@ def main() -> None:
          f"({roof['gemv_bytes'] / 1e6:.0f} MB/step)"),
         ("pdserve batch-1 decode", f"{ours_dec['decode_tok_s']:.1f} tok/s, {ours_dec['implied_gb_s']:.2f} GB/s "
                                    f"= {ours_dec['implied_gb_s'] / roof['gemv_gb_s']:.0%} of roofline"),
+        ("pdserve batch-1 decode against the roofline GEMV timed right after each repeat (median)",
+         "no pairing" if ours_dec["paired_roofline_ratio"] is None else
+         f"{ours_dec['paired_roofline_ratio']:.0%} (repeats: "
+         f"{', '.join(f'{r:.0%}' for r in ours_dec['paired_roofline_ratios'])})"),
         ("pdserve batch-1 decode without its C kernels (`PDSERVE_CPU_KERNELS=torch`)",
          f"{ours_dec_torch['decode_tok_s']:.1f} tok/s = {ours_dec_torch['implied_gb_s'] / roof['gemv_gb_s']:.0%} "
          f"of roofline"),

@@ -21,11 +21,13 @@
  * AVX2/FMA code paths where the CPU has them, plain C (vectorised by the compiler) elsewhere.
  */
 
+#define _DEFAULT_SOURCE /* madvise */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
@@ -343,8 +345,24 @@ void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_di
 
 #define PANEL 16
 
+/* Ask the kernel for 2 MiB pages under `bytes` at p (the whole 2 MiB pages inside it), before
+ * anything touches them. With 4 KiB pages a GEMV takes a TLB miss every 4 KiB and the hardware
+ * prefetcher restarts at each page boundary; this machine class has transparent huge pages only
+ * on request ("madvise"). Best effort: where the kernel says no, nothing changes. */
+static void want_huge_pages(void *p, int64_t bytes) {
+#ifdef MADV_HUGEPAGE
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    const uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
 void pdserve_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
+    want_huge_pages(packed, sizeof(float) * panels * PANEL * k);
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t p = 0; p < panels; ++p) {
         float *dst = packed + p * k * PANEL;
@@ -477,8 +495,8 @@ void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packe
 }
 
 /* -- A whole decode step's decoder layers in one call ----------------------------------------------
- * At batch 1 a layer's eleven kernels run for ~1 ms in all, and calling them one by one from
- * Python (module calls, views, checks, ctypes) cost about as much again. For a dense Llama-family
+ * Called one by one from Python, a layer's eleven kernels pay for module calls, views, checks and
+ * ctypes between them: ~3 ms of a ~12 ms batch-1 step on the benchmark model. For a dense Llama-family
  * layer in fp32 with every linear packed for pdserve_linear_f32, a decode-only step (one new token
  * per sequence) runs every layer here instead: each layer is
  *   x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
@@ -505,10 +523,6 @@ static void write_kv(const float *qkv, int64_t tokens, int64_t qkv_size, int64_t
     }
 }
 
-/* h [m, hidden] is the residual stream, updated in place; cos_sin [m, 2, head_dim / 2] the tokens'
- * rotary rows; slots [m]; block_tables [m, table_width]; seq_lens [m]; work: scratch of
- * pdserve_decode_work_floats(shape, m) floats. Returns 0, or 1 when attention's scratch could not
- * be allocated. */
 static int64_t gate_up_floats(const pdserve_decoder_shape *s) {  /* also holds the o projection's output */
     return 2 * s->intermediate > s->hidden ? 2 * s->intermediate : s->hidden;
 }
@@ -518,6 +532,10 @@ int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
     return m * (s->hidden + qkv + s->heads * s->head_dim + gate_up_floats(s) + s->intermediate);
 }
 
+/* h [m, hidden] is the residual stream, updated in place; cos_sin [m, 2, head_dim / 2] the tokens'
+ * rotary rows; slots [m]; block_tables [m, table_width]; seq_lens [m]; work: scratch of
+ * pdserve_decode_work_floats(shape, m) floats. Returns 0, or 1 when attention's scratch could not
+ * be allocated. */
 int pdserve_decode_layers_f32(const pdserve_decoder_layer *layers, int64_t num_layers, const pdserve_decoder_shape *s,
                               float *h, int64_t m, const float *cos_sin, const int64_t *slots,
                               const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, float *work,
