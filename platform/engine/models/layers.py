@@ -6,10 +6,10 @@ shard_id)` narrows the checkpoint tensor to this rank's part), so tensor paralle
 shapes and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
 Parameters are created empty in the checkpoint's `[out, in]` layout and the loader fills them; then
 `finalize()` packs each weight once for the CPU: for pdserve's C matmul (`cpu_kernels.linear`,
-column panels) in fp32 where the kernels are built, else for oneDNN's matmul. On these shapes the
-C matmul streams a batch-1 decode's weights ~1.4x faster than oneDNN and matches or beats it from
-4 rows to thousands; oneDNN in turn runs 1.5-2x faster than MKL's `mm` at 8-64 rows (measured per
-shape; see benchmarks/RESULTS.md).
+column panels) in fp32 where the kernels are built, else for oneDNN's matmul. On the benchmark
+model's shapes the C matmul runs a decode step's matrices 1.1-1.75x faster than oneDNN at 1-64
+rows and within ~5% of it at 256-2048 (prefill); oneDNN in turn beats MKL's `mm` on the plain
+weight by 1.5x at 1-64 rows (benchmarks/cpu_linear.py; figures in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
