@@ -26,7 +26,8 @@ from pdserve.engine.kernels import cpu_kernels
 SHAPES = [((1024, 512), 8), ((512, 512), 8), ((2816, 512), 8), ((512, 1408), 8), ((32000, 512), 1)]
 
 
-def _median_s(f, repeats: int) -> float:
+def median_seconds(f, repeats: int) -> float:
+    """Median wall time of f() over `repeats` calls, after two warm-up calls."""
     for _ in range(2):
         f()
     times = []
@@ -57,10 +58,10 @@ def measure(rows: int, repeats: int) -> dict:
             return call
 
         times = {
-            "pdserve": _median_s(cycling(lambda p: cpu_kernels.linear(x, p, n, None), packed), repeats),
-            "onednn": _median_s(cycling(lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+            "pdserve": median_seconds(cycling(lambda p: cpu_kernels.linear(x, p, n, None), packed), repeats),
+            "onednn": median_seconds(cycling(lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
                                         onednn), repeats),
-            "mkl": _median_s(cycling(lambda w: F.linear(x, w), ws), repeats),
+            "mkl": median_seconds(cycling(lambda w: F.linear(x, w), ws), repeats),
         }
         for name, t in times.items():
             step[name] += t * count

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from cpu_linear import median_seconds  # this folder's scripts run with it on sys.path
+
 PRESET = "bench-llama-56m"
 
 
@@ -54,14 +56,7 @@ def _gemv_forms(k: int, nbytes: int) -> dict[str, callable]:
 
 def _gemv_rate(f, nbytes: int, repeats: int) -> float:
     """Bytes per second of f() (a GEMV over nbytes), median over `repeats` calls after warm-up."""
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+    return nbytes / median_seconds(f, repeats)
 
 
 def phase_roofline(args) -> dict:

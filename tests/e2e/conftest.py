@@ -24,6 +24,21 @@ REMOTE_PREFILL_MIN_TOKENS = 24
 API_KEY = "sk-pdserve-test"
 
 
+def wait_until_serving(base: str, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    """Poll a small completion at `base` until it succeeds (after a replica was killed, Serve starts
+    a replacement); fail with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if requests.post(f"{base}/v1/completions", json={"prompt": "again", "max_tokens": 2},
+                             timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, what
+        time.sleep(poll_s)
+
+
 class App:
     def __init__(self, name: str, base: str, model: str, api_key: str, pools: list[str]):
         self.name, self.base, self.model, self.api_key, self.pools = name, base, model, api_key, pools

@@ -14,7 +14,7 @@ import requests
 
 from pdserve.config import ServeConfig
 
-from .conftest import ENGINE
+from .conftest import ENGINE, wait_until_serving
 
 LONG = {"max_tokens": 200, "ignore_eos": True}
 
@@ -95,15 +95,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, t
         assert 3 <= tokens < LONG["max_tokens"]
         if connected:
             return  # the replacement is checked once, below
-        deadline = time.monotonic() + 90  # Serve starts a replacement; then requests succeed again
-        while True:
-            try:
-                if requests.post(f"{base}/v1/completions", json={"prompt": "again", "max_tokens": 2},
-                                 timeout=30).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "no replica served after the kill"
-            time.sleep(1)
+        # Serve starts a replacement; then requests succeed again.
+        wait_until_serving(base, 90, "no replica served after the kill", poll_s=1)
     finally:
         serve.delete(name)

@@ -17,7 +17,7 @@ from pdserve.config import ServeConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
-from .conftest import ENGINE, App
+from .conftest import ENGINE, App, wait_until_serving
 
 PROMPT = ("In a distant land, the old lighthouse keeper wrote letters to the sea every evening, "
           "and the sea, patient as ever, answered with the tide")  # long enough for remote prefill
@@ -130,16 +130,8 @@ def test_a_gateway_replica_killed_mid_stream_leaks_nothing(serve_apps, tiny_llam
                 s.result()  # each ends one way or another: cut off, or an error
         stats = app.wait_for_idle(40)["Unified"]
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_unfinished_requests"] == 0, stats
-        deadline = time.monotonic() + 60  # Serve replaces the gateway replica; it serves again
-        while True:
-            try:
-                if requests.post(f"{app.base}/v1/completions", json={"prompt": "again", "max_tokens": 2},
-                                 timeout=30).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "no gateway replica served after the kill"
-            time.sleep(0.5)
+        # Serve replaces the gateway replica; it serves again.
+        wait_until_serving(app.base, 60, "no gateway replica served after the kill")
         assert app.stats("Unified")["num_output_connections"] <= 1  # the dead gateway's connection is gone
     finally:
         serve.delete(name)
