@@ -46,36 +46,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, float]:
+    """Every request's output stream, at most `concurrency` at once, recorded for the metrics;
+    `await open_stream(i, request, params)` gives request i's async iterator of outputs.
+    Returns (records, elapsed seconds)."""
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.engine.sampling_params import SamplingParams
+
+    sem, records = asyncio.Semaphore(concurrency), []
+
+    async def one(i, r):
+        async with sem:
+            rec = RequestRecord(send_s=time.perf_counter(), prompt_tokens=len(r.prompt_token_ids))
+            params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+            async for out in await open_stream(i, r, params):
+                rec.chunk_times_s.append(time.perf_counter())
+                rec.output_tokens += len(out.new_token_ids)
+            rec.end_s = time.perf_counter()
+            records.append(rec)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return records, time.perf_counter() - start
+
+
 def offline_run(model: str, requests, concurrency: int, num_threads: int) -> dict:
     """The baseline: the same requests as engine streams in this process."""
-    from pdserve.bench.metrics import RequestRecord, compute_metrics
+    from pdserve.bench.metrics import compute_metrics
     from pdserve.config import EngineConfig
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads)))
 
-    async def main():
-        sem = asyncio.Semaphore(concurrency)
-        records = []
-
-        async def one(i, r):
-            async with sem:
-                rec = RequestRecord(send_s=time.perf_counter(), prompt_tokens=len(r.prompt_token_ids))
-                params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
-                async for out in await engine.generate(f"b{i}", r.prompt_token_ids, params):
-                    rec.chunk_times_s.append(time.perf_counter())
-                    rec.output_tokens += len(out.new_token_ids)
-                rec.end_s = time.perf_counter()
-                records.append(rec)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-        return records, time.perf_counter() - start
+    async def open_stream(i, r, params):
+        return await engine.generate(f"b{i}", r.prompt_token_ids, params)
 
     try:
-        records, duration = asyncio.run(main())
+        records, duration = asyncio.run(_stream_all(requests, concurrency, open_stream))
     finally:
         engine.shutdown()
     return compute_metrics(records, duration)
@@ -87,34 +95,19 @@ def handle_run(config, requests, concurrency: int) -> dict:
     from ray import serve
 
     from pdserve.app import build
-    from pdserve.bench.metrics import RequestRecord, compute_metrics
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.bench.metrics import compute_metrics
     from pdserve.gateway.deployment import PoolsClient
     from pdserve.messages import GenerateRequest
 
     serve.run(build(config), name=config.name, route_prefix=None)
     client = PoolsClient(serve.get_deployment_handle("Unified", config.name), {})
 
-    async def one(i, r, records):
-        rec = RequestRecord(send_s=time.perf_counter(), prompt_tokens=len(r.prompt_token_ids))
-        params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
-        async for out in client.generate(GenerateRequest(f"h{i}-{time.monotonic_ns()}", r.prompt_token_ids, params)):
-            rec.chunk_times_s.append(time.perf_counter())
-            rec.output_tokens += len(out.new_token_ids)
-        rec.end_s = time.perf_counter()
-        records.append(rec)
+    async def open_stream(i, r, params):
+        return client.generate(GenerateRequest(f"h{i}-{time.monotonic_ns()}", r.prompt_token_ids, params))
 
     async def main():
-        await one(0, requests[0], [])  # warm-up
-        sem, records = asyncio.Semaphore(concurrency), []
-
-        async def limited(i, r):
-            async with sem:
-                await one(i, r, records)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(limited(i, r) for i, r in enumerate(requests)))
-        return records, time.perf_counter() - start
+        await _stream_all(requests[:1], 1, open_stream)  # warm-up
+        return await _stream_all(requests, concurrency, open_stream)
 
     try:
         records, duration = asyncio.run(main())
