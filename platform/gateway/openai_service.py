@@ -31,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
 from pdserve.messages import GenerateRequest
 from pdserve.telemetry.requests import RequestRecord
 
@@ -256,20 +257,21 @@ class OpenAIService:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices[::n])}}
 
-    def _sse(self, rec: RequestRecord, chunks: AsyncIterator[dict], usage: Callable[[], dict]) -> StreamingResponse:
+    def _sse(self, rec: RequestRecord, events: AsyncIterator[bytes], usage: Callable[[], dict]) -> StreamingResponse:
+        """`events`: the stream's SSE events, serialized (pdserve.gateway.sse)."""
         async def body():
             try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                async for event in events:
+                    yield event
             except Exception as e:  # noqa: BLE001 - after the first byte, errors go in-stream
                 rec.finish(outcome_of(e), e)
                 resp = error_response(e)
-                yield f"data: {resp.body.decode()}\n\n"
+                yield b"data: " + resp.body + b"\n\n"
             except BaseException as e:  # the client left mid-stream
                 rec.finish("aborted", e)
                 raise
             self._finish_ok(rec, usage())
-            yield "data: [DONE]\n\n"
+            yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -346,6 +348,7 @@ class OpenAIService:
                                  choices: list[_Choice]):
         created, k = int(time.time()), body.logprobs
         base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": self.model_name}
+        plain = TextChunks(base, completion_choice)  # a token's chunk: only its text and index vary
         started = set()
         async for index, out in self._merged(rec, reqs):
             c = choices[index]
@@ -355,15 +358,17 @@ class OpenAIService:
             if body.echo and index not in started:
                 text = self._echo(c) + text
             started.add(index)
-            if not text and not out.finished and k is None:
+            if k is None and not out.finished:
+                if text:
+                    yield plain.event(index, text)
                 continue
             lps = (self._completion_logprobs(c.logprobs[before:] if out.prompt_logprobs is None else c.logprobs, k,
                                              c.prompt_ids[0]) if k is not None else None)
-            yield {**base, "choices": [{"index": index, "text": text, "logprobs": lps,
-                                        "finish_reason": out.finish_reason if out.finished else None,
-                                        "stop_reason": out.stop_reason if out.finished else None}]}
+            yield sse_event({**base, "choices": [{"index": index, "text": text, "logprobs": lps,
+                                                  "finish_reason": out.finish_reason if out.finished else None,
+                                                  "stop_reason": out.stop_reason if out.finished else None}]})
         if body.stream_options and body.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": self._usage(choices, body.n)}
+            yield sse_event({**base, "choices": [], "usage": self._usage(choices, body.n)})
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -404,20 +409,24 @@ class OpenAIService:
                            choices: list[_Choice], k):
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
+        plain = TextChunks(base, chat_choice)  # a token's chunk: only its text and index vary
         for c in choices:
-            yield {**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
+            yield sse_event({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})
         async for index, out in self._merged(rec, reqs):
             c = choices[index]
             self._absorb(c, out)
-            if not out.new_text and not out.finished and k is None:
+            if k is None and not out.finished:
+                if out.new_text:
+                    yield plain.event(index, out.new_text)
                 continue
-            yield {**base, "choices": [{"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                                        "logprobs": self._chat_logprobs(out.new_logprobs, k) if k is not None else None,
-                                        "finish_reason": out.finish_reason if out.finished else None,
-                                        "stop_reason": out.stop_reason if out.finished else None}]}
+            yield sse_event({**base, "choices": [{
+                "index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                "logprobs": self._chat_logprobs(out.new_logprobs, k) if k is not None else None,
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None}]})
         if body.stream_options and body.stream_options.include_usage:
-            yield {**base, "choices": [], "usage": self._usage(choices, body.n)}
+            yield sse_event({**base, "choices": [], "usage": self._usage(choices, body.n)})
 
     # -- models, health, tokenizer -------------------------------------------------------------
     def models(self, request: Request) -> Response:

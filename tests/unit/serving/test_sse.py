@@ -1,0 +1,127 @@
+"""Streamed chunks: the pre-serialized token chunks are byte for byte what json.dumps gives for the
+whole chunk, and the service's SSE streams (completions and chat, n=2, usage, logprobs) come out
+as OpenAI's shapes in json.dumps' bytes, one finish_reason per choice, ending in [DONE]."""
+
+import asyncio
+import json
+
+import pytest
+from starlette.requests import Request
+
+from pdserve.config import GatewayConfig
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.openai_service import OpenAIService
+from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
+
+TEXTS = ["hello", " world", "", 'quote " back \\ slash', "tab\tnew\nline\r\x00\x1f\x7f", "é ü ß 中文 😀",
+         "\u2028\u2029", "</script>", "\x00pdserve-text\x00"]
+
+
+@pytest.mark.parametrize("choice", [completion_choice, chat_choice])
+def test_token_chunks_are_json_dumps_bytes(choice):
+    base = {"id": "cmpl-x\"y", "object": "text_completion", "created": 1700000000, "model": "m/ü"}
+    chunks = TextChunks(base, choice)
+    for index in (0, 1, 12):
+        for text in TEXTS:
+            want = f"data: {json.dumps({**base, 'choices': [choice(index, text)]}, ensure_ascii=False)}\n\n"
+            assert chunks.event(index, text) == want.encode()
+    assert sse_event({"a": None, "b": [1.5, "é"]}) == b'data: {"a": null, "b": [1.5, "\xc3\xa9"]}\n\n'
+
+
+class ScriptedClient:
+    """Every sequence streams the same script of (token id, text) steps, the last one finished."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    async def generate(self, req):
+        k = req.params.logprobs
+        for i, (tid, text) in enumerate(self.steps):
+            last = i == len(self.steps) - 1
+            lps = [TokenLogprob(tid, -0.5, 1, ((tid, -0.5), (tid + 1, -1.5)))] if k is not None else []
+            yield RequestOutput(req.request_id, [tid], text, last, "length" if last else None, None, lps,
+                                num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=i + 1)
+            await asyncio.sleep(0)
+
+    async def health(self):
+        return {"unified": True}
+
+
+def _stream(service, path: str, body: dict) -> bytes:
+    """POST `body` to the service's route as an ASGI request; the whole response body."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json"),
+                                                                         (b"content-length", str(len(raw)).encode())],
+             "asgi": {"spec_version": "2.4"}}
+    sent = []
+
+    async def run():
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        route = service.completions if path == "/v1/completions" else service.chat_completions
+        response = await route(Request(scope, receive))
+        assert response.status_code == 200, response.body
+        await response(scope, receive, send)
+
+    asyncio.run(run())
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def _events(stream: bytes) -> list[dict]:
+    assert stream.endswith(DONE)
+    parts = stream[:-len(DONE)].split(b"\n\n")
+    assert parts[-1] == b""
+    events = []
+    for part in parts[:-1]:
+        assert part.startswith(b"data: ")
+        obj = json.loads(part[6:])
+        assert part[6:] == json.dumps(obj, ensure_ascii=False).encode()  # json.dumps' own bytes
+        events.append(obj)
+    return events
+
+
+@pytest.fixture(scope="module")
+def service(tiny_llama):
+    steps = [(5, "Hé"), (6, ' "lo"'), (7, ""), (8, "\n!")]
+    return OpenAIService(ScriptedClient(steps), Tokenizer(tiny_llama), "tiny", 256, GatewayConfig())
+
+
+def test_completion_stream(service):
+    events = _events(_stream(service, "/v1/completions", {
+        "prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True}}))
+    *chunks, usage = events
+    for c in chunks:
+        assert c["id"].startswith("cmpl-") and c["object"] == "text_completion" and c["model"] == "tiny"
+        [choice] = c["choices"]
+        assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason"]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(ch["text"] for ch in mine) == 'Hé "lo"\n!'
+        assert [ch["finish_reason"] for ch in mine] == [None, None, "length"]  # the empty step sends nothing
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+
+
+def test_completion_stream_with_logprobs(service):
+    chunks = _events(_stream(service, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True,
+                                                         "logprobs": 1}))
+    assert len(chunks) == 4  # with logprobs every token sends a chunk, text or not
+    assert all(len(c["choices"][0]["logprobs"]["tokens"]) == 1 for c in chunks)
+
+
+def test_chat_stream(service):
+    events = _events(_stream(service, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}))
+    first, *chunks = events
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == 'Hé "lo"\n!'
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert chunks[0]["choices"][0] == {"index": 0, "delta": {"content": "Hé"}, "logprobs": None,
+                                       "finish_reason": None, "stop_reason": None}
