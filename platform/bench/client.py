@@ -33,13 +33,60 @@ def build_payload(endpoint: str, model: str, req: BenchRequest, ignore_eos: bool
     return payload
 
 
+class _Stream:
+    """One response's SSE lines into its record: content pieces stamped with when they arrived,
+    the server's usage figure, errors in the stream."""
+
+    def __init__(self, rec: RequestRecord, chat: bool):
+        self.rec, self.chat = rec, chat
+        self.text_parts: list[str] = []
+        self.usage_tokens: int | None = None
+        self.is_done = False
+
+    def take(self, line: bytes, now: float) -> bool:
+        """Parse one line; False once the stream ended ([DONE]) or failed (rec.error set)."""
+        rec = self.rec
+        line = line.strip()
+        if not line or line.startswith(b":"):
+            return True
+        if not line.startswith(b"data:"):
+            rec.error, rec.error_detail = "malformed_sse", line[:200].decode("utf-8", "replace")
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.is_done = True
+            return False
+        try:
+            obj = json.loads(data)
+        except ValueError:  # not JSON, or not UTF-8
+            rec.error, rec.error_detail = "malformed_sse", data[:200].decode("utf-8", "replace")
+            return False
+        if not isinstance(obj, dict):
+            rec.error, rec.error_detail = "invalid_response", data[:200].decode("utf-8", "replace")
+            return False
+        if "error" in obj:
+            rec.error, rec.error_detail = "server_error_midstream", json.dumps(obj["error"])[:300]
+            return False
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            rec.error, rec.error_detail = "invalid_response", data[:200].decode("utf-8", "replace")
+            return False
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            self.usage_tokens = int(usage["completion_tokens"])
+        for choice in choices:
+            piece = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+            if piece:
+                rec.chunk_times_s.append(now)
+                self.text_parts.append(piece)
+        return True
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, prompt_tokens: int,
                        timeout_s: float, count_tokens: Callable[[str], int] | None = None,
                        headers: dict | None = None) -> RequestRecord:
     rec = RequestRecord(send_s=time.perf_counter(), prompt_tokens=prompt_tokens)
-    chat = "messages" in payload
-    text_parts: list[str] = []
-    usage_tokens = None
+    stream = _Stream(rec, "messages" in payload)
     try:
         async with session.post(url, json=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -47,41 +94,23 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
                 rec.error = f"http_{resp.status}"
                 rec.error_detail = (await resp.text())[:300]
                 return rec
-            done = False
-            async for raw in resp.content:
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line or line.startswith(":"):
-                    continue
-                if not line.startswith("data:"):
-                    rec.error, rec.error_detail = "malformed_sse", line[:200]
-                    return rec
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+            # One await per network read, not one per line: the lines a read brings are parsed
+            # at once, each piece stamped with the time that read returned.
+            tail, is_open = b"", True
+            async for received in resp.content.iter_any():
+                now = time.perf_counter()
+                *lines, tail = (tail + received).split(b"\n")
+                for line in lines:
+                    if not stream.take(line, now):
+                        is_open = False
+                        break
+                if not is_open:
                     break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    rec.error, rec.error_detail = "malformed_sse", data[:200]
-                    return rec
-                if not isinstance(obj, dict):
-                    rec.error, rec.error_detail = "invalid_response", data[:200]
-                    return rec
-                if "error" in obj:
-                    rec.error, rec.error_detail = "server_error_midstream", json.dumps(obj["error"])[:300]
-                    return rec
-                choices = obj.get("choices")
-                if not isinstance(choices, list):
-                    rec.error, rec.error_detail = "invalid_response", data[:200]
-                    return rec
-                if isinstance(obj.get("usage"), dict) and obj["usage"].get("completion_tokens") is not None:
-                    usage_tokens = int(obj["usage"]["completion_tokens"])
-                for choice in choices:
-                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if piece:
-                        rec.chunk_times_s.append(time.perf_counter())
-                        text_parts.append(piece)
-            if not done:
+            if is_open and tail:  # a last line without its newline
+                stream.take(tail, time.perf_counter())
+            if rec.error:
+                return rec
+            if not stream.is_done:
                 rec.error = "truncated_stream"
                 return rec
             rec.end_s = time.perf_counter()
@@ -97,6 +126,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict, 
     except aiohttp.ClientError as e:
         rec.error, rec.error_detail = "client_error", str(e)[:200]
         return rec
+    usage_tokens, text_parts = stream.usage_tokens, stream.text_parts
     if usage_tokens is not None:
         rec.output_tokens, rec.output_tokens_source = usage_tokens, "usage"
     elif count_tokens is not None:
