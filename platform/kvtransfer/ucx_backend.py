@@ -20,6 +20,15 @@ that side's blocks are one run (and, for the exporter, the importer takes every 
 goes through a staging buffer. The exporter bounds its sends by the importer's `timeout_s` and its
 wait for the ACK by `ack_timeout_s`; on any failure it aborts the endpoint (cancelling sends)
 before the blocks can return to the pool.
+
+Connections are kept: after a pull that ended in ACK or DONE the importer keeps the endpoint (one
+pull at a time on each) for the next pull from the same exporter, and the exporter waits on it for
+the next READ. Opening an endpoint costs a few round trips between the two processes' UCX progress
+threads: ~2 ms idle, 15-60 ms on a loaded two-core machine, where it was the largest part of a
+short prompt's pull and so of its decode's first inter-token gap. An endpoint is reused only after
+a pull that completed; any failure aborts it. A kept endpoint the exporter has meanwhile dropped
+(its `idle_timeout_s`, a restart) fails before any byte of the pull moves: the pull then opens a
+fresh one, within the same deadline.
 """
 
 from __future__ import annotations
@@ -93,11 +102,14 @@ async def _settle(tasks: list[asyncio.Future], timeout_s: float = 1.0) -> bool:
 class UCXExporter(KVExporter):
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
-                 lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0):
+                 lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 300.0):
         import ucxx
 
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
-        self.host, self.ack_timeout_s = host, ack_timeout_s
+        self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
+        self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
+        self.num_open_connections = 0
         self._loop = _LoopThread(f"kv-exporter-{exporter_id}")
 
         async def start():
@@ -124,13 +136,44 @@ class UCXExporter(KVExporter):
         super().close()
 
     async def _serve(self, ep) -> None:
-        rid, read = None, None
+        """One connection: reads, one after another, until the importer closes it, a read fails,
+        or it stays idle for `idle_timeout_s`."""
+        self.num_connections += 1
+        self.num_open_connections += 1
         try:
-            kind, req = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
+            first_wait_s = self.ack_timeout_s
+            while True:
+                try:
+                    kind, req = await asyncio.wait_for(_recv_frame(ep), first_wait_s)
+                except p.ProtocolError as e:
+                    kind, req = None, e
+                except Exception:  # noqa: BLE001 - closed by the importer, or idle too long
+                    await self._close(ep)
+                    return
+                first_wait_s = self.idle_timeout_s
+                if not await self._serve_one(ep, kind, req):
+                    return
+        finally:
+            self.num_open_connections -= 1
+
+    @staticmethod
+    async def _close(ep) -> None:
+        try:
+            await asyncio.wait_for(ep.close(), 5)
+        except Exception:  # noqa: BLE001
+            pass
+
+    async def _serve_one(self, ep, kind: int | None, req) -> bool:
+        """One frame from the importer and what follows it; True when the connection may carry
+        another read (this one ended in ACK or DONE). Closes or aborts `ep` otherwise."""
+        rid, read, is_reusable = None, None, False
+        try:
+            if isinstance(req, p.ProtocolError):
+                raise req
             rid = req.get("request_id")
             if kind == p.ACK:  # an importer dropping a lease it will not read
                 self.ack(rid)
-                return
+                return False
             if kind != p.READ:
                 raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
             try:
@@ -145,6 +188,7 @@ class UCXExporter(KVExporter):
             kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
             if kind == p.ACK:
                 self.ack(rid)
+            is_reusable = kind in (p.ACK, p.DONE)
         except p.KVTransferError as e:
             code = next((c for c, cls in _ERRORS.items() if type(e) is cls), "protocol")
             try:
@@ -159,11 +203,9 @@ class UCXExporter(KVExporter):
                     ep.abort()
                 finally:
                     read.close()
-            else:
-                try:
-                    await asyncio.wait_for(ep.close(), 5)
-                except Exception:  # noqa: BLE001
-                    pass
+            elif not is_reusable:
+                await self._close(ep)
+        return is_reusable
 
     @staticmethod
     async def _send_blocks(ep, read: BlockRead) -> None:
@@ -179,13 +221,31 @@ class UCXExporter(KVExporter):
             await _settle([t for t in sends if not t.done()], 0.1)
 
 
+class _StaleEndpoint(Exception):
+    """A kept endpoint failed before the pull's first reply: the exporter had dropped it."""
+
+
 class UCXImporter(KVImporter):
-    def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
+    def __init__(self, kv: torch.Tensor, layout: p.KVLayout, idle_s: float = 60.0, max_idle_per_exporter: int = 8):
+        # idle_s: how long a kept endpoint stays usable (under the exporter's idle_timeout_s);
+        # max_idle_per_exporter: endpoints kept per exporter address (one pull at a time on each).
         super().__init__(kv, layout)
+        self.idle_s, self.max_idle_per_exporter = idle_s, max_idle_per_exporter
+        self._idle: dict[str, list[tuple[object, float]]] = {}  # address -> [(endpoint, idle since)]; loop thread only
+        self.num_endpoints_created = 0
         self._loop = _LoopThread("kv-importer")
 
     def close(self) -> None:
-        self._loop.stop()
+        async def close_idle():
+            for eps in self._idle.values():
+                for ep, _ in eps:
+                    ep.abort()
+            self._idle.clear()
+
+        try:
+            self._loop.run(close_idle(), 5)
+        finally:
+            self._loop.stop()
 
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
                first_block: int, ack: bool) -> None:
@@ -206,8 +266,6 @@ class UCXImporter(KVImporter):
 
     async def _pull(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
                     first_block: int, ack: bool) -> None:
-        import ucxx
-
         deadline = time.monotonic() + timeout_s
 
         def left() -> float:
@@ -216,6 +274,49 @@ class UCXImporter(KVImporter):
                 raise asyncio.TimeoutError
             return remaining
 
+        try:
+            ep, is_kept = await self._endpoint(handle.address, left)
+            try:
+                await self._read(ep, is_kept, handle, dst, heads, first_block, ack, left)
+            except _StaleEndpoint:
+                ep, is_kept = await self._endpoint(handle.address, left, kept=False)
+                await self._read(ep, is_kept, handle, dst, heads, first_block, ack, left)
+        except asyncio.TimeoutError:
+            raise p.ExporterUnreachableError(
+                f"KV pull of {handle.request_id} from {handle.address}: no answer within {timeout_s:.1f}s") from None
+        except p.KVTransferError:
+            raise
+        except Exception as e:  # UCX errors: connection refused or reset
+            raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
+        self._keep(handle.address, ep)
+
+    async def _endpoint(self, address: str, left: Callable[[], float], kept: bool = True) -> tuple[object, bool]:
+        """An endpoint to `address`: a kept one (True) when `kept` and one is fresh enough, else a new one."""
+        import ucxx
+
+        idle = self._idle.get(address, [])
+        while kept and idle:
+            ep, since = idle.pop()
+            if not ep.closed and time.monotonic() - since < self.idle_s:
+                return ep, True
+            ep.abort()
+        host, port = address.rsplit(":", 1)
+        ep = await asyncio.wait_for(ucxx.create_endpoint(host, int(port)), left())
+        self.num_endpoints_created += 1
+        return ep, False
+
+    def _keep(self, address: str, ep) -> None:
+        idle = self._idle.setdefault(address, [])
+        if len(idle) < self.max_idle_per_exporter:
+            idle.append((ep, time.monotonic()))
+        else:
+            ep.abort()
+
+    async def _read(self, ep, is_kept: bool, handle: p.KVHandle, dst: list[int], heads: tuple[int, int],
+                    first_block: int, ack: bool, left: Callable[[], float]) -> None:
+        """One READ on `ep`, the blocks scattered into `dst`, then ACK/DONE; `ep` stays open on
+        success and is aborted on any failure. On a kept endpoint, a UCX error before the
+        exporter's reply raises `_StaleEndpoint` (nothing was written into `dst`)."""
         shape = self.expected_shape(len(dst), heads)
         slab_bytes = len(dst) * shape[3] * shape[4] * shape[5] * self.kv.element_size()
         chunks = p.chunk_bounds(shape[0] * 2, slab_bytes)
@@ -229,18 +330,23 @@ class UCXImporter(KVImporter):
                     staging = self.buffers.take(shape, self.kv.dtype)
                 targets.append((slab_view(staging)[s0:s1], True))
 
-        host, port = handle.address.rsplit(":", 1)
-        ep, tasks = None, []
+        tasks, is_done = [], False
         try:
-            ep = await asyncio.wait_for(ucxx.create_endpoint(host, int(port)), left())
             # Every receive is posted now, in the order the exporter sends, so no chunk waits on us.
             tasks.append(asyncio.ensure_future(_send_frame(ep, p.READ, {
                 "request_id": handle.request_id, "layout": asdict(self.layout), "first_block": first_block,
                 "timeout_s": left()})))
             tasks.append(asyncio.ensure_future(_recv_frame(ep)))
             tasks.extend(asyncio.ensure_future(ep.recv(_buffer(t))) for t, _ in targets)
-            await asyncio.wait_for(asyncio.shield(tasks[0]), left())
-            kind, reply = await asyncio.wait_for(asyncio.shield(tasks[1]), left())
+            try:
+                await asyncio.wait_for(asyncio.shield(tasks[0]), left())
+                kind, reply = await asyncio.wait_for(asyncio.shield(tasks[1]), left())
+            except (asyncio.TimeoutError, p.KVTransferError):
+                raise
+            except Exception as e:
+                if is_kept:
+                    raise _StaleEndpoint() from e
+                raise
             if kind == p.ERROR:
                 raise _ERRORS.get(reply.get("code"), p.ProtocolError)(reply.get("message", "exporter error"))
             if kind != p.DATA:
@@ -254,17 +360,9 @@ class UCXImporter(KVImporter):
                     scatter_blocks(slabs[s0:s1], dst, target)
             await asyncio.wait_for(_send_frame(ep, p.ACK if ack else p.DONE, {"request_id": handle.request_id}),
                                    left())
-            await asyncio.wait_for(ep.close(), left())
-            ep = None
-        except asyncio.TimeoutError:
-            raise p.ExporterUnreachableError(
-                f"KV pull of {handle.request_id} from {handle.address}: no answer within {timeout_s:.1f}s") from None
-        except p.KVTransferError:
-            raise
-        except Exception as e:  # UCX errors: connection refused or reset
-            raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
+            is_done = True
         finally:
-            if ep is not None:  # cancels the receives still posted, before their buffers go back
+            if not is_done:  # cancels the receives still posted, before their buffers go back
                 try:
                     ep.abort()
                 except Exception:  # noqa: BLE001

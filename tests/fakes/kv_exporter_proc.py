@@ -2,7 +2,8 @@
 
 Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
 ("export_scattered", request_id, num_tokens) -> the same over every other block (the exporter then
-gathers chunk by chunk); ("free",) -> the pool's free block count; ("stop",). The cache is
+gathers chunk by chunk); ("free",) -> the pool's free block count; ("connections",) -> connections
+accepted so far and open now; ("stop",). The cache is
 `make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
 `stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
 """
@@ -23,7 +24,7 @@ def make_cache(num_blocks: int = NUM_BLOCKS):
                        LAYOUT["head_dim"], generator=g)
 
 
-def serve(commands, replies, lease_s: float) -> None:
+def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0) -> None:
     os.environ.setdefault("UCX_TLS", "tcp")
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
@@ -31,7 +32,8 @@ def serve(commands, replies, lease_s: float) -> None:
 
     kv = make_cache()
     pool = BlockPool(NUM_BLOCKS, LAYOUT["block_size"])
-    exporter = UCXExporter("prefill-0", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=lease_s)
+    exporter = UCXExporter("prefill-0", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=lease_s,
+                           idle_timeout_s=idle_timeout_s)
     replies.put(("ready", exporter.address))
     while True:
         cmd = commands.get()
@@ -49,6 +51,8 @@ def serve(commands, replies, lease_s: float) -> None:
             replies.put(("handle", handle.to_dict()))
         elif cmd[0] == "free":
             replies.put(("free", pool.num_free_blocks))
+        elif cmd[0] == "connections":
+            replies.put(("connections", exporter.num_connections, exporter.num_open_connections))
         else:
             exporter.close()
             replies.put(("stopped",))

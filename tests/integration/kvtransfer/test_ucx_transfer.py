@@ -21,10 +21,11 @@ from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, 
 
 
 class Exporter:
-    def __init__(self, lease_s: float = 30.0):
+    def __init__(self, lease_s: float = 30.0, idle_timeout_s: float = 300.0):
         ctx = mp.get_context("spawn")
         self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s), daemon=True)
+        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s),
+                                daemon=True)
         self.proc.start()
         kind, self.address = self.replies.get(timeout=60)
         assert kind == "ready"
@@ -41,6 +42,10 @@ class Exporter:
 
     def free_blocks(self) -> int:
         return self.call("free")[0]
+
+    def connections(self) -> tuple[int, int]:
+        """Connections the exporter accepted so far, and how many are open now."""
+        return tuple(self.call("connections"))
 
     def stop(self):
         if self.proc.is_alive():
@@ -339,3 +344,29 @@ def test_ucx_exporter_reports_healthy_until_closed():
     assert exporter.is_healthy
     exporter.close()
     assert not exporter.is_healthy
+
+
+def test_pulls_reuse_one_connection_and_replace_one_the_exporter_dropped(src):
+    """Consecutive pulls from one exporter go over the connection the first one opened; once the
+    exporter has dropped it (idle timeout), the next pull opens a fresh one and lands exact bytes."""
+    exporter = Exporter(lease_s=30.0, idle_timeout_s=0.5)
+    kv = torch.zeros(LAYOUT["num_layers"], 2, 2048, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
+    importer = UCXImporter(kv, p.KVLayout(**LAYOUT), idle_s=60.0)
+    try:
+        for i in range(5):
+            h = exporter.export_scattered(f"reuse-{i}", 100)
+            importer.pull(h, _dst(7, offset=100 * i))
+            assert torch.equal(gather_blocks(kv, _dst(7, offset=100 * i)), gather_blocks(src, list(h.block_ids)))
+        assert importer.num_endpoints_created == 1 and exporter.connections() == (1, 1)
+        deadline = time.time() + 10  # the exporter drops the idle connection after 0.5 s
+        while exporter.connections()[1] and time.time() < deadline:
+            time.sleep(0.1)
+        assert exporter.connections() == (1, 0)
+        h = exporter.export("after-drop", 40)
+        importer.pull(h, _dst(3))
+        assert torch.equal(gather_blocks(kv, _dst(3)), gather_blocks(src, list(h.block_ids)))
+        assert importer.num_endpoints_created == 2 and exporter.connections() == (2, 1)
+        assert exporter.free_blocks() == NUM_BLOCKS  # every lease acked
+    finally:
+        importer.close()
+        exporter.stop()
