@@ -75,9 +75,14 @@ class ModelRunner:
         nd = 0 if step.decode_lens is None else step.decode_lens.numel()
         prefills = [PrefillChunkMeta(s, q, c, table) for s, q, c, table in step.prefills]
         meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills)
-        with forward_context(meta, self.kv_cache, self.workspace):
-            hidden = self.model(step.input_ids, step.positions)
         k = step.num_prompt_rows
+        with forward_context(meta, self.kv_cache, self.workspace):
+            # Logit rows are ascending and distinct: as many as tokens means every row samples.
+            if not k and not prefills and step.logit_rows.numel() == step.input_ids.numel():
+                logits = self.model.decode_logits(step.input_ids, step.positions)
+                if logits is not None:
+                    return None, logits
+            hidden = self.model(step.input_ids, step.positions)
         prompt = self.model.compute_logits(hidden[step.logit_rows[:k]]) if k else None
         sample = self.model.compute_logits(hidden[step.logit_rows[k:]]) if step.logit_rows.numel() > k else None
         return prompt, sample

@@ -494,13 +494,16 @@ void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packe
     }
 }
 
-/* -- A whole decode step's decoder layers in one call ----------------------------------------------
+/* -- A whole decode step in one call ---------------------------------------------------------------
  * Called one by one from Python, a layer's eleven kernels pay for module calls, views, checks and
- * ctypes between them: ~3 ms of a ~12 ms batch-1 step on the benchmark model. For a dense Llama-family
- * layer in fp32 with every linear packed for pdserve_linear_f32, a decode-only step (one new token
- * per sequence) runs every layer here instead: each layer is
- *   x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
- *   h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
+ * ctypes between them: ~3 ms of a ~12 ms batch-1 step on the benchmark model; the embedding lookup,
+ * rotary rows, final norm and LM head around the layers another ~0.2 ms. For a dense Llama-family
+ * model in fp32 with every linear packed for pdserve_linear_f32, a decode-only step (one new token
+ * per sequence, every row sampled) runs here from token ids to logits:
+ *   h = embedding[id]; per layer:
+ *     x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
+ *     h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
+ *   logits = norm(h) Wlm
  * with the same kernels the Python path calls, so both paths compute the same values. */
 
 typedef struct {
@@ -510,9 +513,18 @@ typedef struct {
 } pdserve_decoder_layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, vocab;
     float eps, scale;
 } pdserve_decoder_shape;
+
+typedef struct {
+    const pdserve_decoder_layer *layers;
+    int64_t num_layers;
+    const float *embedding;   /* [vocab rows, hidden], dense */
+    const float *cos_sin;     /* [max_position, 2, head_dim / 2]: the rotary table */
+    const float *final_norm;  /* [hidden] */
+    const float *lm_head;     /* packed, `vocab` output columns */
+} pdserve_decoder_model;
 
 /* Rows [q_size, q_size + kv_size) and the next kv_size of each token's qkv row into its cache slot. */
 static void write_kv(const float *qkv, int64_t tokens, int64_t qkv_size, int64_t q_size, int64_t kv_size,
@@ -527,25 +539,29 @@ static int64_t gate_up_floats(const pdserve_decoder_shape *s) {  /* also holds t
     return 2 * s->intermediate > s->hidden ? 2 * s->intermediate : s->hidden;
 }
 
+/* Scratch floats pdserve_decode_step_f32 needs for m sequences. */
 int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
     const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    return m * (s->hidden + qkv + s->heads * s->head_dim + gate_up_floats(s) + s->intermediate);
+    return m * (2 * s->hidden + s->head_dim + qkv + s->heads * s->head_dim + gate_up_floats(s) + s->intermediate);
 }
 
-/* h [m, hidden] is the residual stream, updated in place; cos_sin [m, 2, head_dim / 2] the tokens'
- * rotary rows; slots [m]; block_tables [m, table_width]; seq_lens [m]; work: scratch of
- * pdserve_decode_work_floats(shape, m) floats. Returns 0, or 1 when attention's scratch could not
- * be allocated. */
-int pdserve_decode_layers_f32(const pdserve_decoder_layer *layers, int64_t num_layers, const pdserve_decoder_shape *s,
-                              float *h, int64_t m, const float *cos_sin, const int64_t *slots,
-                              const int64_t *block_tables, int64_t table_width, const int64_t *seq_lens, float *work,
-                              int num_threads) {
+/* ids, positions, slots, seq_lens [m]; block_tables [m, table_width] (int64, dense); work: scratch of
+ * pdserve_decode_work_floats(shape, m) floats; logits [m, vocab]. Returns 0, or 1 when attention's
+ * scratch could not be allocated. */
+int pdserve_decode_step_f32(const pdserve_decoder_model *model, const pdserve_decoder_shape *s, const int64_t *ids,
+                            const int64_t *positions, int64_t m, const int64_t *slots, const int64_t *block_tables,
+                            int64_t table_width, const int64_t *seq_lens, float *work, float *logits,
+                            int num_threads) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    float *x = work, *qkv = x + m * s->hidden, *attn = qkv + m * qkv_size, *gate_up = attn + m * q_size;
-    float *act = gate_up + m * gate_up_floats(s);
-    for (int64_t i = 0; i < num_layers; ++i) {
-        const pdserve_decoder_layer *l = &layers[i];
+    float *h = work, *cos_sin = h + m * s->hidden, *x = cos_sin + m * s->head_dim, *qkv = x + m * s->hidden;
+    float *attn = qkv + m * qkv_size, *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_floats(s);
+    for (int64_t t = 0; t < m; ++t) {
+        memcpy(h + t * s->hidden, model->embedding + ids[t] * s->hidden, sizeof(float) * s->hidden);
+        memcpy(cos_sin + t * s->head_dim, model->cos_sin + positions[t] * s->head_dim, sizeof(float) * s->head_dim);
+    }
+    for (int64_t i = 0; i < model->num_layers; ++i) {
+        const pdserve_decoder_layer *l = &model->layers[i];
         pdserve_rms_norm_f32(h, NULL, l->input_norm, x, m, s->hidden, s->eps, num_threads);
         pdserve_linear_f32(x, m, s->hidden, l->qkv, qkv_size, l->qkv_bias, qkv, num_threads);
         pdserve_rotary_f32(qkv, m, s->heads + s->kv_heads, s->head_dim, qkv_size, cos_sin, num_threads);
@@ -563,5 +579,52 @@ int pdserve_decode_layers_f32(const pdserve_decoder_layer *layers, int64_t num_l
 #pragma omp simd
         for (int64_t j = 0; j < m * s->hidden; ++j) h[j] += x[j];
     }
+    pdserve_rms_norm_f32(h, NULL, model->final_norm, x, m, s->hidden, s->eps, num_threads);
+    pdserve_linear_f32(x, m, s->hidden, model->lm_head, s->vocab, NULL, logits, num_threads);
     return 0;
+}
+
+/* The first index of v's largest value, or of its first NaN if it has one (torch's argmax): one
+ * vector pass for the maximum (and whether any value is NaN), then one for where it first occurs. */
+static int64_t argmax_row(const float *v, int64_t n) {
+    float best = v[0];
+    int has_nan = v[0] != v[0];
+    int64_t i = 1;
+#ifdef HAVE_AVX2
+    if (n >= 16) {
+        __m256 mx = _mm256_loadu_ps(v), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= n; i += 8) {
+            const __m256 a = _mm256_loadu_ps(v + i);
+            mx = _mm256_max_ps(mx, a);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int j = 0; j < 8; ++j) best = lanes[j] > best ? lanes[j] : best;
+        has_nan |= _mm256_movemask_ps(nan) != 0;
+    }
+#endif
+    for (; i < n; ++i) {
+        has_nan |= v[i] != v[i];
+        best = v[i] > best ? v[i] : best;
+    }
+    i = 0;
+#ifdef HAVE_AVX2
+    const __m256 target = _mm256_set1_ps(best);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_loadu_ps(v + i);
+        const int hit = _mm256_movemask_ps(has_nan ? _mm256_cmp_ps(a, a, _CMP_UNORD_Q)
+                                                   : _mm256_cmp_ps(a, target, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; ++i)
+        if (has_nan ? v[i] != v[i] : v[i] == best) return i;
+    return 0;
+}
+
+/* out[r] = argmax_row of x's row r (rows of n > 0 floats, dense). */
+void pdserve_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= 8 * PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * n, n);
 }

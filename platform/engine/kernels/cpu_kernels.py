@@ -3,8 +3,10 @@
 - `paged_decode_attention`: one pass over each sequence's KV blocks (no gather, no padding).
 - `pack_linear` / `linear`: the linear layers' matmul over weights packed in column panels; at
   decode batch sizes it streams the weights faster than oneDNN's or MKL's matmul on these shapes.
-- `DecoderLayers.run`: a decode-only step's dense Llama-family layers in one call, over the same
-  kernels (at batch 1 the Python between them had cost ~3 ms of a ~12 ms step).
+- `DecoderModel.decode_step`: a decode-only step of a dense Llama-family model in one call, token
+  ids to logits, over the same kernels (at batch 1 the Python between them had cost ~3 ms of a
+  ~12 ms step).
+- `argmax`: greedy sampling's argmax over the vocabulary.
 - `rms_norm` (optionally adding the residual first), `silu_mul`, `rotary_`: one pass each where
   torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
 
@@ -196,6 +198,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return out.view(*x.shape[:-1], out_features)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for dense `[rows, n]` x, n > 0 (torch's runs ~45 us over a 32k vocabulary)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load().pdserve_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 class DecoderLayerPointers(ctypes.Structure):
     """`pdserve_decoder_layer`: one layer's weights (norms; linears packed by `pack_linear`) and its
     K and V caches `[num_blocks, block_size, kv_heads, head_dim]`, by address."""
@@ -206,32 +215,45 @@ class DecoderLayerPointers(ctypes.Structure):
 class DecoderShape(ctypes.Structure):
     """`pdserve_decoder_shape`."""
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                                    "block_size")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                                                    "block_size", "vocab")] + [("eps", ctypes.c_float),
+                                                                               ("scale", ctypes.c_float)]
 
 
-class DecoderLayers:
-    """Every decoder layer of a model as the C side sees them, for `run`. The caller keeps the
+class _DecoderModelPointers(ctypes.Structure):
+    """`pdserve_decoder_model`."""
+    _fields_ = [("layers", ctypes.c_void_p), ("num_layers", ctypes.c_int64)] + [
+        (name, ctypes.c_void_p) for name in ("embedding", "cos_sin", "final_norm", "lm_head")]
+
+
+class DecoderModel:
+    """A dense decoder model as the C side sees it, for `decode_step`: its layers, the embedding
+    table `[vocab rows, hidden]`, the rotary table `[max_position, 2, head_dim // 2]`, the final
+    norm's weight and the LM head packed by `pack_linear`, all fp32 and dense. The caller keeps the
     tensors behind the addresses alive and in place (weights after `finalize`, the KV cache)."""
 
-    def __init__(self, layers: list[DecoderLayerPointers], shape: DecoderShape):
-        self.layers = (DecoderLayerPointers * len(layers))(*layers)
+    def __init__(self, layers: list[DecoderLayerPointers], shape: DecoderShape, embedding: torch.Tensor,
+                 cos_sin: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor):
+        self._layers = (DecoderLayerPointers * len(layers))(*layers)
         self.shape = shape
-        self.num_layers = len(layers)
+        self._model = _DecoderModelPointers(ctypes.addressof(self._layers), len(layers), embedding.data_ptr(),
+                                            cos_sin.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr())
 
-    def run(self, h: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor) -> None:
-        """Run all layers over h `[m, hidden]` (dense; updated in place, one token per sequence):
-        cos_sin dense `[m, 2, head_dim // 2]`, slot_mapping `[m]`, block_tables `[m, width]`,
-        seq_lens `[m]` (int64, dense)."""
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Logits `[m, vocab]` of a decode-only step, one new token per sequence; input_ids,
+        positions, slot_mapping, seq_lens `[m]` and block_tables `[m, width]`, all int64 and dense.
+        Writes the tokens' K and V into the cache."""
         lib = load()
-        m = h.shape[0]
+        m = input_ids.shape[0]
         work = torch.empty(lib.pdserve_decode_work_floats(ctypes.byref(self.shape), m), dtype=torch.float32)
-        failed = lib.pdserve_decode_layers_f32(
-            self.layers, self.num_layers, ctypes.byref(self.shape), h.data_ptr(), m, cos_sin.data_ptr(),
+        logits = torch.empty(m, self.shape.vocab, dtype=torch.float32)
+        failed = lib.pdserve_decode_step_f32(
+            ctypes.byref(self._model), ctypes.byref(self.shape), input_ids.data_ptr(), positions.data_ptr(), m,
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-            work.data_ptr(), torch.get_num_threads())
+            work.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         if failed:
             raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+        return logits
 
 
 PANEL = 16  # columns per panel of a packed weight (cpu_kernels.c)
@@ -245,5 +267,6 @@ _SIGNATURES = {
     "pdserve_pack_linear_f32": (None, [_P, _I, _I, _P, _T]),
     "pdserve_linear_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _T]),
     "pdserve_decode_work_floats": (_I, [_P, _I]),
-    "pdserve_decode_layers_f32": (ctypes.c_int, [_P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _P, _T]),
+    "pdserve_decode_step_f32": (ctypes.c_int, [_P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _T]),
+    "pdserve_argmax_f32": (None, [_P, _I, _I, _P, _T]),
 }

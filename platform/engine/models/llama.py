@@ -1,7 +1,8 @@
 """Llama-family decoder in plain torch: Llama 2/3, Mistral, Qwen2 (qkv bias, tied embeddings).
 
 `forward(input_ids, positions)` takes a step's flattened tokens and returns hidden states;
-`compute_logits` maps the rows that need sampling to vocabulary logits. Attention metadata and
+`compute_logits` maps the rows that need sampling to vocabulary logits; `decode_logits` does both
+for a decode step in one C call where it can. Attention metadata and
 the KV cache come from the forward context the runner sets. Weights load from Hugging Face
 checkpoint names through each layer's own `weight_loader`.
 """
@@ -105,60 +106,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos_sin = self.rotary.table(positions)
-        if not self._decode_in_one_call(h, cos_sin):
-            for layer in self.layers:
-                h = layer(h, cos_sin)
+        for layer in self.layers:
+            h = layer(h, cos_sin)
         return self.norm(h)
-
-    _c_layers: tuple[KVCache, cpu_kernels.DecoderLayers] | None = None
-
-    def _decode_in_one_call(self, h: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-        """A decode-only step of a dense fp32 model on CPU runs every layer in one C call
-        (`cpu_kernels.DecoderLayers`: the same kernels, without Python between them). True if it did."""
-        ctx = get_forward_context()
-        meta = ctx.attn
-        if meta.prefills or meta.num_decode_tokens != h.shape[0] or not self._runs_in_c():
-            return False
-        kv = ctx.kv_cache
-        if not (cpu_kernels.usable(h, kv.kv) and kv.kv.is_contiguous()):
-            return False
-        if self._c_layers is None or self._c_layers[0] is not kv:
-            self._c_layers = (kv, self._layers_for_c(kv))
-        self._c_layers[1].run(h, cos_sin.contiguous(), meta.slot_mapping, meta.decode_block_tables.contiguous(),
-                              meta.decode_seq_lens)
-        return True
-
-    def _runs_in_c(self) -> bool:
-        """Whether every layer is one `DecoderLayers` can run: dense MLP, one rank, fp32 weights
-        packed for pdserve's C matmul (decided once, after `finalize`)."""
-        if not hasattr(self, "_all_layers_in_c"):
-            def plain(layer: DecoderLayer) -> bool:
-                a, mlp = layer.self_attn, layer.mlp
-                linears = [a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
-                return (isinstance(mlp, LlamaMLP) and a.o_proj.tp_size == 1 and a.o_proj.bias is None
-                        and all(lin.packed_for == "pdserve" for lin in linears)
-                        and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
-            self._all_layers_in_c = all(plain(layer) for layer in self.layers)
-        return self._all_layers_in_c
-
-    def _layers_for_c(self, kv: KVCache) -> cpu_kernels.DecoderLayers:
-        def address(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
-        pointers = []
-        for i, layer in enumerate(self.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = kv.layer(i).unbind(0)
-            pointers.append(cpu_kernels.DecoderLayerPointers(
-                address(layer.input_layernorm.weight), address(layer.post_attention_layernorm.weight),
-                address(a.qkv_proj.packed), address(a.qkv_proj.bias), address(a.o_proj.packed),
-                address(mlp.gate_up_proj.packed), address(mlp.down_proj.packed), address(k_cache), address(v_cache)))
-        first = self.layers[0]
-        attn = first.self_attn.attn
-        shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                                         attn.head_dim, first.mlp.intermediate_size, kv.block_size,
-                                         first.input_layernorm.eps, attn.scale)
-        return cpu_kernels.DecoderLayers(pointers, shape)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,6 +140,63 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    _c_model: tuple[KVCache, cpu_kernels.DecoderModel] | None = None
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The logits of a decode-only step that samples every row, in one C call from token ids
+        (`cpu_kernels.DecoderModel`: the same kernels as `forward` and `compute_logits`, without
+        Python between them), where the model runs there: a dense fp32 model on CPU, one rank.
+        None otherwise: the caller runs `forward` and `compute_logits`."""
+        ctx = get_forward_context()
+        meta = ctx.attn
+        if meta.prefills or meta.num_decode_tokens != input_ids.shape[0] or not self._runs_in_c():
+            return None
+        kv = ctx.kv_cache
+        if not (cpu_kernels.usable(kv.kv) and kv.kv.is_contiguous()):
+            return None
+        if self._c_model is None or self._c_model[0] is not kv:
+            self._c_model = (kv, self._model_for_c(kv))
+        return self._c_model[1].decode_step(input_ids, positions, meta.slot_mapping,
+                                            meta.decode_block_tables.contiguous(), meta.decode_seq_lens)
+
+    def _runs_in_c(self) -> bool:
+        """Whether `DecoderModel` can run this model: dense MLPs, one rank, fp32 weights with every
+        linear packed for pdserve's C matmul (decided once, after `finalize`)."""
+        if not hasattr(self, "_all_in_c"):
+            def plain(layer: DecoderLayer) -> bool:
+                a, mlp = layer.self_attn, layer.mlp
+                linears = [a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
+                return (isinstance(mlp, LlamaMLP) and a.o_proj.tp_size == 1 and a.o_proj.bias is None
+                        and all(lin.packed_for == "pdserve" for lin in linears)
+                        and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+            m = self.model
+            self._all_in_c = (self.parallel.size == 1 and self.lm_head.packed_for == "pdserve"
+                              and cpu_kernels.usable(m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight)
+                              and m.embed_tokens.weight.is_contiguous() and m.rotary.cos_sin.is_contiguous()
+                              and all(plain(layer) for layer in m.layers))
+        return self._all_in_c
+
+    def _model_for_c(self, kv: KVCache) -> cpu_kernels.DecoderModel:
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        pointers = []
+        for i, layer in enumerate(self.model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = kv.layer(i).unbind(0)
+            pointers.append(cpu_kernels.DecoderLayerPointers(
+                address(layer.input_layernorm.weight), address(layer.post_attention_layernorm.weight),
+                address(a.qkv_proj.packed), address(a.qkv_proj.bias), address(a.o_proj.packed),
+                address(mlp.gate_up_proj.packed), address(mlp.down_proj.packed), address(k_cache), address(v_cache)))
+        first = self.model.layers[0]
+        attn = first.self_attn.attn
+        shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                                         attn.head_dim, first.mlp.intermediate_size, kv.block_size,
+                                         self.lm_head.out_features, first.input_layernorm.eps, attn.scale)
+        m = self.model
+        return cpu_kernels.DecoderModel(pointers, shape, m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight,
+                                        self.lm_head.packed)
 
     def num_decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: all but the embedding table, of which it reads a row.

@@ -191,21 +191,21 @@ def test_without_a_compiler_attention_falls_back_with_a_warning(monkeypatch, cap
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # qwen2: qkv bias, tied embeddings
 def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, monkeypatch):
-    """A decode-only step runs every layer in one C call (`DecoderLayers`); the same requests
-    through the Python layers give the same tokens and logprobs. Sequences of different lengths
-    decode together, so attention reads different block tables in one call."""
+    """A decode-only step runs in one C call from token ids to logits (`DecoderModel`); the same
+    requests through the Python layers give the same tokens and logprobs. Sequences of different
+    lengths decode together, so attention reads different block tables in one call."""
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
     calls = []
-    run = cpu_kernels.DecoderLayers.run
-    monkeypatch.setattr(cpu_kernels.DecoderLayers, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    step = cpu_kernels.DecoderModel.decode_step
+    monkeypatch.setattr(cpu_kernels.DecoderModel, "decode_step", lambda self, *a: calls.append(1) or step(self, *a))
     prompts = [list(range(5, 5 + n)) for n in (1, 9, 16, 17, 40)]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
 
     def generate(in_c: bool):
         llm = LLM(checkpoints[preset], block_size=4)
-        llm.engine.model.model._all_layers_in_c = in_c
+        llm.engine.model._all_in_c = in_c
         return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
 
     fused = generate(True)
@@ -216,3 +216,17 @@ def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, pre
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, layered):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 100, 32000])
+def test_argmax_matches_torch(n):
+    """Greedy sampling's argmax: the first index of the largest value; of the first NaN if any
+    (torch's rule); ties and -inf rows included."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    x[1] = float("-inf")
+    x[2, n // 3] = x[2, (2 * n) // 3] = 1e9  # a tie: the first wins
+    x[3, n // 2] = float("nan")
+    x[4, -1] = float("inf")
+    x[5] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
+    assert cpu_kernels.argmax(x).tolist() == x.argmax(dim=-1).tolist()
