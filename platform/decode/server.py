@@ -57,7 +57,7 @@ class DecodeServer:
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if not self._wants_remote_prefill(req):
+        if not await self._wants_remote_prefill(req):
             self.num_local_prefills += 1
             async for out in self._decode(req, "local", self.engine.generate(req.request_id, req.prompt_token_ids,
                                                                              req.params)):
@@ -85,7 +85,7 @@ class DecodeServer:
                 recompute = await self._import(req, result)
                 s.set_attribute("recompute", recompute)
         except BaseException:  # the client left, or the import failed: free both sides
-            self.engine.locked(self.engine.engine.abort_request, req.request_id)
+            self.engine.call_soon(self.engine.engine.abort_request, req.request_id)
             await asyncio.to_thread(self.importer.release, result.kv)
             raise
         async for out in self._decode(req, "recomputed" if recompute else "remote",
@@ -111,8 +111,8 @@ class DecodeServer:
         state = (torch.frombuffer(bytearray(result.generator_state), dtype=torch.uint8)
                  if result.generator_state is not None else None)
         engine = self.engine.engine
-        num_local, dst = self.engine.locked(engine.add_prefilled_request, req.request_id, req.prompt_token_ids,
-                                            req.params, result.first, state)
+        num_local, dst = await self.engine.call(engine.add_prefilled_request, req.request_id, req.prompt_token_ids,
+                                                req.params, result.first, state)
         recompute = dst is None  # no free blocks now: queue it here instead
         if not dst:  # every block is cached here already, or none is free
             await self._release(result)
@@ -132,7 +132,7 @@ class DecodeServer:
             except BaseException:
                 # Cancelled: the pulls still write into our blocks; wait before freeing them.
                 await asyncio.wait([pull])
-                self.engine.locked(engine.abort_request, req.request_id)
+                self.engine.call_soon(engine.abort_request, req.request_id)
                 raise
         return recompute
 
@@ -162,12 +162,14 @@ class DecodeServer:
         for handle in result.kv_by_rank:
             await asyncio.to_thread(self.importer.release, handle)
 
-    def _wants_remote_prefill(self, req: GenerateRequest) -> bool:
+    async def _wants_remote_prefill(self, req: GenerateRequest) -> bool:
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
             return False  # prompt logprobs need every prompt position's logits: prefill here
         if len(req.prompt_token_ids) < self.remote_prefill_min_tokens:
             return False
-        uncached = self.engine.locked(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids)
+        if self.remote_prefill_min_tokens == 0:
+            return True  # every prompt goes: no need to look at this cache
+        uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids)
         return uncached >= self.remote_prefill_min_tokens
 
     def stats(self) -> dict:

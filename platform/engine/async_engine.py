@@ -8,7 +8,11 @@ cancelled) aborts the request and frees its KV blocks. If the loop itself fails,
 stream raises `EngineDeadError` and `is_healthy` turns False.
 
 Contract: one lock guards the engine, so `add_request`, `abort_request` and `step` never
-interleave; a caller waits at most one step for it. No Ray here.
+interleave. Calls from an event loop (`generate`, `resume`, `call`, a stream's end) never wait
+for a running step: when the engine is mid-step they are queued and the loop thread runs them
+right after it, so a replica's event loop keeps delivering every other stream's tokens meanwhile
+(waiting on the lock blocked it for up to a whole step: a long prefill's second or more). `locked`
+waits for the lock, for threads other than event loops. No Ray here.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from typing import AsyncIterator, Callable, TypeVar
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
@@ -33,7 +38,8 @@ class EngineDeadError(PdserveError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a queued call may use `locked` callbacks (lease pins)
+        self._calls: deque = deque()  # (fn, args, loop, future or None), run by the loop thread between steps
         self._has_work = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
@@ -47,29 +53,75 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
-        """Queue a request now (raising on bad input) and return its stream of outputs."""
-        return self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
-                                 prefill_only)
+        """Queue a request (raising on bad input) and return its stream of outputs."""
+        return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
+                                       prefill_only)
 
     async def resume(self, request_id: str, recompute: bool = False) -> AsyncIterator[RequestOutput]:
         """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
         place (or, with `recompute`, could not be pulled)."""
-        return self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute)
+        return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute)
 
     def locked(self, fn: Callable[..., T], *args) -> T:
         """Run `fn(*args)` under the engine lock, between steps (KV bookkeeping from other threads)."""
         with self._lock:
             return fn(*args)
 
-    def _open_stream(self, request_id: str, add: Callable, *args) -> AsyncIterator[RequestOutput]:
+    async def call(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` between steps without blocking the caller's event loop: at once when no step
+        is running, else on the loop thread right after the current step. Its exception is raised
+        here. It runs to completion even when the caller is cancelled, and the cancellation is
+        raised only after that, so the caller's cleanup sees what it did. Calls (and `call_soon`s)
+        run in the order they were made."""
+        if not self._calls and self._lock.acquire(blocking=False):
+            try:
+                return fn(*args)
+            finally:
+                self._lock.release()
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, args, asyncio.get_running_loop(), future))
+        self._has_work.set()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                await asyncio.wait([future])
+            raise
+
+    def call_soon(self, fn: Callable, *args) -> None:
+        """`fn(*args)` between steps, without waiting for it (now when no step is running)."""
+        if not self._calls and self._lock.acquire(blocking=False):
+            try:
+                fn(*args)
+            finally:
+                self._lock.release()
+            return
+        self._calls.append((fn, args, None, None))
+        self._has_work.set()
+
+    async def _open_stream(self, request_id: str, add: Callable, *args) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        loop = asyncio.get_running_loop()
+
+        def open_():
             add(*args)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._streams[request_id] = (loop, queue)
+
+        try:
+            await self.call(open_)
+        except asyncio.CancelledError:  # it was added all the same: nobody will read it
+            self.call_soon(self._drop, request_id)
+            raise
         self._has_work.set()
         return self._stream(request_id, queue)
+
+    def _drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -90,10 +142,10 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            with self._lock:
+            if finished:  # the engine is done with it; the loop thread only reads this dict
                 self._streams.pop(request_id, None)
-                if not finished:
-                    self.engine.abort_request(request_id)
+            else:
+                self.call_soon(self._drop, request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request from any thread; its stream ends with a `finish_reason` of "abort"."""
@@ -119,13 +171,16 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                if not self.engine.has_unfinished_requests():
+                with self._lock:
+                    self._run_calls()
+                    is_idle = not self.engine.has_unfinished_requests()
+                    if not is_idle:
+                        outputs = self.engine.step()
+                        targets = [(self._streams.get(o.request_id), o) for o in outputs]
+                if is_idle:
                     self._has_work.wait(timeout=0.5)
                     self._has_work.clear()
                     continue
-                with self._lock:
-                    outputs = self.engine.step()
-                    targets = [(self._streams.get(o.request_id), o) for o in outputs]
                 # One hand-off per event loop and step: its streams wake in the same loop turn, so
                 # what they pass on (a replica's output connection) leaves as one message.
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -140,8 +195,25 @@ class AsyncLLMEngine:
             self._error = e
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}; retry on another replica"))
 
+    def _run_calls(self) -> None:
+        """The queued calls, in order (loop thread, under the lock)."""
+        while self._calls:
+            fn, args, loop, future = self._calls.popleft()
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+                if future is None:
+                    log.exception("engine call %s failed", getattr(fn, "__name__", fn))
+            if future is not None:
+                _settle_soon(loop, future, result, error)
+
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
+            while self._calls:  # never run now: their callers get the error
+                _, _, loop, future = self._calls.popleft()
+                if future is not None:
+                    _settle_soon(loop, future, None, error)
             streams = list(self._streams.items())
             for request_id, _ in streams:
                 self.engine.abort_request(request_id)
@@ -150,6 +222,20 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, error)
             except RuntimeError:  # that caller's event loop is already closed
                 pass
+
+
+def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
+    def settle():
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # that caller's event loop is already closed
+        pass
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -63,9 +63,11 @@ class PrefillServer:
             # blocks is still released below and their leases just expire.
             rank_kv = (await self.export_ranks(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
                        if self.export_ranks is not None else ())
-            handle = self.exporter.export(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
-        finally:
-            self.engine.locked(self.engine.engine.release_kv, req.request_id)
+            # Pinned between steps (a running prefill step does not block this event loop).
+            handle = await self.engine.call(self.exporter.export, req.request_id, first.kv_block_ids,
+                                            first.num_prompt_tokens)
+        finally:  # after the pin: the lease holds the blocks now
+            self.engine.call_soon(self.engine.engine.release_kv, req.request_id)
         state = first.generator_state
         # To the client this is the first chunk of a stream that decode continues.
         first.finished, first.kv_block_ids, first.generator_state = False, None, None

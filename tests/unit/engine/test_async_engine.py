@@ -106,3 +106,42 @@ def test_dead_loop_fails_open_streams_and_reports_unhealthy(async_engine):
     asyncio.run(main())
     assert not async_engine.is_healthy
     assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
+def test_event_loop_calls_do_not_wait_for_a_running_step(async_engine):
+    """While a step runs, a request added from the event loop is queued instead of blocking the loop:
+    another stream's outputs keep being handled, and the request joins right after that step."""
+    import threading
+
+    engine = async_engine.engine
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.step
+    steps: list[int] = []
+
+    def step():
+        if len(steps) == 1:  # the second step holds until the test lets it go
+            in_step.set()
+            release.wait()
+        steps.append(engine.scheduler.num_unfinished)
+        return real_step()
+
+    engine.step = step
+
+    async def main():
+        first = await async_engine.generate("a", list(range(10, 30)), GREEDY)
+        await first.__anext__()  # step 1 ran; step 2 is about to run and hold
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait)
+        opening = asyncio.create_task(async_engine.generate("b", list(range(40, 60)), GREEDY))
+        for _ in range(5):  # the event loop keeps running other work meanwhile
+            await asyncio.sleep(0)
+        assert not opening.done() and len(steps) == 1
+        release.set()
+        second = await opening
+        outs_a = [o async for o in first]
+        outs_b = [o async for o in second]
+        return outs_a, outs_b
+
+    outs_a, outs_b = asyncio.run(main())
+    assert outs_a[-1].finished and outs_b[-1].finished
+    # Request b was added between step 2 and step 3, by the loop thread: step 3 is the first with both.
+    assert steps[:3] == [1, 1, 2]

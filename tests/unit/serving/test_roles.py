@@ -109,5 +109,6 @@ def test_cancelled_stream_frees_both_pools(pools):
         await gen.aclose()
 
     asyncio.run(main())
+    asyncio.run(decode.engine.call(lambda: None))  # calls run in order: the abort has run
     assert decode.stats()["num_free_kv_blocks"] == 96
     assert prefill.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_kv_leases"] == 0
