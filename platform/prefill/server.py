@@ -63,9 +63,9 @@ class PrefillServer:
             # blocks is still released below and their leases just expire.
             rank_kv = (await self.export_ranks(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
                        if self.export_ranks is not None else ())
-            # Pinned between steps (a running prefill step does not block this event loop).
-            handle = await self.engine.call(self.exporter.export, req.request_id, first.kv_block_ids,
-                                            first.num_prompt_tokens)
+            # Not as an engine call: the lease table's lock is taken before the engine's (its pins and
+            # the exporter's acks), never the other way round.
+            handle = self.exporter.export(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
         finally:  # after the pin: the lease holds the blocks now
             self.engine.call_soon(self.engine.engine.release_kv, req.request_id)
         state = first.generator_state
