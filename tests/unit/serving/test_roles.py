@@ -56,6 +56,8 @@ def test_disaggregated_greedy_and_seeded_match_one_engine(pools, tiny_llama):
     assert [_tokens(o) for o in outs] == expected
     assert decode.stats()["num_remote_prefills"] == 3 and decode.stats()["num_local_prefills"] == 1
     assert prefill.stats()["num_kv_leases"] == 0
+    for server in (decode, prefill):  # engine calls run in order: releases have run
+        asyncio.run(server.engine.call(lambda: None))
     assert prefill.stats()["num_free_kv_blocks"] == 96 and decode.stats()["num_free_kv_blocks"] == 96
 
 
@@ -96,6 +98,8 @@ def test_failed_prefill_or_pull_falls_back_to_local_compute(pools, tiny_llama):
     kv.allocate = lambda *a: setattr(kv, "allocate", allocate) or False  # full once: it queues instead
     assert _tokens(_run(decode, [GenerateRequest("c", prompt, GREEDY)])[0]) == expected
     assert prefill.stats()["num_kv_leases"] == 0
+    for server in (decode, prefill):  # engine calls run in order: releases have run
+        asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
 
 
@@ -109,6 +113,7 @@ def test_cancelled_stream_frees_both_pools(pools):
         await gen.aclose()
 
     asyncio.run(main())
-    asyncio.run(decode.engine.call(lambda: None))  # calls run in order: the abort has run
+    for server in (decode, prefill):  # engine calls run in order: the abort and the release have run
+        asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96
     assert prefill.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_kv_leases"] == 0
