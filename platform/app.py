@@ -42,9 +42,12 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 # that a 2-core machine takes from the engine. These two keep a replica's user code and its
 # handles' router on Serve's own loop (measured: about a fifth less gateway CPU per token).
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
-# Engine replicas also let their OpenMP threads sleep at once when a parallel region ends
-# instead of spinning for it (libgomp's default), so the gateway and Serve get the core back.
-ENGINE_ENV = {**SERVE_ENV, "OMP_WAIT_POLICY": "PASSIVE"}
+# Engine replicas let an idle OpenMP thread spin for 2,000 rounds (tens of microseconds) before it
+# sleeps, instead of libgomp's default 300,000: long enough to bridge the gaps between the ~45
+# parallel regions of a decode step, short enough that between steps the core goes back to the
+# gateway and Serve. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made every region a futex
+# wake-up: the engine alone took 9.2 ms against 6.0 ms per batch-1 step, 14 against 10.6 at batch 8.
+ENGINE_ENV = {**SERVE_ENV, "GOMP_SPINCOUNT": "2000"}
 
 
 def with_env(ray_actor_options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:

@@ -88,19 +88,19 @@ def test_api_keys_from_the_environment_add_to_the_configured_ones(monkeypatch):
     assert with_env_api_keys(GatewayConfig()).api_keys == []  # no keys configured or set: no auth
 
 
-def test_replicas_run_on_serves_own_loop_and_engines_do_not_spin_unless_configured(tiny_llama):
+def test_replicas_run_on_serves_own_loop_and_engines_spin_briefly_unless_configured(tiny_llama):
     from pdserve.app import ENGINE_ENV, PREFIX_AWARE_ROUTER, SERVE_ENV, _pool_options, with_env
 
     cfg = ServeConfig(model=tiny_llama, decode={"ray_actor_options": {
         "num_cpus": 2, "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}, "pip": ["x"]}}})
     prefill = _pool_options(cfg, cfg.prefill, "Prefill", PREFIX_AWARE_ROUTER)["ray_actor_options"]
     assert prefill == {"num_cpus": 1, "runtime_env": {"env_vars": ENGINE_ENV}}
-    assert ENGINE_ENV["OMP_WAIT_POLICY"] == "PASSIVE" and ENGINE_ENV["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert ENGINE_ENV["GOMP_SPINCOUNT"] == "2000" and ENGINE_ENV["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
     decode = _pool_options(cfg, cfg.decode, "Decode", PREFIX_AWARE_ROUTER)["ray_actor_options"]
     assert decode["runtime_env"] == {"env_vars": {**ENGINE_ENV, "OMP_WAIT_POLICY": "ACTIVE"}, "pip": ["x"]}
     assert cfg.decode.ray_actor_options["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "ACTIVE"}  # not mutated
     assert with_env({"num_cpus": 0}, SERVE_ENV) == {"num_cpus": 0, "runtime_env": {"env_vars": SERVE_ENV}}
-    assert "OMP_WAIT_POLICY" not in SERVE_ENV  # the gateway runs no torch
+    assert "GOMP_SPINCOUNT" not in SERVE_ENV  # the gateway runs no torch
 
 
 def test_serve_starts_ray_with_haproxy_ingress_unless_configured(monkeypatch):
