@@ -37,7 +37,9 @@ class PoolsClient:
     open until the sequence ends; cancelling it aborts the sequence on the replica."""
 
     def __init__(self, decode: DeploymentHandle, pools: dict[str, DeploymentHandle]):
-        self.decode = decode.options(stream=True)
+        # The method's handle, made once: `handle.generate` builds a new handle (its options
+        # copied) on every attribute access.
+        self._generate = decode.options(stream=True).generate
         self.pools = pools
         self.channels = OutputChannels()
         self._tails: set[asyncio.Task] = set()  # calls whose outputs are all in, until their end arrives
@@ -47,7 +49,7 @@ class PoolsClient:
         after the first token the error ends this request only."""
         for attempt in range(attempts):
             pending = self.channels.register(req.request_id)
-            stream = self.decode.generate.remote(req, self.channels.gateway_id)
+            stream = self._generate.remote(req, self.channels.gateway_id)
             reader = asyncio.ensure_future(self._read(stream, pending))
             streamed = finished = False
             try:
@@ -139,8 +141,9 @@ class Gateway:
         self.grpc = GrpcGeneration(self.service.client, self.service.tokenizer, max_model_len, cfg.gateway.api_keys,
                                    metrics)
 
+    # Routes that do no blocking work are coroutines: a plain `def` would run on a worker thread.
     @api.get("/v1/models")
-    def models(self, request: Request):
+    async def models(self, request: Request):
         return self.service.models(request)
 
     @api.post("/v1/completions")
@@ -164,7 +167,7 @@ class Gateway:
         return await self.service.detokenize(request)
 
     @api.get("/tokenizer_info")
-    def tokenizer_info(self):
+    async def tokenizer_info(self):
         return self.service.tokenizer_info()
 
     # gRPC (pdserve.proto): Ray Serve's gRPC proxy calls the ingress method named after the RPC,
