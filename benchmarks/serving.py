@@ -70,8 +70,9 @@ async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, fl
     return records, time.perf_counter() - start
 
 
-def offline_run(model: str, requests, concurrency: int, num_threads: int) -> dict:
-    """The baseline: the same requests as engine streams in this process."""
+def offline_run(model: str, requests, concurrency: int, num_threads: int, warmup) -> dict:
+    """The baseline: the same requests as engine streams in this process (after `warmup`, as the
+    served setups)."""
     from pdserve.bench.metrics import compute_metrics
     from pdserve.config import EngineConfig
     from pdserve.engine.async_engine import AsyncLLMEngine
@@ -82,14 +83,18 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int) -> dic
     async def open_stream(i, r, params):
         return await engine.generate(f"b{i}", r.prompt_token_ids, params)
 
+    async def main():
+        await _stream_all([warmup], 1, open_stream)
+        return await _stream_all(requests, concurrency, open_stream)
+
     try:
-        records, duration = asyncio.run(_stream_all(requests, concurrency, open_stream))
+        records, duration = asyncio.run(main())
     finally:
         engine.shutdown()
     return compute_metrics(records, duration)
 
 
-def handle_run(config, requests, concurrency: int) -> dict:
+def handle_run(config, requests, concurrency: int, warmup) -> dict:
     """The colocated app read without HTTP or the gateway: the gateway's own pool client
     (`PoolsClient`) driven from this process, so only the Ray hop to the engine replica is measured."""
     from ray import serve
@@ -106,7 +111,7 @@ def handle_run(config, requests, concurrency: int) -> dict:
         return client.generate(GenerateRequest(f"h{i}-{time.monotonic_ns()}", r.prompt_token_ids, params))
 
     async def main():
-        await _stream_all(requests[:1], 1, open_stream)  # warm-up
+        await _stream_all([warmup], 1, open_stream)
         return await _stream_all(requests, concurrency, open_stream)
 
     try:
@@ -116,9 +121,9 @@ def handle_run(config, requests, concurrency: int) -> dict:
     return compute_metrics(records, duration)
 
 
-def served_runs(config, requests_by_c: dict[int, list], builder, rate: float | None = None,
+def served_runs(config, requests_by_c: dict[int, list], builder, warmup, rate: float | None = None,
                 slo: dict | None = None) -> dict:
-    """Deploy `config`, run each workload against it, tear it down."""
+    """Deploy `config`, run each workload against it (each after `warmup`), tear it down."""
     from ray import serve
 
     from pdserve.app import build
@@ -132,8 +137,9 @@ def served_runs(config, requests_by_c: dict[int, list], builder, rate: float | N
         for c, reqs in requests_by_c.items():
             settings = RunSettings(base_url=f"http://127.0.0.1:{port}", concurrency=None if rate else c,
                                    rate=rate or float("inf"), slo=slo, seed=0)
-            # Warm-up: one request, so replicas' first-call costs stay out of the figures.
-            run_benchmark(reqs[:1], RunSettings(base_url=settings.base_url, concurrency=1), builder, progress=False)
+            # Warm-up: one request, so replicas' first-call costs stay out of the figures; not one of
+            # the workload's, whose prompt would then be cached.
+            run_benchmark([warmup], RunSettings(base_url=settings.base_url, concurrency=1), builder, progress=False)
             result = run_benchmark(reqs, settings, builder, progress=False)
             results[c] = {k: v for k, v in result.items() if k not in ("ttfts_ms", "e2els_ms")}
         return results
@@ -170,6 +176,7 @@ def main() -> None:
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
     out_len = 16 if args.quick else 32
     requests_by_c = {c: random_workload(builder, max(4, 3 * c), "128", str(out_len), seed=c) for c in concurrencies}
+    warmup = random_workload(builder, 1, "128", str(out_len), seed=1000)[0]  # every setup's first request
 
     if args.ingress == "haproxy":  # as `pdserve serve` does (gateway.ingress): set before Ray starts
         from pdserve.app import HA_PROXY_ENV
@@ -190,10 +197,10 @@ def main() -> None:
         colocated = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode=two_cores)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
-        runs = {"offline": lambda: {c: offline_run(model, reqs, c, 2) for c, reqs in requests_by_c.items()},
-                "handle": lambda: {c: handle_run(colocated, reqs, c) for c, reqs in requests_by_c.items()},
-                "colocated": lambda: served_runs(colocated, requests_by_c, builder),
-                "disaggregated": lambda: served_runs(disagg, requests_by_c, builder)}
+        runs = {"offline": lambda: {c: offline_run(model, reqs, c, 2, warmup) for c, reqs in requests_by_c.items()},
+                "handle": lambda: {c: handle_run(colocated, reqs, c, warmup) for c, reqs in requests_by_c.items()},
+                "colocated": lambda: served_runs(colocated, requests_by_c, builder, warmup),
+                "disaggregated": lambda: served_runs(disagg, requests_by_c, builder, warmup)}
         for r in range(args.rounds if args.part != 2 else 0):
             for setup in setups:
                 report["hops"][setup if args.rounds == 1 else f"{setup} #{r + 1}"] = runs[setup]()
@@ -207,8 +214,8 @@ def main() -> None:
         slo = {"ttft": 4000.0, "tpot": 150.0}
         report["interference"]["rate"] = rate
         report["interference"]["disaggregated"] = served_runs(
-            disagg.model_copy(update={"remote_prefill_min_tokens": 0}), {0: mix}, builder, rate, slo)[0]
-        report["interference"]["colocated"] = served_runs(colocated, {0: mix}, builder, rate, slo)[0]
+            disagg.model_copy(update={"remote_prefill_min_tokens": 0}), {0: mix}, builder, warmup, rate, slo)[0]
+        report["interference"]["colocated"] = served_runs(colocated, {0: mix}, builder, warmup, rate, slo)[0]
     finally:
         ray.shutdown()
         _print(report)
