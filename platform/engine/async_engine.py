@@ -155,7 +155,10 @@ class AsyncLLMEngine:
         if aborted and stream is not None:
             loop, queue = stream
             out = RequestOutput(request_id, [], "", True, "abort")
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # that caller's event loop is already closed
+                self._streams.pop(request_id, None)
         return aborted
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -189,11 +192,20 @@ class AsyncLLMEngine:
                         loop, queue = stream
                         by_loop.setdefault(loop, []).append((queue, out))
                 for loop, items in by_loop.items():
-                    loop.call_soon_threadsafe(_deliver, items)
+                    try:
+                        loop.call_soon_threadsafe(_deliver, items)
+                    except RuntimeError:  # that caller's event loop is closed: nobody reads these
+                        self._drop_streams_of(loop)
         except BaseException as e:  # noqa: BLE001 - any failure kills the replica's engine
             log.exception("engine loop died")
             self._error = e
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}; retry on another replica"))
+
+    def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Abort the requests streaming to `loop` (closed), freeing their KV."""
+        with self._lock:
+            for request_id in [rid for rid, (stream_loop, _) in self._streams.items() if stream_loop is loop]:
+                self._drop(request_id)
 
     def _run_calls(self) -> None:
         """The queued calls, in order (loop thread, under the lock)."""

@@ -145,3 +145,23 @@ def test_event_loop_calls_do_not_wait_for_a_running_step(async_engine):
     assert outs_a[-1].finished and outs_b[-1].finished
     # Request b was added between step 2 and step 3, by the loop thread: step 3 is the first with both.
     assert steps[:3] == [1, 1, 2]
+
+
+def test_a_stream_whose_event_loop_closed_is_dropped_and_the_engine_keeps_serving(async_engine):
+    """A caller's event loop may close while its request still runs (the stream neither read to
+    the end nor closed): the engine must not die delivering to it; it aborts that request and
+    frees its blocks."""
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    stream = loop.run_until_complete(async_engine.generate("orphan", list(range(10, 50)), long))
+    loop.run_until_complete(stream.__anext__())  # it runs
+    loop.close()  # without closing the stream: no abort is queued
+
+    async def after():
+        return [o async for o in await async_engine.generate("after", [5, 6, 7], GREEDY)]
+
+    outs = asyncio.run(after())
+    assert outs[-1].finished and async_engine.is_healthy
+    asyncio.run(async_engine.call(lambda: None))  # queued calls (the drop) have run
+    assert "orphan" not in async_engine._streams
+    assert async_engine.engine.block_pool.num_free_blocks == 128
