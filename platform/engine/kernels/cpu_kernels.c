@@ -1,6 +1,6 @@
-/* pdserve's fp32 CPU kernels: paged decode attention; the linear layers' matmul over weights packed
- * in column panels; and the decoder layer's elementwise work (RMSNorm with the residual add,
- * silu * up, rotary) at the end of the file.
+/* pdserve's fp32 CPU kernels, in this order: paged decode attention; the decoder layer's elementwise
+ * work (RMSNorm with the residual add, silu * up, rotary); the linear layers' matmul over weights
+ * packed in column panels; a whole decode step in one call, token ids to logits; greedy argmax.
  *
  * Paged decode attention: the torch path gathers a batch's blocks into one padded buffer and runs
  * SDPA over it, so the KV bytes cross memory three times and every sequence pays for the longest
