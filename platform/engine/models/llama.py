@@ -141,24 +141,27 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    _c_model: tuple[KVCache, cpu_kernels.DecoderModel] | None = None
+    _c_model: tuple[KVCache, cpu_kernels.DecoderModel | None] | None = None
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The logits of a decode-only step that samples every row, in one C call from token ids
-        (`cpu_kernels.DecoderModel`: the same kernels as `forward` and `compute_logits`, without
-        Python between them), where the model runs there: a dense fp32 model on CPU, one rank.
-        None otherwise: the caller runs `forward` and `compute_logits`."""
+        """The logits of a decode-only step that samples every row (the runner asks only for
+        those), in one C call from token ids (`cpu_kernels.DecoderModel`: the same kernels as
+        `forward` and `compute_logits`, without Python between them), where the model runs there:
+        a dense fp32 model on CPU, one rank. None otherwise: the caller runs `forward` and
+        `compute_logits`."""
+        if not self._runs_in_c():
+            return None
         ctx = get_forward_context()
-        meta = ctx.attn
-        if meta.prefills or meta.num_decode_tokens != input_ids.shape[0] or not self._runs_in_c():
-            return None
         kv = ctx.kv_cache
-        if not (cpu_kernels.usable(kv.kv) and kv.kv.is_contiguous()):
+        if self._c_model is None or self._c_model[0] is not kv:  # checked once per cache
+            in_c = cpu_kernels.usable(kv.kv) and kv.kv.is_contiguous()
+            self._c_model = (kv, self._model_for_c(kv) if in_c else None)
+        model = self._c_model[1]
+        if model is None:
             return None
-        if self._c_model is None or self._c_model[0] is not kv:
-            self._c_model = (kv, self._model_for_c(kv))
-        return self._c_model[1].decode_step(input_ids, positions, meta.slot_mapping,
-                                            meta.decode_block_tables.contiguous(), meta.decode_seq_lens)
+        meta = ctx.attn
+        return model.decode_step(input_ids, positions, meta.slot_mapping, meta.decode_block_tables.contiguous(),
+                                 meta.decode_seq_lens)
 
     def _runs_in_c(self) -> bool:
         """Whether `DecoderModel` can run this model: dense MLPs, one rank, fp32 weights with every
@@ -181,20 +184,20 @@ class LlamaForCausalLM(nn.Module):
         def address(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        m = self.model
         pointers = []
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv.layer(i).unbind(0)
             pointers.append(cpu_kernels.DecoderLayerPointers(
                 address(layer.input_layernorm.weight), address(layer.post_attention_layernorm.weight),
                 address(a.qkv_proj.packed), address(a.qkv_proj.bias), address(a.o_proj.packed),
                 address(mlp.gate_up_proj.packed), address(mlp.down_proj.packed), address(k_cache), address(v_cache)))
-        first = self.model.layers[0]
+        first = m.layers[0]
         attn = first.self_attn.attn
         shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
                                          attn.head_dim, first.mlp.intermediate_size, kv.block_size,
                                          self.lm_head.out_features, first.input_layernorm.eps, attn.scale)
-        m = self.model
         return cpu_kernels.DecoderModel(pointers, shape, m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight,
                                         self.lm_head.packed)
 
