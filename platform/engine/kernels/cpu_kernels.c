@@ -349,7 +349,7 @@ void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_di
  * anything touches them. With 4 KiB pages a GEMV takes a TLB miss every 4 KiB and the hardware
  * prefetcher restarts at each page boundary; this machine class has transparent huge pages only
  * on request ("madvise"). Best effort: where the kernel says no, nothing changes. */
-static void want_huge_pages(void *p, int64_t bytes) {
+void pdserve_want_huge_pages(void *p, int64_t bytes) {
 #ifdef MADV_HUGEPAGE
     const uintptr_t huge = (uintptr_t)2 << 20;
     const uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
@@ -362,7 +362,7 @@ static void want_huge_pages(void *p, int64_t bytes) {
 
 void pdserve_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    want_huge_pages(packed, sizeof(float) * panels * PANEL * k);
+    pdserve_want_huge_pages(packed, sizeof(float) * panels * PANEL * k);
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t p = 0; p < panels; ++p) {
         float *dst = packed + p * k * PANEL;

@@ -176,14 +176,37 @@ def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+def packed_floats(out_features: int, in_features: int) -> int:
+    """Floats `pack_linear` writes for an `[out, in]` weight."""
+    return -(-out_features // PANEL) * PANEL * in_features
+
+
+def pack_linear(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A dense fp32 `[out, in]` weight in `linear`'s layout: column panels `[ceil(out / 16), in, 16]`,
-    zero-padded (flat), on transparent huge pages where the kernel grants them."""
+    zero-padded (flat), on transparent huge pages where the kernel grants them. Written into `out`
+    (flat, `packed_floats` long) when given, else into a buffer of its own."""
     n, k = weight.shape
     weight = weight.contiguous()
-    packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
+    packed = torch.empty(packed_floats(n, k), dtype=torch.float32) if out is None else out
     load().pdserve_pack_linear_f32(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
     return packed
+
+
+def packed_arena(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Buffers for `pack_linear(w, out=...)`, one per `[out, in]` shape, back to back in one
+    allocation that starts on a 2 MiB boundary and asks for 2 MiB pages as a whole.
+
+    Packed one by one, a layer's matrices (1-6 MiB here) start anywhere: the huge pages the kernel
+    grants cover only the whole 2 MiB pages inside each, and on the benchmark model over a third of
+    the layers' bytes stayed on 4 KiB pages. Back to back, a decode step also reads its layers'
+    weights as one ascending stream. (33 batch-1 GEMVs: 3-6% faster, benchmarks/RESULTS.md.)"""
+    sizes = [packed_floats(n, k) for n, k in shapes]
+    page = (2 << 20) // 4  # floats in 2 MiB
+    raw = torch.empty(sum(sizes) + page, dtype=torch.float32)
+    start = -(raw.data_ptr() // 4) % page
+    arena = raw[start:start + sum(sizes)]
+    load().pdserve_want_huge_pages(arena.data_ptr(), arena.numel() * 4)
+    return list(torch.split(arena, sizes))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -265,6 +288,7 @@ _SIGNATURES = {
     "pdserve_silu_mul_f32": (None, [_P, _P, _I, _I, _T]),
     "pdserve_rotary_f32": (None, [_P, _I, _I, _I, _I, _P, _T]),
     "pdserve_pack_linear_f32": (None, [_P, _I, _I, _P, _T]),
+    "pdserve_want_huge_pages": (None, [_P, _I]),
     "pdserve_linear_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _T]),
     "pdserve_decode_work_floats": (_I, [_P, _I]),
     "pdserve_decode_step_f32": (ctypes.c_int, [_P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _T]),

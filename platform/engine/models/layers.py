@@ -83,16 +83,23 @@ class _Linear(nn.Module):
     packed: torch.Tensor | None = None
     packed_for: str | None = None  # "pdserve" (cpu_kernels.linear) or "onednn"
 
-    def finalize(self) -> None:
+    def finalize(self, packed_out: torch.Tensor | None = None) -> None:
+        """packed_out: where to pack for pdserve's matmul (from `cpu_kernels.packed_arena`), when
+        `packs_for_pdserve`; else a buffer of its own."""
         self.num_weight_bytes = self.weight.numel() * self.weight.element_size()
         self.out_features = self.weight.shape[0]
-        if cpu_kernels.usable(self.weight):
-            self.packed, self.packed_for = cpu_kernels.pack_linear(self.weight.data), "pdserve"
+        if self.packs_for_pdserve:
+            self.packed, self.packed_for = cpu_kernels.pack_linear(self.weight.data, packed_out), "pdserve"
         else:
             self.packed = _onednn_pack(self.weight.data)
             self.packed_for = "onednn" if self.packed is not None else None
         if self.packed is not None:
             self.weight = None  # the packed copy is the weight now
+
+    @property
+    def packs_for_pdserve(self) -> bool:
+        """Whether `finalize` packs the weight for pdserve's C matmul (fp32 on CPU, kernels built)."""
+        return self.weight is not None and cpu_kernels.usable(self.weight)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_for == "pdserve":

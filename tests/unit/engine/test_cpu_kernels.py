@@ -132,6 +132,27 @@ def test_linear_takes_a_strided_input_and_keeps_leading_dimensions():
     assert cpu_kernels.linear(torch.randn(0, 16), cpu_kernels.pack_linear(w), 24, None).shape == (0, 24)
 
 
+def test_weights_packed_into_one_arena_lie_back_to_back_from_a_2mib_boundary(checkpoints):
+    shapes = [(24, 16), (40, 24), (7, 33)]
+    buffers = cpu_kernels.packed_arena(shapes)
+    assert buffers[0].data_ptr() % (2 << 20) == 0
+    for (n, k), buf, nxt in zip(shapes, buffers, buffers[1:] + [None]):
+        assert buf.numel() == cpu_kernels.packed_floats(n, k)
+        if nxt is not None:
+            assert buf.data_ptr() + 4 * buf.numel() == nxt.data_ptr()
+    for (n, k), buf in zip(shapes, buffers):
+        w, x = torch.randn(n, k), torch.randn(3, k)
+        assert cpu_kernels.pack_linear(w, buf) is buf
+        torch.testing.assert_close(cpu_kernels.linear(x, buf, n, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    # A loaded model's layers: one arena, in the order a decode step reads them.
+    from pdserve.engine.models.loader import load_model
+
+    model, _ = load_model(checkpoints["tiny-llama"])
+    packed = [lin.packed for layer in model.model.layers
+              for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(a.data_ptr() + 4 * a.numel() == b.data_ptr() for a, b in zip(packed, packed[1:]))
+
+
 def test_linear_layer_packs_for_the_kernel_or_for_onednn(monkeypatch):
     w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(7, 24)
     outputs = {}
