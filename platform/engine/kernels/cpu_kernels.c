@@ -219,38 +219,46 @@ static float *scratch(int which, int64_t floats) {
     return buf[which];
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated. */
-int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, int64_t q_head_stride,
-                                       const float *k_cache, const float *v_cache, const int64_t *block_tables,
-                                       int64_t table_width, const int64_t *seq_lens, float *out, int64_t batch,
-                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                       int64_t block_size, float scale, int num_threads) {
+/* One thread's part of paged decode attention, inside a parallel region every thread of the team
+ * calls it from (its work items are a worksharing loop, whose end is a barrier). Returns 1 when
+ * this thread's scratch could not be allocated (its items are then left unwritten), else 0. */
+static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head_stride, const float *k_cache,
+                          const float *v_cache, const int64_t *block_tables, int64_t table_width,
+                          const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     /* Work items: whole sequences (all their heads: whole blocks stream in) when there are enough
      * to keep every thread busy, else (sequence, KV head) pairs. */
-    const int64_t heads_per_item = batch >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t heads_per_item = batch >= 4 * omp_get_num_threads() ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t rows = heads_per_item * group;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *scores = scratch(0, rows * (max_len > 0 ? max_len : 1));
-        float *acc = scratch(1, rows * head_dim);
-        if (scores == NULL || acc == NULL) failed = 1;
-        /* Every thread takes part in the loop (a worksharing construct must be met by all). */
+    float *scores = scratch(0, rows * (max_len > 0 ? max_len : 1));
+    float *acc = scratch(1, rows * head_dim);
+    /* Every thread takes part in the loop (a worksharing construct must be met by all). */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < batch * items_per_seq; ++item) {
-            const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
-            if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
-            attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, block_tables + b * table_width,
-                   seq_lens[b], h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores,
-                   acc, out + b * num_heads * head_dim);
-        }
+    for (int64_t item = 0; item < batch * items_per_seq; ++item) {
+        const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
+        if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
+        attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, block_tables + b * table_width, seq_lens[b],
+               h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores, acc,
+               out + b * num_heads * head_dim);
     }
+    return scores == NULL || acc == NULL;
+}
+
+/* Returns 0 on success, 1 when scratch memory could not be allocated. */
+int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, int64_t q_head_stride,
+                                       const float *k_cache, const float *v_cache, const int64_t *block_tables,
+                                       int64_t table_width, const int64_t *seq_lens, float *out, int64_t batch,
+                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                       int64_t block_size, float scale, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    failed = attention_part(q, q_batch_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, seq_lens,
+                            out, batch, num_heads, num_kv_heads, head_dim, block_size, scale);
     return failed;
 }
 
@@ -268,69 +276,71 @@ static inline float sum_of_squares(const float *x, int64_t n) {
     return acc;
 }
 
-/* out = x / sqrt(mean(x^2) + eps) * weight; with `delta`, first x += delta (the residual add). */
+/* One row: out = x / sqrt(mean(x^2) + eps) * weight; with `delta`, first x += delta (the residual add). */
+static inline void rms_norm_row(float *x, const float *delta, const float *weight, float *out, int64_t dim,
+                                float eps) {
+    if (delta != NULL) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) x[i] += delta[i];
+    }
+    const float inv = 1.0f / sqrtf(sum_of_squares(x, dim) / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * weight[i];
+}
+
 void pdserve_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows,
                           int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; ++r) {
-        float *xr = x + r * dim;
-        float *o = out + r * dim;
-        if (delta != NULL) {
-            const float *dr = delta + r * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < dim; ++i) xr[i] += dr[i];
-        }
-        const float inv = 1.0f / sqrtf(sum_of_squares(xr, dim) / (float)dim + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * weight[i];
-    }
+    for (int64_t r = 0; r < rows; ++r)
+        rms_norm_row(x + r * dim, delta != NULL ? delta + r * dim : NULL, weight, out + r * dim, dim, eps);
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, dim + i]  (gate and up side by side, as the merged
+/* One row: out[i] = silu(gate_up[i]) * gate_up[dim + i]  (gate and up side by side, as the merged
  * projection writes them). */
+static inline void silu_mul_row(const float *g, float *o, int64_t dim) {
+    const float *u = g + dim;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= dim; i += 8) {
+        /* sigmoid from exp(-|x|) <= 1, so nothing overflows: 1/(1+e) for x >= 0, e/(1+e) below. */
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
+        __m256 num = _mm256_blendv_ps(one, e, x);  /* sign bit of x picks e */
+        __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < dim; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 void pdserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *g = gate_up + r * 2 * dim;
-        const float *u = g + dim;
-        float *o = out + r * dim;
-        int64_t i = 0;
-#ifdef HAVE_AVX2
-        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-        for (; i + 8 <= dim; i += 8) {
-            /* sigmoid from exp(-|x|) <= 1, so nothing overflows: 1/(1+e) for x >= 0, e/(1+e) below. */
-            __m256 x = _mm256_loadu_ps(g + i);
-            __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
-            __m256 num = _mm256_blendv_ps(one, e, x);  /* sign bit of x picks e */
-            __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate_up + r * 2 * dim, out + r * dim, dim);
+}
+
+/* Rotate heads [0, heads) of one token in place, neox style (halves): x1' = x1 cos - x2 sin,
+ * x2' = x2 cos + x1 sin. c: the token's position's row of the table, cos then sin (head_dim / 2 each). */
+static inline void rotary_token(float *x, int64_t heads, int64_t head_dim, const float *c) {
+    const int64_t half = head_dim / 2;
+    const float *s = c + half;
+    for (int64_t h = 0; h < heads; ++h) {
+        float *x1 = x + h * head_dim;
+        float *x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
         }
-#endif
-        for (; i < dim; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
-/* Rotate heads [0, heads) of every token in place, neox style (halves): x1' = x1 cos - x2 sin,
- * x2' = x2 cos + x1 sin. x: [tokens, *, head_dim] with token stride `token_stride`;
- * cos_sin: [tokens, 2, head_dim / 2] (cos then sin, the token's position's rows). */
+/* x: [tokens, *, head_dim] with token stride `token_stride`; cos_sin: [tokens, 2, head_dim / 2]. */
 void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride,
                         const float *cos_sin, int num_threads) {
-    const int64_t half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float *c = cos_sin + t * 2 * half;
-        const float *s = c + half;
-        for (int64_t h = 0; h < heads; ++h) {
-            float *x1 = x + t * token_stride + h * head_dim;
-            float *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
-    }
+    for (int64_t t = 0; t < tokens; ++t) rotary_token(x + t * token_stride, heads, head_dim, cos_sin + t * head_dim);
 }
 
 /* -- Linear layers: y = x W^T + b over W packed in column panels ---------------------------------
@@ -459,39 +469,46 @@ static void linear_rows_portable(const float *x, int64_t rows, int64_t k, const 
     }
 }
 
-/* out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]), W packed by pdserve_pack_linear_f32. */
-void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                        float *out, int num_threads) {
+/* Thread t of nt's part of out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]): its share of the panels. */
+static void linear_part(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                        float *out, int t, int nt) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     /* Rows per block: x's block (block * k floats) takes half of a 512 KiB L2; a multiple of 6. */
     int64_t block = (64 * 1024) / (k > 0 ? k : 1);
     block = block < 6 ? 6 : block - block % 6;
-    if (m * n * k < (1 << 16)) num_threads = 1;  /* too small to pay for waking threads */
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < m; m0 += block) {
-            const int64_t m1 = m0 + block < m ? m0 + block : m;
-            for (int64_t p = p0; p < p1; ++p) {
-                const float *panel = packed + p * k * PANEL;
-                const int64_t c = p * PANEL, cols = n - c < PANEL ? n - c : PANEL;
-                const float *b = bias != NULL ? bias + c : NULL;
-                int64_t r = m0;
+    if (m * n * k < (1 << 16)) {  /* too small to share (or to pay for waking threads) */
+        if (t != 0) return;
+        nt = 1;
+    }
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+        const int64_t m1 = m0 + block < m ? m0 + block : m;
+        for (int64_t p = p0; p < p1; ++p) {
+            const float *panel = packed + p * k * PANEL;
+            const int64_t c = p * PANEL, cols = n - c < PANEL ? n - c : PANEL;
+            const float *b = bias != NULL ? bias + c : NULL;
+            int64_t r = m0;
 #ifdef HAVE_AVX2
-                if (m == 1) {
-                    linear_row(x, panel, k, out + c, cols, b);
-                    continue;
-                }
-                for (; r + 6 <= m1; r += 6) linear_tile_6(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
-                for (; r + 4 <= m1; r += 4) linear_tile_4(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
-                for (; r + 2 <= m1; r += 2) linear_tile_2(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
-                for (; r < m1; ++r) linear_tile_1(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
-#endif
-                linear_rows_portable(x + r * k, m1 - r, k, panel, out + r * n + c, n, cols, b);
+            if (m == 1) {
+                linear_row(x, panel, k, out + c, cols, b);
+                continue;
             }
+            for (; r + 6 <= m1; r += 6) linear_tile_6(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+            for (; r + 4 <= m1; r += 4) linear_tile_4(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+            for (; r + 2 <= m1; r += 2) linear_tile_2(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+            for (; r < m1; ++r) linear_tile_1(x + r * k, k, panel, k, out + r * n + c, n, cols, b);
+#endif
+            linear_rows_portable(x + r * k, m1 - r, k, panel, out + r * n + c, n, cols, b);
         }
     }
+}
+
+/* out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]), W packed by pdserve_pack_linear_f32. */
+void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                        float *out, int num_threads) {
+    if (m * n * k < (1 << 16)) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    linear_part(x, m, k, packed, n, bias, out, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* -- A whole decode step in one call ---------------------------------------------------------------
@@ -504,7 +521,8 @@ void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packe
  *     x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
  *     h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
  *   logits = norm(h) Wlm
- * with the same kernels the Python path calls, so both paths compute the same values. */
+ * with the same row and part functions as the kernels the Python path calls, so both paths compute
+ * the same values. */
 
 typedef struct {
     const float *input_norm, *post_norm;                  /* [hidden] */
@@ -526,15 +544,6 @@ typedef struct {
     const float *lm_head;     /* packed, `vocab` output columns */
 } pdserve_decoder_model;
 
-/* Rows [q_size, q_size + kv_size) and the next kv_size of each token's qkv row into its cache slot. */
-static void write_kv(const float *qkv, int64_t tokens, int64_t qkv_size, int64_t q_size, int64_t kv_size,
-                     const int64_t *slots, float *k_cache, float *v_cache) {
-    for (int64_t t = 0; t < tokens; ++t) {
-        memcpy(k_cache + slots[t] * kv_size, qkv + t * qkv_size + q_size, sizeof(float) * kv_size);
-        memcpy(v_cache + slots[t] * kv_size, qkv + t * qkv_size + q_size + kv_size, sizeof(float) * kv_size);
-    }
-}
-
 static int64_t gate_up_floats(const pdserve_decoder_shape *s) {  /* also holds the o projection's output */
     return 2 * s->intermediate > s->hidden ? 2 * s->intermediate : s->hidden;
 }
@@ -547,41 +556,65 @@ int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
 
 /* ids, positions, slots, seq_lens [m]; block_tables [m, table_width] (int64, dense); work: scratch of
  * pdserve_decode_work_floats(shape, m) floats; logits [m, vocab]. Returns 0, or 1 when attention's
- * scratch could not be allocated. */
+ * scratch could not be allocated.
+ *
+ * One parallel region for the whole step: its ~45 kernels would each wake the team and wait for
+ * it again; here they are parts of one team's work with a barrier between (a worksharing loop's
+ * end is one). Small work (a row's norm, a token's rotary and cache write) goes to one thread. */
 int pdserve_decode_step_f32(const pdserve_decoder_model *model, const pdserve_decoder_shape *s, const int64_t *ids,
                             const int64_t *positions, int64_t m, const int64_t *slots, const int64_t *block_tables,
                             int64_t table_width, const int64_t *seq_lens, float *work, float *logits,
                             int num_threads) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    const int64_t qkv_size = q_size + 2 * kv_size;
-    float *h = work, *cos_sin = h + m * s->hidden, *x = cos_sin + m * s->head_dim, *qkv = x + m * s->hidden;
+    const int64_t qkv_size = q_size + 2 * kv_size, hidden = s->hidden, inter = s->intermediate;
+    float *h = work, *cos_sin = h + m * hidden, *x = cos_sin + m * s->head_dim, *qkv = x + m * hidden;
     float *attn = qkv + m * qkv_size, *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_floats(s);
-    for (int64_t t = 0; t < m; ++t) {
-        memcpy(h + t * s->hidden, model->embedding + ids[t] * s->hidden, sizeof(float) * s->hidden);
-        memcpy(cos_sin + t * s->head_dim, model->cos_sin + positions[t] * s->head_dim, sizeof(float) * s->head_dim);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp for
+        for (int64_t r = 0; r < m; ++r) {
+            memcpy(h + r * hidden, model->embedding + ids[r] * hidden, sizeof(float) * hidden);
+            memcpy(cos_sin + r * s->head_dim, model->cos_sin + positions[r] * s->head_dim, sizeof(float) * s->head_dim);
+        }
+        for (int64_t i = 0; i < model->num_layers; ++i) {
+            const pdserve_decoder_layer *l = &model->layers[i];
+            /* x = norm(h), after h += the previous layer's MLP output (in x). */
+#pragma omp for
+            for (int64_t r = 0; r < m; ++r)
+                rms_norm_row(h + r * hidden, i ? x + r * hidden : NULL, l->input_norm, x + r * hidden, hidden, s->eps);
+            linear_part(x, m, hidden, l->qkv, qkv_size, l->qkv_bias, qkv, t, nt);
+#pragma omp barrier
+#pragma omp for
+            for (int64_t r = 0; r < m; ++r) {  /* rotary on q and k, then k and v into the token's cache slot */
+                float *row_qkv = qkv + r * qkv_size;
+                rotary_token(row_qkv, s->heads + s->kv_heads, s->head_dim, cos_sin + r * s->head_dim);
+                memcpy(l->k_cache + slots[r] * kv_size, row_qkv + q_size, sizeof(float) * kv_size);
+                memcpy(l->v_cache + slots[r] * kv_size, row_qkv + q_size + kv_size, sizeof(float) * kv_size);
+            }
+            failed |= attention_part(qkv, qkv_size, s->head_dim, l->k_cache, l->v_cache, block_tables, table_width,
+                                     seq_lens, attn, m, s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale);
+            /* h += attn Wo, then x = norm(h): the o projection lands in `gate_up` (free until the MLP). */
+            linear_part(attn, m, q_size, l->o, hidden, NULL, gate_up, t, nt);
+#pragma omp barrier
+#pragma omp for
+            for (int64_t r = 0; r < m; ++r)
+                rms_norm_row(h + r * hidden, gate_up + r * hidden, l->post_norm, x + r * hidden, hidden, s->eps);
+            linear_part(x, m, hidden, l->gate_up, 2 * inter, NULL, gate_up, t, nt);
+#pragma omp barrier
+#pragma omp for
+            for (int64_t r = 0; r < m; ++r) silu_mul_row(gate_up + r * 2 * inter, act + r * inter, inter);
+            linear_part(act, m, inter, l->down, hidden, NULL, x, t, nt);
+#pragma omp barrier
+        }
+#pragma omp for
+        for (int64_t r = 0; r < m; ++r)
+            rms_norm_row(h + r * hidden, model->num_layers ? x + r * hidden : NULL, model->final_norm, x + r * hidden,
+                         hidden, s->eps);
+        linear_part(x, m, hidden, model->lm_head, s->vocab, NULL, logits, t, nt);
     }
-    for (int64_t i = 0; i < model->num_layers; ++i) {
-        const pdserve_decoder_layer *l = &model->layers[i];
-        pdserve_rms_norm_f32(h, NULL, l->input_norm, x, m, s->hidden, s->eps, num_threads);
-        pdserve_linear_f32(x, m, s->hidden, l->qkv, qkv_size, l->qkv_bias, qkv, num_threads);
-        pdserve_rotary_f32(qkv, m, s->heads + s->kv_heads, s->head_dim, qkv_size, cos_sin, num_threads);
-        write_kv(qkv, m, qkv_size, q_size, kv_size, slots, l->k_cache, l->v_cache);
-        if (pdserve_paged_decode_attention_f32(qkv, qkv_size, s->head_dim, l->k_cache, l->v_cache, block_tables,
-                                               table_width, seq_lens, attn, m, s->heads, s->kv_heads, s->head_dim,
-                                               s->block_size, s->scale, num_threads))
-            return 1;
-        /* h += attn Wo, then x = norm(h): the o projection lands in `gate_up` (free until the MLP). */
-        pdserve_linear_f32(attn, m, q_size, l->o, s->hidden, NULL, gate_up, num_threads);
-        pdserve_rms_norm_f32(h, gate_up, l->post_norm, x, m, s->hidden, s->eps, num_threads);
-        pdserve_linear_f32(x, m, s->hidden, l->gate_up, 2 * s->intermediate, NULL, gate_up, num_threads);
-        pdserve_silu_mul_f32(gate_up, act, m, s->intermediate, num_threads);
-        pdserve_linear_f32(act, m, s->intermediate, l->down, s->hidden, NULL, x, num_threads);
-#pragma omp simd
-        for (int64_t j = 0; j < m * s->hidden; ++j) h[j] += x[j];
-    }
-    pdserve_rms_norm_f32(h, NULL, model->final_norm, x, m, s->hidden, s->eps, num_threads);
-    pdserve_linear_f32(x, m, s->hidden, model->lm_head, s->vocab, NULL, logits, num_threads);
-    return 0;
+    return failed;
 }
 
 /* The first index of v's largest value, or of its first NaN if it has one (torch's argmax): one
