@@ -20,7 +20,7 @@ from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
 from pdserve.engine.request import Request, TokenLogprob
-from pdserve.engine.sampler import Sampler, token_logprob
+from pdserve.engine.sampler import Sampler, needs_only_argmax, token_logprob
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -58,20 +58,24 @@ class ModelRunner:
         step = self._prepare(chunks, [row for row, _, _ in prompt_rows] + sample_rows, len(prompt_rows))
         if self.parallel.size > 1:
             broadcast_step(step, self.device)
-        prompt_logits, logits = self.run_step(step)
+        prompt_logits, logits, greedy_tokens = self.run_step(step, greedy=needs_only_argmax(requests))
         if prompt_logits is not None:
             logprobs = torch.log_softmax(prompt_logits.float(), dim=-1)
             for row, (_, target, r) in zip(logprobs, prompt_rows):
                 r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
+        if greedy_tokens is not None:
+            return [SampledToken(r, t, None) for r, t in zip(requests, greedy_tokens)]
         if logits is None:
             return []
         tokens, logprobs = self.sampler(logits, requests)
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
 
     @torch.inference_mode()
-    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run_step(self, step: StepInputs,
+                 greedy: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int] | None]:
         """The forward pass every rank runs: (prompt-logprob logits, sampling logits), each None
-        when the step has no such rows (and on worker ranks, which only contribute shards)."""
+        when the step has no such rows (and on worker ranks, which only contribute shards), and
+        with `greedy` the sampling rows' argmax tokens where the model picked them (else None)."""
         nd = 0 if step.decode_lens is None else step.decode_lens.numel()
         prefills = [PrefillChunkMeta(s, q, c, table) for s, q, c, table in step.prefills]
         meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills)
@@ -79,13 +83,13 @@ class ModelRunner:
         with forward_context(meta, self.kv_cache, self.workspace):
             # Logit rows are ascending and distinct: as many as tokens means every row samples.
             if not k and not prefills and step.logit_rows.numel() == step.input_ids.numel():
-                logits = self.model.decode_logits(step.input_ids, step.positions)
-                if logits is not None:
-                    return None, logits
+                decoded = self.model.decode_logits(step.input_ids, step.positions, greedy)
+                if decoded is not None:
+                    return None, *decoded
             hidden = self.model(step.input_ids, step.positions)
         prompt = self.model.compute_logits(hidden[step.logit_rows[:k]]) if k else None
         sample = self.model.compute_logits(hidden[step.logit_rows[k:]]) if step.logit_rows.numel() > k else None
-        return prompt, sample
+        return prompt, sample, None
 
     def _prepare(self, chunks: list[ScheduledChunk], logit_rows: list[int], num_prompt_rows: int) -> StepInputs:
         """The step's tensors for chunks ordered decodes first."""

@@ -62,6 +62,13 @@ class Sampler:
         return torch.where(greedy, argmax(logits), sampled)
 
 
+def needs_only_argmax(requests: list[Request]) -> bool:
+    """Whether sampling these requests is each row's argmax and nothing else (greedy, no
+    penalties, no logprobs): then a model that picks the argmax as it writes the logits (the C
+    decode step) stands in for the sampler."""
+    return all(r.params.is_greedy and not r.params.has_penalties and r.params.logprobs is None for r in requests)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax; the C kernel's where it takes the tensor (torch's costs ~45 us a row over
     a 32k vocabulary, a few percent of a batch-1 decode step)."""

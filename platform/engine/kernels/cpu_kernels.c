@@ -469,18 +469,27 @@ static void linear_rows_portable(const float *x, int64_t rows, int64_t k, const 
     }
 }
 
+/* Thread t of nt's share [*p0, *p1) of the panels of an [m, k] x [k, n] product: an even split, or
+ * all of them on thread 0 when the product is too small to share (or to pay for waking threads). */
+static void part_panels(int64_t m, int64_t k, int64_t n, int t, int nt, int64_t *p0, int64_t *p1) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    if (m * n * k < (1 << 16)) {
+        *p0 = 0;
+        *p1 = t == 0 ? panels : 0;
+        return;
+    }
+    *p0 = panels * t / nt;
+    *p1 = panels * (t + 1) / nt;
+}
+
 /* Thread t of nt's part of out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]): its share of the panels. */
 static void linear_part(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
                         float *out, int t, int nt) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
     /* Rows per block: x's block (block * k floats) takes half of a 512 KiB L2; a multiple of 6. */
     int64_t block = (64 * 1024) / (k > 0 ? k : 1);
     block = block < 6 ? 6 : block - block % 6;
-    if (m * n * k < (1 << 16)) {  /* too small to share (or to pay for waking threads) */
-        if (t != 0) return;
-        nt = 1;
-    }
-    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    int64_t p0, p1;
+    part_panels(m, k, n, t, nt, &p0, &p1);
     for (int64_t m0 = 0; m0 < m; m0 += block) {
         const int64_t m1 = m0 + block < m ? m0 + block : m;
         for (int64_t p = p0; p < p1; ++p) {
@@ -554,9 +563,11 @@ int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
     return m * (2 * s->hidden + s->head_dim + qkv + s->heads * s->head_dim + gate_up_floats(s) + s->intermediate);
 }
 
+static int64_t argmax_row(const float *v, int64_t n);
+
 /* ids, positions, slots, seq_lens [m]; block_tables [m, table_width] (int64, dense); work: scratch of
- * pdserve_decode_work_floats(shape, m) floats; logits [m, vocab]. Returns 0, or 1 when attention's
- * scratch could not be allocated.
+ * pdserve_decode_work_floats(shape, m) floats; logits [m, vocab]; greedy: NULL, or [m] for each row's
+ * argmax (as pdserve_argmax_f32). Returns 0, or 1 when scratch memory could not be allocated.
  *
  * One parallel region for the whole step: its ~45 kernels would each wake the team and wait for
  * it again; here they are parts of one team's work with a barrier between (a worksharing loop's
@@ -564,11 +575,14 @@ int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
 int pdserve_decode_step_f32(const pdserve_decoder_model *model, const pdserve_decoder_shape *s, const int64_t *ids,
                             const int64_t *positions, int64_t m, const int64_t *slots, const int64_t *block_tables,
                             int64_t table_width, const int64_t *seq_lens, float *work, float *logits,
-                            int num_threads) {
+                            int64_t *greedy, int num_threads) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, hidden = s->hidden, inter = s->intermediate;
     float *h = work, *cos_sin = h + m * hidden, *x = cos_sin + m * s->head_dim, *qkv = x + m * hidden;
     float *attn = qkv + m * qkv_size, *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_floats(s);
+    /* Greedy: each thread's argmax over the logits it wrote, per row (-1: it wrote none). */
+    int64_t *part_best = greedy != NULL ? malloc(sizeof(int64_t) * m * num_threads) : NULL;
+    if (greedy != NULL && part_best == NULL) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -613,7 +627,35 @@ int pdserve_decode_step_f32(const pdserve_decoder_model *model, const pdserve_de
             rms_norm_row(h + r * hidden, model->num_layers ? x + r * hidden : NULL, model->final_norm, x + r * hidden,
                          hidden, s->eps);
         linear_part(x, m, hidden, model->lm_head, s->vocab, NULL, logits, t, nt);
+        if (greedy != NULL) {
+            /* Scanned by the thread that wrote them, while they are in its cache (read back later by
+             * one thread they cost ~80 us a row); then the threads' winners are compared in column
+             * order, so the result is argmax_row's over the whole row: first NaN, else first max. */
+            int64_t p0, p1;
+            part_panels(m, hidden, s->vocab, t, nt, &p0, &p1);
+            const int64_t c0 = p0 * PANEL, c1 = p1 * PANEL < s->vocab ? p1 * PANEL : s->vocab;
+            for (int64_t r = 0; r < m; ++r)
+                part_best[t * m + r] = c1 > c0 ? c0 + argmax_row(logits + r * s->vocab + c0, c1 - c0) : -1;
+#pragma omp barrier
+#pragma omp for
+            for (int64_t r = 0; r < m; ++r) {
+                const float *row_logits = logits + r * s->vocab;
+                int64_t best = -1;
+                for (int u = 0; u < nt; ++u) {
+                    const int64_t i = part_best[u * m + r];
+                    if (i < 0) continue;
+                    const float v = row_logits[i];
+                    if (v != v) {  /* NaN: the first one wins */
+                        best = i;
+                        break;
+                    }
+                    if (best < 0 || v > row_logits[best]) best = i;
+                }
+                greedy[r] = best;
+            }
+        }
     }
+    free(part_best);
     return failed;
 }
 

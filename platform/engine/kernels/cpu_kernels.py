@@ -262,21 +262,24 @@ class DecoderModel:
                                             cos_sin.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr())
 
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Logits `[m, vocab]` of a decode-only step, one new token per sequence; input_ids,
-        positions, slot_mapping, seq_lens `[m]` and block_tables `[m, width]`, all int64 and dense.
-        Writes the tokens' K and V into the cache."""
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    greedy: bool = False) -> tuple[torch.Tensor, list[int] | None]:
+        """Logits `[m, vocab]` of a decode-only step, one new token per sequence, and with `greedy`
+        each row's argmax token (as `argmax`; else None); input_ids, positions, slot_mapping,
+        seq_lens `[m]` and block_tables `[m, width]`, all int64 and dense. Writes the tokens' K and
+        V into the cache."""
         lib = load()
         m = input_ids.shape[0]
         work = torch.empty(lib.pdserve_decode_work_floats(ctypes.byref(self.shape), m), dtype=torch.float32)
         logits = torch.empty(m, self.shape.vocab, dtype=torch.float32)
+        tokens = (ctypes.c_int64 * m)() if greedy else None
         failed = lib.pdserve_decode_step_f32(
             ctypes.byref(self._model), ctypes.byref(self.shape), input_ids.data_ptr(), positions.data_ptr(), m,
             slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-            work.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            work.data_ptr(), logits.data_ptr(), tokens, torch.get_num_threads())
         if failed:
-            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
-        return logits
+            raise MemoryError("the CPU decode step could not allocate its scratch memory")
+        return logits, None if tokens is None else list(tokens)
 
 
 PANEL = 16  # columns per panel of a packed weight (cpu_kernels.c)
@@ -291,6 +294,6 @@ _SIGNATURES = {
     "pdserve_want_huge_pages": (None, [_P, _I]),
     "pdserve_linear_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _T]),
     "pdserve_decode_work_floats": (_I, [_P, _I]),
-    "pdserve_decode_step_f32": (ctypes.c_int, [_P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _T]),
+    "pdserve_decode_step_f32": (ctypes.c_int, [_P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _T]),
     "pdserve_argmax_f32": (None, [_P, _I, _I, _P, _T]),
 }

@@ -143,12 +143,13 @@ class LlamaForCausalLM(nn.Module):
 
     _c_model: tuple[KVCache, cpu_kernels.DecoderModel | None] | None = None
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      greedy: bool = False) -> tuple[torch.Tensor, list[int] | None] | None:
         """The logits of a decode-only step that samples every row (the runner asks only for
-        those), in one C call from token ids (`cpu_kernels.DecoderModel`: the same kernels as
-        `forward` and `compute_logits`, without Python between them), where the model runs there:
-        a dense fp32 model on CPU, one rank. None otherwise: the caller runs `forward` and
-        `compute_logits`."""
+        those), and with `greedy` each row's argmax token, in one C call from token ids
+        (`cpu_kernels.DecoderModel`: the same kernels as `forward` and `compute_logits`, without
+        Python between them), where the model runs there: a dense fp32 model on CPU, one rank.
+        None otherwise: the caller runs `forward` and `compute_logits`."""
         if not self._runs_in_c():
             return None
         ctx = get_forward_context()
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         meta = ctx.attn
         return model.decode_step(input_ids, positions, meta.slot_mapping, meta.decode_block_tables.contiguous(),
-                                 meta.decode_seq_lens)
+                                 meta.decode_seq_lens, greedy)
 
     def _runs_in_c(self) -> bool:
         """Whether `DecoderModel` can run this model: dense MLPs, one rank, fp32 weights with every

@@ -251,3 +251,50 @@ def test_argmax_matches_torch(n):
     x[4, -1] = float("inf")
     x[5] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
     assert cpu_kernels.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_greedy_tokens_from_the_decode_step_are_its_logits_argmax(checkpoints, monkeypatch):
+    """When every request only needs its argmax, the C decode step picks it as it writes the logits
+    (each thread scans its own columns, then the threads' winners are compared): the same tokens as
+    argmax over the logits, ties and NaN included, with the LM head split between two threads."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(checkpoints["tiny-llama"], block_size=4)
+        calls = []
+        step = cpu_kernels.DecoderModel.decode_step
+        monkeypatch.setattr(cpu_kernels.DecoderModel, "decode_step",
+                            lambda self, *a: calls.append((self, a)) or step(self, *a))
+        prompts = [list(range(5, 5 + n)) for n in (1, 9, 16, 17, 40)]
+        greedy = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        self, args = calls[-1]
+        assert args[-1] is True, "plain greedy requests should take their tokens from the decode step"
+        # Same tokens as sampling from the logits (logprobs asked for: the sampler runs).
+        sampled = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0))
+        assert [o.token_ids for o in greedy] == [o.token_ids for o in sampled]
+
+        head = llm.engine.model.lm_head
+        panels = head.packed.view(-(-head.out_features // 16), -1, 16)  # [panels, in, 16]
+        vocab = head.out_features
+        original = head.packed.clone()
+
+        def column(c: int) -> torch.Tensor:
+            return panels[c // 16, :, c % 16]
+
+        # (column, value) pairs over an all-zero head; [] alone: every logit 0, the first index wins.
+        cases = [[], [(vocab - 3, float("nan")), (4, 1.0)], [(3, float("nan")), (vocab - 5, float("nan"))],
+                 [(vocab - 10, 0.5)], [(vocab - 10, -0.5), (7, 0.5)]]
+        _, tokens = step(self, *args[:5], True)
+        assert tokens == step(self, *args[:5], False)[0].argmax(dim=-1).tolist()
+        for case in cases:
+            head.packed.zero_()
+            for c, value in case:
+                column(c).fill_(value)
+            logits, tokens = step(self, *args[:5], True)
+            assert tokens == logits.argmax(dim=-1).tolist(), case
+        head.packed.copy_(original)
+    finally:
+        torch.set_num_threads(threads)
