@@ -219,13 +219,12 @@ class LMHead(_Linear):
     """hidden -> vocabulary logits, from the LM head's checkpoint tensor `[vocab, hidden]` or, when
     the checkpoint ties them, from the embedding table (then it keeps a copy of its own). Under
     tensor parallelism each rank scores its vocabulary rows and rank 0 gathers them; the other
-    ranks return None."""
+    ranks return None. Made after loading; `finalize()` it like the other linears."""
 
     def __init__(self, weight: torch.Tensor, vocab_size: int | None = None, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.vocab_size, self.tp_rank, self.tp_size = vocab_size or weight.shape[0], tp_rank, tp_size
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.finalize()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = self._matmul(hidden, None)

@@ -210,8 +210,11 @@ class LlamaForCausalLM(nn.Module):
                            if "embed_tokens" not in n)
 
     def finalize(self) -> None:
-        """After loading: lay weights out for inference (see layers.py). The layers' linears that
-        pack for pdserve's matmul go back to back into one buffer, in the order a step reads them."""
+        """After loading: lay weights out for inference (see layers.py). The linears that pack for
+        pdserve's matmul go back to back into one buffer, in the order a decode step reads them
+        (the layers', then the LM head)."""
+        source = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        self.lm_head = LMHead(source.weight.data, self.arch.vocab_size, self.parallel.rank, self.parallel.size)
         packing = [m for m in self.modules() if isinstance(m, _Linear) and m.packs_for_pdserve]
         arena = cpu_kernels.packed_arena([tuple(m.weight.shape) for m in packing]) if packing else []
         for module, buffer in zip(packing, arena):
@@ -220,8 +223,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "finalize") and id(module) not in packed:
                 module.finalize()
-        source = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        self.lm_head = LMHead(source.weight.data, self.arch.vocab_size, self.parallel.rank, self.parallel.size)
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor; None to skip it."""

@@ -144,13 +144,15 @@ def test_weights_packed_into_one_arena_lie_back_to_back_from_a_2mib_boundary(che
         w, x = torch.randn(n, k), torch.randn(3, k)
         assert cpu_kernels.pack_linear(w, buf) is buf
         torch.testing.assert_close(cpu_kernels.linear(x, buf, n, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    # A loaded model's layers: one arena, in the order a decode step reads them.
+    # A loaded model's linears: one arena, in the order a decode step reads them.
     from pdserve.engine.models.loader import load_model
 
-    model, _ = load_model(checkpoints["tiny-llama"])
-    packed = [lin.packed for layer in model.model.layers
-              for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert all(a.data_ptr() + 4 * a.numel() == b.data_ptr() for a, b in zip(packed, packed[1:]))
+    for preset in ("tiny-llama", "tiny-qwen2"):  # qwen2: the LM head packs the tied embedding
+        model, _ = load_model(checkpoints[preset])
+        packed = [lin.packed for layer in model.model.layers for lin in
+                  (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        packed.append(model.lm_head.packed)
+        assert all(a.data_ptr() + 4 * a.numel() == b.data_ptr() for a, b in zip(packed, packed[1:]))
 
 
 def test_linear_layer_packs_for_the_kernel_or_for_onednn(monkeypatch):
