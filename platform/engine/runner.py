@@ -5,12 +5,14 @@ In: a `SchedulerOutput` (tensor-free). The runner lays the step's tokens out as
 single query is the same either way) in a `StepInputs` (token ids, positions, slot mapping, block
 tables, the rows that need logits), broadcasts it to the other ranks of a parallel replica, runs
 the forward pass inside `forward_context` (`run_step`, which worker ranks run too), and samples
-the rows of chunks that reach their request's last token. Out: `(request, token id, logprob)` triples.
-It does not decide what runs or when a request stops.
+the rows of chunks that reach their request's last token. A decode-only step of a model that runs
+in C on one rank skips all that: one call from token ids to logits (`_decode_in_one_call`).
+Out: `(request, token id, logprob)` triples. It does not decide what runs or when a request stops.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,6 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.workspace = GatherWorkspace()
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         # Decodes first: attention handles them as one batch, prefill chunks one by one.
         chunks = [c for c in out.chunks if c.num_new_tokens == 1] + [c for c in out.chunks if c.num_new_tokens > 1]
@@ -55,41 +56,69 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(end - 1)
                 requests.append(c.request)
+        if chunks and not prompt_rows and len(requests) == end == len(chunks) and self.parallel.size == 1:
+            decoded = self._decode_in_one_call(chunks, requests)
+            if decoded is not None:
+                return decoded
+        return self._execute(chunks, prompt_rows, sample_rows, requests)
+
+    @torch.inference_mode()
+    def _execute(self, chunks: list[ScheduledChunk], prompt_rows: list[tuple[int, int, Request]],
+                 sample_rows: list[int], requests: list[Request]) -> list[SampledToken]:
         step = self._prepare(chunks, [row for row, _, _ in prompt_rows] + sample_rows, len(prompt_rows))
         if self.parallel.size > 1:
             broadcast_step(step, self.device)
-        prompt_logits, logits, greedy_tokens = self.run_step(step, greedy=needs_only_argmax(requests))
+        prompt_logits, logits = self.run_step(step)
         if prompt_logits is not None:
             logprobs = torch.log_softmax(prompt_logits.float(), dim=-1)
             for row, (_, target, r) in zip(logprobs, prompt_rows):
                 r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
-        if greedy_tokens is not None:
-            return [SampledToken(r, t, None) for r, t in zip(requests, greedy_tokens)]
         if logits is None:
             return []
+        return self._sample(logits, requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         tokens, logprobs = self.sampler(logits, requests)
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
 
+    def _decode_in_one_call(self, chunks: list[ScheduledChunk], requests: list[Request]) -> list[SampledToken] | None:
+        """A decode-only step where every row samples, in one C call from token ids to logits
+        (or, when every request needs only its argmax, to tokens) where the model runs there
+        (`c_decoder`); None where it does not. Its integers go as one int64 array, without
+        tensors: on a cache the step's weights have just swept, each torch op (a tensor from a
+        list, a split, a view, inference mode) costs ~10-60 us, a few percent of a batch-1 step."""
+        decoder = self.model.c_decoder(self.kv_cache)
+        if decoder is None:
+            return None
+        bs = self.block_size
+        tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
+        width = max(len(t) for t in tables)
+        ints = array("q", [c.request.all_token_ids[c.start] for c in chunks])  # token ids
+        ints.extend(c.start for c in chunks)  # positions
+        ints.extend(t[c.start // bs] * bs + c.start % bs for c, t in zip(chunks, tables))  # cache slots
+        ints.extend(c.end for c in chunks)  # sequence lengths
+        for t in tables:  # block tables, padded with block 0 (masked out by the lengths)
+            ints.extend(t)
+            ints.extend([0] * (width - len(t)))
+        logits, tokens = decoder.decode_step(ints, len(chunks), width, greedy=needs_only_argmax(requests))
+        if tokens is not None:
+            return [SampledToken(r, t, None) for r, t in zip(requests, tokens)]
+        with torch.inference_mode():
+            return self._sample(logits, requests)
+
     @torch.inference_mode()
-    def run_step(self, step: StepInputs,
-                 greedy: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int] | None]:
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward pass every rank runs: (prompt-logprob logits, sampling logits), each None
-        when the step has no such rows (and on worker ranks, which only contribute shards), and
-        with `greedy` the sampling rows' argmax tokens where the model picked them (else None)."""
+        when the step has no such rows (and on worker ranks, which only contribute shards)."""
         nd = 0 if step.decode_lens is None else step.decode_lens.numel()
         prefills = [PrefillChunkMeta(s, q, c, table) for s, q, c, table in step.prefills]
         meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills)
         k = step.num_prompt_rows
         with forward_context(meta, self.kv_cache, self.workspace):
-            # Logit rows are ascending and distinct: as many as tokens means every row samples.
-            if not k and not prefills and step.logit_rows.numel() == step.input_ids.numel():
-                decoded = self.model.decode_logits(step.input_ids, step.positions, greedy)
-                if decoded is not None:
-                    return None, *decoded
             hidden = self.model(step.input_ids, step.positions)
         prompt = self.model.compute_logits(hidden[step.logit_rows[:k]]) if k else None
         sample = self.model.compute_logits(hidden[step.logit_rows[k:]]) if step.logit_rows.numel() > k else None
-        return prompt, sample, None
+        return prompt, sample
 
     def _prepare(self, chunks: list[ScheduledChunk], logit_rows: list[int], num_prompt_rows: int) -> StepInputs:
         """The step's tensors for chunks ordered decodes first."""

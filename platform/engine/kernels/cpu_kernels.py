@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from array import array
 from pathlib import Path
 
 import torch
@@ -260,23 +261,25 @@ class DecoderModel:
         self.shape = shape
         self._model = _DecoderModelPointers(ctypes.addressof(self._layers), len(layers), embedding.data_ptr(),
                                             cos_sin.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr())
+        self._work = torch.empty(0, dtype=torch.float32)  # the step's scratch, grown to the largest batch
 
-    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    def decode_step(self, ints: array, m: int, width: int,
                     greedy: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """Logits `[m, vocab]` of a decode-only step, one new token per sequence, and with `greedy`
-        each row's argmax token (as `argmax`; else None); input_ids, positions, slot_mapping,
-        seq_lens `[m]` and block_tables `[m, width]`, all int64 and dense. Writes the tokens' K and
-        V into the cache."""
+        each row's argmax token (as `argmax`; else None). `ints`: int64, `m` token ids, then their
+        positions, cache slots and sequence lengths (`m` each), then the block tables (`m` rows of
+        `width`). Writes the tokens' K and V into the cache."""
         lib = load()
-        m = input_ids.shape[0]
-        work = torch.empty(lib.pdserve_decode_work_floats(ctypes.byref(self.shape), m), dtype=torch.float32)
+        base, step = ints.buffer_info()[0], 8 * m
+        need = lib.pdserve_decode_work_floats(ctypes.byref(self.shape), m)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
         logits = torch.empty(m, self.shape.vocab, dtype=torch.float32)
         tokens = (ctypes.c_int64 * m)() if greedy else None
         failed = lib.pdserve_decode_step_f32(
-            ctypes.byref(self._model), ctypes.byref(self.shape), input_ids.data_ptr(), positions.data_ptr(), m,
-            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-            work.data_ptr(), logits.data_ptr(), tokens, torch.get_num_threads())
+            ctypes.byref(self._model), ctypes.byref(self.shape), base, base + step, m, base + 2 * step,
+            base + 4 * step, width, base + 3 * step, self._work.data_ptr(), logits.data_ptr(), tokens,
+            torch.get_num_threads())
         if failed:
             raise MemoryError("the CPU decode step could not allocate its scratch memory")
         return logits, None if tokens is None else list(tokens)

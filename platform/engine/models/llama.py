@@ -1,7 +1,7 @@
 """Llama-family decoder in plain torch: Llama 2/3, Mistral, Qwen2 (qkv bias, tied embeddings).
 
 `forward(input_ids, positions)` takes a step's flattened tokens and returns hidden states;
-`compute_logits` maps the rows that need sampling to vocabulary logits; `decode_logits` does both
+`compute_logits` maps the rows that need sampling to vocabulary logits; `c_decoder` does both
 for a decode step in one C call where it can. Attention metadata and
 the KV cache come from the forward context the runner sets. Weights load from Hugging Face
 checkpoint names through each layer's own `weight_loader`.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import Attention, get_forward_context
+from pdserve.engine.attention import Attention
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel import SINGLE, ParallelState
@@ -143,26 +143,17 @@ class LlamaForCausalLM(nn.Module):
 
     _c_model: tuple[KVCache, cpu_kernels.DecoderModel | None] | None = None
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      greedy: bool = False) -> tuple[torch.Tensor, list[int] | None] | None:
-        """The logits of a decode-only step that samples every row (the runner asks only for
-        those), and with `greedy` each row's argmax token, in one C call from token ids
+    def c_decoder(self, kv: KVCache) -> cpu_kernels.DecoderModel | None:
+        """This model over this KV cache as one C call per decode step, from token ids to logits
         (`cpu_kernels.DecoderModel`: the same kernels as `forward` and `compute_logits`, without
-        Python between them), where the model runs there: a dense fp32 model on CPU, one rank.
-        None otherwise: the caller runs `forward` and `compute_logits`."""
+        Python between them), where the model runs there: a dense fp32 model on CPU, one rank, a
+        dense fp32 cache. None otherwise: the caller runs `forward` and `compute_logits`."""
         if not self._runs_in_c():
             return None
-        ctx = get_forward_context()
-        kv = ctx.kv_cache
-        if self._c_model is None or self._c_model[0] is not kv:  # checked once per cache
+        if self._c_model is None or self._c_model[0] is not kv:  # decided once per cache
             in_c = cpu_kernels.usable(kv.kv) and kv.kv.is_contiguous()
             self._c_model = (kv, self._model_for_c(kv) if in_c else None)
-        model = self._c_model[1]
-        if model is None:
-            return None
-        meta = ctx.attn
-        return model.decode_step(input_ids, positions, meta.slot_mapping, meta.decode_block_tables.contiguous(),
-                                 meta.decode_seq_lens, greedy)
+        return self._c_model[1]
 
     def _runs_in_c(self) -> bool:
         """Whether `DecoderModel` can run this model: dense MLPs, one rank, fp32 weights with every

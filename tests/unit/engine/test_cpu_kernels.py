@@ -222,7 +222,8 @@ def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, pre
 
     calls = []
     step = cpu_kernels.DecoderModel.decode_step
-    monkeypatch.setattr(cpu_kernels.DecoderModel, "decode_step", lambda self, *a: calls.append(1) or step(self, *a))
+    monkeypatch.setattr(cpu_kernels.DecoderModel, "decode_step",
+                        lambda self, *a, **kw: calls.append(1) or step(self, *a, **kw))
     prompts = [list(range(5, 5 + n)) for n in (1, 9, 16, 17, 40)]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
 
@@ -269,11 +270,11 @@ def test_greedy_tokens_from_the_decode_step_are_its_logits_argmax(checkpoints, m
         calls = []
         step = cpu_kernels.DecoderModel.decode_step
         monkeypatch.setattr(cpu_kernels.DecoderModel, "decode_step",
-                            lambda self, *a: calls.append((self, a)) or step(self, *a))
+                            lambda self, *a, **kw: calls.append((self, a, kw)) or step(self, *a, **kw))
         prompts = [list(range(5, 5 + n)) for n in (1, 9, 16, 17, 40)]
         greedy = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-        self, args = calls[-1]
-        assert args[-1] is True, "plain greedy requests should take their tokens from the decode step"
+        self, (ints, m, width), kw = calls[-1]
+        assert m == len(prompts) and kw == {"greedy": True}, "plain greedy requests take their tokens from the step"
         # Same tokens as sampling from the logits (logprobs asked for: the sampler runs).
         sampled = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0))
         assert [o.token_ids for o in greedy] == [o.token_ids for o in sampled]
@@ -289,13 +290,13 @@ def test_greedy_tokens_from_the_decode_step_are_its_logits_argmax(checkpoints, m
         # (column, value) pairs over an all-zero head; [] alone: every logit 0, the first index wins.
         cases = [[], [(vocab - 3, float("nan")), (4, 1.0)], [(3, float("nan")), (vocab - 5, float("nan"))],
                  [(vocab - 10, 0.5)], [(vocab - 10, -0.5), (7, 0.5)]]
-        _, tokens = step(self, *args[:5], True)
-        assert tokens == step(self, *args[:5], False)[0].argmax(dim=-1).tolist()
+        _, tokens = step(self, ints, m, width, True)
+        assert tokens == step(self, ints, m, width, False)[0].argmax(dim=-1).tolist()
         for case in cases:
             head.packed.zero_()
             for c, value in case:
                 column(c).fill_(value)
-            logits, tokens = step(self, *args[:5], True)
+            logits, tokens = step(self, ints, m, width, True)
             assert tokens == logits.argmax(dim=-1).tolist(), case
         head.packed.copy_(original)
     finally:
