@@ -198,9 +198,9 @@ def packed_arena(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
     allocation that starts on a 2 MiB boundary and asks for 2 MiB pages as a whole.
 
     Packed one by one, a layer's matrices (1-6 MiB here) start anywhere: the huge pages the kernel
-    grants cover only the whole 2 MiB pages inside each, and on the benchmark model over a third of
-    the layers' bytes stayed on 4 KiB pages. Back to back, a decode step also reads its layers'
-    weights as one ascending stream. (33 batch-1 GEMVs: 3-6% faster, benchmarks/RESULTS.md.)"""
+    grants cover only the whole 2 MiB pages inside each (56 of the benchmark model's 152 MiB stayed
+    on 4 KiB pages). In one arena, in the order a decode step reads them, its 33 matrices take
+    ~1.01x the time of one GEMV over the same bytes, down from ~1.055x (benchmarks/RESULTS.md)."""
     sizes = [packed_floats(n, k) for n, k in shapes]
     page = (2 << 20) // 4  # floats in 2 MiB
     raw = torch.empty(sum(sizes) + page, dtype=torch.float32)

@@ -210,9 +210,9 @@ class LlamaForCausalLM(nn.Module):
         arena = cpu_kernels.packed_arena([tuple(m.weight.shape) for m in packing]) if packing else []
         for module, buffer in zip(packing, arena):
             module.finalize(buffer)
-        packed = {id(m) for m in packing}
+        in_arena = {id(m) for m in packing}
         for module in self.modules():
-            if module is not self and hasattr(module, "finalize") and id(module) not in packed:
+            if module is not self and hasattr(module, "finalize") and id(module) not in in_arena:
                 module.finalize()
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
