@@ -210,6 +210,11 @@ class ServeConfig(BaseModel):
     remote_prefill_min_tokens: int = Field(
         256, ge=0, description="Conditional disaggregation: prompts with fewer uncached tokens than this are "
                                "prefilled on the decode replica itself.")
+    early_first_token: bool = Field(
+        False, description="Stream a remotely prefilled request's first token as soon as the prefill returns it, "
+                           "before its KV is pulled: lower TTFT, but the pull and the wait to join the decode "
+                           "batch land between the first and second tokens. Off: the first token leaves as the "
+                           "request joins the decode batch, so the stream runs at the batch's pace from the start.")
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)

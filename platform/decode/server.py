@@ -3,8 +3,9 @@ local prefill of short or mostly cached prompts (conditional disaggregation).
 
 `DecodeServer.generate(GenerateRequest)` streams the engine's `RequestOutput`s. For a prompt with
 at least `remote_prefill_min_tokens` tokens not in this replica's prefix cache it calls
-`remote_prefill` (a prefill replica), streams the first token at once, reserves blocks for the
-part of the prompt it does not cache, pulls only those, and joins the request to its batch. A
+`remote_prefill` (a prefill replica), reserves blocks for the part of the prompt it does not
+cache, pulls only those, and joins the request to its batch; the prefill's first token goes out
+as it joins (or at once, with `early_first_token`). A
 prefill call that fails is retried here as a local prefill; a pull that fails recomputes the
 prompt here. Either way the client sees one uninterrupted stream. Cancelling the stream aborts
 the request on both sides: the prefill call is cancelled, or its lease released.
@@ -42,10 +43,12 @@ class DecodeServer:
                  remote_prefill: RemotePrefill | None = None,
                  make_importer: Callable[[LLMEngine], KVImporter] | None = None,
                  remote_prefill_min_tokens: int = 256, init_method: str | None = None,
-                 pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None):
+                 pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None,
+                 early_first_token: bool = False):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
         # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads;
-        # on_pull(seconds): told the duration of every successful pull (a metric).
+        # on_pull(seconds): told the duration of every successful pull (a metric);
+        # early_first_token: see ServeConfig.early_first_token.
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
@@ -54,6 +57,7 @@ class DecodeServer:
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
+        self.early_first_token = early_first_token
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -79,7 +83,8 @@ class DecodeServer:
             yield result.first
             return
         try:
-            yield result.first
+            if self.early_first_token:
+                yield result.first
             with span("pdserve.kv_transfer", req.trace_context, request_id=req.request_id,
                       backend=type(self.importer).__name__) as s:
                 recompute = await self._import(req, result)
@@ -88,8 +93,11 @@ class DecodeServer:
             self.engine.call_soon(self.engine.engine.abort_request, req.request_id)
             await asyncio.to_thread(self.importer.release, result.kv)
             raise
+        # Resumed between two steps: unless it went out early, the first token leaves as the step
+        # that computes the second begins, so the stream runs at the batch's pace from token one.
+        first = None if self.early_first_token else result.first
         async for out in self._decode(req, "recomputed" if recompute else "remote",
-                                      self.engine.resume(req.request_id, recompute)):
+                                      self.engine.resume(req.request_id, recompute, first)):
             yield out
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:

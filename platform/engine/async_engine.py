@@ -57,10 +57,13 @@ class AsyncLLMEngine:
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
                                        prefill_only)
 
-    async def resume(self, request_id: str, recompute: bool = False) -> AsyncIterator[RequestOutput]:
+    async def resume(self, request_id: str, recompute: bool = False,
+                     first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
         """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
-        place (or, with `recompute`, could not be pulled)."""
-        return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute)
+        place (or, with `recompute`, could not be pulled); it opens with `first` when given (the
+        prefill's output, not yet sent)."""
+        return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute,
+                                       first=first)
 
     def locked(self, fn: Callable[..., T], *args) -> T:
         """Run `fn(*args)` under the engine lock, between steps (KV bookkeeping from other threads)."""
@@ -101,10 +104,13 @@ class AsyncLLMEngine:
         self._calls.append((fn, args, None, None))
         self._has_work.set()
 
-    async def _open_stream(self, request_id: str, add: Callable, *args) -> AsyncIterator[RequestOutput]:
+    async def _open_stream(self, request_id: str, add: Callable, *args,
+                           first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
         queue: asyncio.Queue = asyncio.Queue()
+        if first is not None:
+            queue.put_nowait(first)
         loop = asyncio.get_running_loop()
 
         def open_():

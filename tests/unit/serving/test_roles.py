@@ -117,3 +117,22 @@ def test_cancelled_stream_frees_both_pools(pools):
         asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96
     assert prefill.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_kv_leases"] == 0
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_first_token_leaves_after_the_pull_unless_early(pools, early):
+    """By default the prefill's first token goes out once the KV is in and the request joins the
+    batch (no pull between tokens 1 and 2); with `early_first_token`, before the pull."""
+    _, decode = pools
+    decode.early_first_token = early
+    events = []
+    pull = decode.importer.pull
+    decode.importer.pull = lambda *a: events.append("pulled") or pull(*a)
+
+    async def main():
+        async for out in decode.generate(GenerateRequest("e", list(range(40)), GREEDY)):
+            events.append("output")
+
+    asyncio.run(main())
+    assert events[:2] == (["output", "pulled"] if early else ["pulled", "output"])
+    assert decode.stats()["num_remote_prefills"] == 1 and decode.stats()["num_pulled_blocks"] == 5
