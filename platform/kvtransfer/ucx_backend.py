@@ -1,8 +1,9 @@
 """KV transfer over UCX (the `ucxx` package): TCP or shared memory on CPU, CUDA-aware on GPU.
 
-`UCXExporter` (prefill side) listens on a free port from an event-loop thread of its own, so
-engine steps never wait on it. `UCXImporter` (decode side) pulls with a deadline on every wait.
-Leases, checks and failure handling are the base classes' (base.py).
+`UCXExporter` (prefill side) listens on a free port from the process's UCX event-loop thread
+(`ucx_loop`, shared with any importer there), so engine steps never wait on it. `UCXImporter`
+(decode side) pulls with a deadline on every wait. Leases, checks and failure handling are the
+base classes' (base.py).
 
 One pull, one connection, in UCX tag messages (protocol version 2, protocol.py):
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -68,6 +70,37 @@ class _LoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+_ucx_loop: _LoopThread | None = None
+_ucx_loop_lock = threading.Lock()
+
+
+def ucx_loop() -> _LoopThread:
+    """The process's one UCX event loop, shared by its exporters and importers.
+
+    ucxx waits for a request by polling it from the event loop (`asyncio.sleep(0)` until done)
+    unless its requests complete through Python futures. Polling, a receive that waits (an
+    exporter's kept connection between reads) kept a core busy for as long as it waited. With
+    futures (on unless UCXPY_ENABLE_PYTHON_FUTURE=0), ucxx's notifier thread completes them on
+    the loop that started UCX: hence one loop per process. A message's round trip costs a few
+    hundred microseconds more than polling."""
+    global _ucx_loop
+    with _ucx_loop_lock:
+        if _ucx_loop is None:
+            loop = _LoopThread("pdserve-ucx")
+            loop.run(_init_ucx(), 30)
+            _ucx_loop = loop
+        return _ucx_loop
+
+
+async def _init_ucx() -> None:
+    import ucxx
+
+    try:
+        ucxx.init(enable_python_future=os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0")
+    except RuntimeError as e:  # started before, by someone else: its settings stay
+        log.warning("UCX was already initialized in this process (%s); KV transfers wait by polling", e)
 
 
 def _buffer(t: torch.Tensor):
@@ -110,7 +143,7 @@ class UCXExporter(KVExporter):
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
-        self._loop = _LoopThread(f"kv-exporter-{exporter_id}")
+        self._loop = ucx_loop()
 
         async def start():
             self._listener = ucxx.create_listener(self._serve, port=port)
@@ -132,7 +165,6 @@ class UCXExporter(KVExporter):
             self._listener.close()
 
         self._loop.run(stop(), 10)
-        self._loop.stop()
         super().close()
 
     async def _serve(self, ep) -> None:
@@ -233,7 +265,7 @@ class UCXImporter(KVImporter):
         self.idle_s, self.max_idle_per_exporter = idle_s, max_idle_per_exporter
         self._idle: dict[str, list[tuple[object, float]]] = {}  # address -> [(endpoint, idle since)]; loop thread only
         self.num_endpoints_created = 0
-        self._loop = _LoopThread("kv-importer")
+        self._loop = ucx_loop()
 
     def close(self) -> None:
         async def close_idle():
@@ -242,10 +274,7 @@ class UCXImporter(KVImporter):
                     ep.abort()
             self._idle.clear()
 
-        try:
-            self._loop.run(close_idle(), 5)
-        finally:
-            self._loop.stop()
+        self._loop.run(close_idle(), 5)
 
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
                first_block: int, ack: bool) -> None:

@@ -3,7 +3,7 @@
 Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
 ("export_scattered", request_id, num_tokens) -> the same over every other block (the exporter then
 gathers chunk by chunk); ("free",) -> the pool's free block count; ("connections",) -> connections
-accepted so far and open now; ("stop",). The cache is
+accepted so far and open now; ("cpu",) -> the process's CPU seconds so far; ("stop",). The cache is
 `make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
 `stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
 """
@@ -11,6 +11,7 @@ accepted so far and open now; ("stop",). The cache is
 from __future__ import annotations
 
 import os
+import time
 
 LAYOUT = dict(model_id="test-model", num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
 NUM_BLOCKS = 4096
@@ -53,6 +54,8 @@ def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0) -> N
             replies.put(("free", pool.num_free_blocks))
         elif cmd[0] == "connections":
             replies.put(("connections", exporter.num_connections, exporter.num_open_connections))
+        elif cmd[0] == "cpu":
+            replies.put(("cpu", time.process_time()))
         else:
             exporter.close()
             replies.put(("stopped",))
