@@ -18,8 +18,9 @@ proxy`: Ray Serve's Python proxy).
 
 Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats, some long
 prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
-core each, every prompt prefilled remotely) and colocated serving (one replica, both cores):
-p99 ITL and goodput.
+core each, every prompt prefilled remotely), the same with `early_first_token` (the first token
+streamed before the KV pull) and colocated serving (one replica, both cores): p99 ITL, TTFT and
+goodput.
 
 Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
 tokenizer's, so every token streams text; fp32), generated into the pdserve cache on first use.
@@ -213,8 +214,10 @@ def main() -> None:
         rate = args.rate or (1.0 if args.quick else 1.5)
         slo = {"ttft": 4000.0, "tpot": 150.0}
         report["interference"]["rate"] = rate
-        report["interference"]["disaggregated"] = served_runs(
-            disagg.model_copy(update={"remote_prefill_min_tokens": 0}), {0: mix}, builder, warmup, rate, slo)[0]
+        remote_always = disagg.model_copy(update={"remote_prefill_min_tokens": 0})
+        report["interference"]["disaggregated"] = served_runs(remote_always, {0: mix}, builder, warmup, rate, slo)[0]
+        report["interference"]["disaggregated, early first token"] = served_runs(
+            remote_always.model_copy(update={"early_first_token": True}), {0: mix}, builder, warmup, rate, slo)[0]
         report["interference"]["colocated"] = served_runs(colocated, {0: mix}, builder, warmup, rate, slo)[0]
     finally:
         ray.shutdown()
@@ -243,14 +246,17 @@ def _print(report: dict) -> None:
         print(json.dumps(report, default=str))
         return
     print(f"\nlong-prompt mix at {inter['rate']} req/s:\n")
-    print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | goodput req/s | completed |")
-    print("|---|---|---|---|---|---|")
-    for setup in ("disaggregated", "colocated"):
+    print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | p99 TTFT ms | goodput req/s | completed |")
+    print("|---|---|---|---|---|---|---|")
+    setups = [s for s in inter if s != "rate"]
+    for setup in setups:
         m = inter[setup]
         print(f"| {setup} | {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} | {m['median_ttft_ms']:.1f} "
-              f"| {m['request_goodput']:.3f} | {m['completed']}/{m['num_requests']} |")
-    d, c = inter["disaggregated"], inter["colocated"]
-    print(f"disaggregated p99 ITL / colocated: {d['p99_itl_ms'] / c['p99_itl_ms']:.3f}")
+              f"| {m['p99_ttft_ms']:.1f} | {m['request_goodput']:.3f} | {m['completed']}/{m['num_requests']} |")
+    c = inter["colocated"]
+    for setup in setups[:-1]:
+        print(f"{setup}: p99 ITL / colocated {inter[setup]['p99_itl_ms'] / c['p99_itl_ms']:.3f}, "
+              f"goodput / colocated {inter[setup]['request_goodput'] / c['request_goodput']:.3f}")
     print(json.dumps(report, default=str))
 
 
