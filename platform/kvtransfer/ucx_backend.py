@@ -67,10 +67,6 @@ class _LoopThread:
     def run(self, coro, timeout_s: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
 
 _ucx_loop: _LoopThread | None = None
 _ucx_loop_lock = threading.Lock()
