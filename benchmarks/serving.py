@@ -8,11 +8,12 @@
     python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3
                                             # and the Ray hop alone (no gateway, no HTTP) between them
 
-Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (random prompts, fixed output
-length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine streams in this process, no
-HTTP), the colocated app read through the gateway's pool client in this process (`handle`: the
-Ray hop alone, no gateway, no HTTP), the colocated app (one Unified replica) and the
-disaggregated app (Prefill + Decode), all through `pdserve bench`'s runner for the served ones.
+Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (`--waves` x concurrency
+random prompts, fixed output length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine
+streams in this process, no HTTP), the colocated app read through the gateway's pool client in
+this process (`handle`: the Ray hop alone, no gateway, no HTTP), the colocated app (one Unified
+replica) and the disaggregated app (Prefill + Decode), all through `pdserve bench`'s runner for
+the served ones.
 HTTP comes in as `pdserve serve` takes it: HAProxy in front of the gateway replica (`--ingress
 proxy`: Ray Serve's Python proxy).
 
@@ -156,6 +157,8 @@ def main() -> None:
     ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
     ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
     ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
+    ap.add_argument("--waves", type=int, help="part 1: requests per setup, in multiples of the concurrency "
+                                              "(default 8; 3 with --quick)")
     ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="haproxy",
                     help="what takes HTTP in front of the gateway replicas: Ray Serve's Python proxy, or "
                          "HAProxy forwarding to the replicas' own servers (direct ingress)")
@@ -176,7 +179,8 @@ def main() -> None:
     if args.concurrency:
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
     out_len = 16 if args.quick else 32
-    requests_by_c = {c: random_workload(builder, max(4, 3 * c), "128", str(out_len), seed=c) for c in concurrencies}
+    waves = args.waves or (3 if args.quick else 8)
+    requests_by_c = {c: random_workload(builder, max(4, waves * c), "128", str(out_len), seed=c) for c in concurrencies}
     warmup = random_workload(builder, 1, "128", str(out_len), seed=1000)[0]  # every setup's first request
 
     if args.ingress == "haproxy":  # as `pdserve serve` does (gateway.ingress): set before Ray starts

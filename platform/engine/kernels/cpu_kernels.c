@@ -1,6 +1,7 @@
 /* pdserve's fp32 CPU kernels, in this order: paged decode attention; the decoder layer's elementwise
  * work (RMSNorm with the residual add, silu * up, rotary); the linear layers' matmul over weights
- * packed in column panels; a whole decode step in one call, token ids to logits; greedy argmax.
+ * packed in column panels; a whole decode step in one call, token ids to logits, on the decoder's
+ * own threads (which share work without waiting for one another); greedy argmax.
  *
  * Paged decode attention: the torch path gathers a batch's blocks into one padded buffer and runs
  * SDPA over it, so the KV bytes cross memory three times and every sequence pays for the longest
@@ -16,18 +17,27 @@
  *   seq_lens     [batch] int64
  *   out          [batch, num_heads, head_dim]       dense
  *
- * Built by cpu_kernels.py with the system C compiler (-O3 -march=native -fopenmp); loaded after
- * torch, so `libgomp.so.1` resolves to the OpenMP runtime torch already runs (one thread pool).
+ * Built by cpu_kernels.py with the system C compiler (-O3 -march=native -fopenmp -pthread); loaded
+ * after torch, so `libgomp.so.1` resolves to the OpenMP runtime torch already runs (one thread
+ * pool). Linux only: the decode step's helpers sleep on a futex.
  * AVX2/FMA code paths where the CPU has them, plain C (vectorised by the compiler) elsewhere.
  */
 
-#define _DEFAULT_SOURCE /* madvise */
+#define _GNU_SOURCE /* madvise, syscall, pthread_setname_np */
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
@@ -87,7 +97,8 @@ static inline const float *row(const float *cache, const int64_t *table, int64_t
 /* One sequence's KV heads [h0, h1) against its `len` tokens; each KV head serves `group` query
  * heads (q row h * group + g, stride q_head_stride; out rows likewise, dense). Rows of all the
  * heads of a token are adjacent in the cache, so reading them together streams whole blocks.
- * scores: scratch of (h1 - h0) * group * len floats; acc: (h1 - h0) * group * head_dim floats. */
+ * scores: scratch of (h1 - h0) * group * len floats; acc: (h1 - h0) * group * head_dim floats;
+ * out: the rows of heads [h0, h1)' query heads, from h0 * group's on, dense. */
 static void attend(const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache,
                    const int64_t *table, int64_t len, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
                    int64_t block_size, int64_t token_stride, float scale, float *scores, float *acc,
@@ -199,7 +210,7 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        float *o = out + (h0 * group + r) * head_dim;
+        float *o = out + r * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[r * head_dim + d] * inv_sum[r];
     }
 }
@@ -244,7 +255,7 @@ static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head
         if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
         attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, block_tables + b * table_width, seq_lens[b],
                h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores, acc,
-               out + b * num_heads * head_dim);
+               out + b * num_heads * head_dim + h0 * group * head_dim);
     }
     return scores == NULL || acc == NULL;
 }
@@ -520,18 +531,39 @@ void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packe
     linear_part(x, m, k, packed, n, bias, out, omp_get_thread_num(), omp_get_num_threads());
 }
 
-/* -- A whole decode step in one call ---------------------------------------------------------------
+/* -- A whole decode step in one call, on threads that never wait for a descheduled one ------------
  * Called one by one from Python, a layer's eleven kernels pay for module calls, views, checks and
- * ctypes between them: ~3 ms of a ~12 ms batch-1 step on the benchmark model; the embedding lookup,
- * rotary rows, final norm and LM head around the layers another ~0.2 ms. For a dense Llama-family
- * model in fp32 with every linear packed for pdserve_linear_f32, a decode-only step (one new token
- * per sequence, every row sampled) runs here from token ids to logits:
+ * ctypes between them. For a dense Llama-family model in fp32 with every linear packed for
+ * pdserve_linear_f32, a decode-only step (one new token per sequence, every row sampled) runs
+ * here from token ids to logits, with the same row functions and matmul tiles as those kernels:
  *   h = embedding[id]; per layer:
  *     x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
  *     h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
- *   logits = norm(h) Wlm
- * with the same row and part functions as the kernels the Python path calls, so both paths compute
- * the same values. */
+ *   logits = norm(h) Wlm, and with greedy sampling each row's argmax.
+ *
+ * Its threads share the work without ever waiting on one another. A serving replica's engine
+ * shares its cores with the gateway, Ray and the network stack; split statically with a barrier
+ * after every kernel (OpenMP), a step stalls for as long as any one of its threads is descheduled:
+ * on 2 cores, served steps took ~1.25x their offline time, while a one-thread engine served at
+ * its offline speed. Here:
+ * - A step is a sequence of phases (per layer: norm, qkv, rotary, attention, o, norm, gate_up,
+ *   silu, down; then the final norm, the LM head and the argmax), each a set of independent
+ *   items: rows, (row, KV head) pairs, or a few column panels of a matmul (`item_bytes` of weights
+ *   each: ~128 KiB, ~5 us of streaming, pays for its two CASes many times over).
+ * - Thread t takes its share of a phase's items from the front, then what is left of the other
+ *   shares from their ends: a thread that is descheduled, or late to wake, just does less.
+ * - An item is computed into the thread's own buffers, then published: a CAS on the item's state
+ *   word (claimed -> storing) lets exactly one thread write its outputs. A thread that has waited
+ *   too long for an item another thread claimed computes it too, and the first to publish wins.
+ * - Threads write shared memory only inside a publish, and every state word carries its step's
+ *   tag: a thread that resumes after its step has ended fails its CAS and drops what it computed.
+ *   What it may still read stays valid: the step's inputs are copied and checked into buffers the
+ *   decoder owns, laid out by capacity (never by the step's size), and buffers replaced when the
+ *   capacity grows are freed only with the decoder. It never reads the caller's memory.
+ * - The caller (thread 0) returns once every item of the last phase is published. The helpers
+ *   are the decoder's own threads; they spin for SPIN_NS after a step, then sleep on a futex.
+ * Each item is computed the same way whichever thread computes it, so results do not depend on
+ * the thread count or on who did what. */
 
 typedef struct {
     const float *input_norm, *post_norm;                  /* [hidden] */
@@ -541,6 +573,7 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, vocab;
+    int64_t num_blocks, max_position;  /* the KV cache's blocks; the rotary table's rows */
     float eps, scale;
 } pdserve_decoder_shape;
 
@@ -553,111 +586,661 @@ typedef struct {
     const float *lm_head;     /* packed, `vocab` output columns */
 } pdserve_decoder_model;
 
-static int64_t gate_up_floats(const pdserve_decoder_shape *s) {  /* also holds the o projection's output */
-    return 2 * s->intermediate > s->hidden ? 2 * s->intermediate : s->hidden;
-}
+#define SPIN_NS 50000                  /* a helper spins this long after a step before it sleeps */
+#define REDO_MIN_NS 20000              /* wait at least this long before redoing another thread's item */
+#define MAX_THREADS 255                /* thread index: 8 bits of a state word */
 
-/* Scratch floats pdserve_decode_step_f32 needs for m sequences. */
-int64_t pdserve_decode_work_floats(const pdserve_decoder_shape *s, int64_t m) {
-    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    return m * (2 * s->hidden + s->head_dim + qkv + s->heads * s->head_dim + gate_up_floats(s) + s->intermediate);
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* Phases: nine per layer, then three. */
+enum { K_NORM_IN, K_QKV, K_ROTARY, K_ATTN, K_O, K_NORM_POST, K_GATE_UP, K_SILU, K_DOWN, K_LAYER_KINDS,
+       K_NORM_FINAL = K_LAYER_KINDS, K_LM_HEAD, K_ARGMAX, K_KINDS };
+
+/* An item's state word: the step's tag (48 bits), the state, the thread that set it. */
+enum { ST_FREE, ST_CLAIMED, ST_STORING, ST_DONE };
+static inline uint64_t state_word(uint64_t tag, int state, int who) {
+    return tag << 16 | (uint64_t)state << 8 | (uint64_t)who;
 }
+static inline int state_of(uint64_t w) { return (int)(w >> 8 & 0xff); }
+static inline int who_of(uint64_t w) { return (int)(w & 0xff); }
+static inline int tagged(uint64_t w, uint64_t tag) { return (w >> 16) == (tag & 0xffffffffffffull); }
+
+typedef struct { /* a thread's own buffers, for one item at a time */
+    float *tile;           /* [m_cap, tile_cols]: a matmul item's result */
+    float *row_a, *row_b;  /* a row: max(hidden, qkv, intermediate) and hidden floats */
+    float *scores, *acc;   /* attention: [group, max_len], [group, head_dim] */
+    int64_t *best_index;   /* [m_cap]: an LM-head item's argmax per row, and its value */
+    float *best_value;
+} thread_buffers;
+
+typedef struct buffers { /* everything a step touches besides weights and cache, sized by capacity */
+    int64_t m_cap, w_cap, nt_cap;
+    int64_t *ids, *positions, *slots, *lens, *tables;  /* tables [m_cap, w_cap] */
+    float *h, *x, *qkv, *attn, *o_out, *gate_up, *act, *down_out;
+    int64_t *best_index;  /* [LM-head items, m_cap] */
+    float *best_value;
+    _Atomic uint64_t *states;
+    thread_buffers *threads;  /* [nt_cap] */
+    struct buffers *retired;  /* the buffers these replaced */
+    void *memory;
+} buffers;
+
+typedef struct { /* one step as a thread sees it: a consistent snapshot */
+    uint64_t tag;
+    int64_t m, nt;
+    buffers *buf;
+    float *logits;
+    int64_t *greedy;
+} step_params;
+
+struct pdserve_decoder;
+
+typedef struct {
+    struct pdserve_decoder *dec;
+    int index;
+    pthread_t thread;
+    uint64_t rng;              /* chaos (tests) */
+    int64_t argmax;            /* an argmax item's result */
+    int64_t item_ns[K_KINDS];  /* this thread's latest time per item of each kind */
+} __attribute__((aligned(64))) worker;  /* whole cache lines: each thread writes its own */
+
+typedef struct pdserve_decoder {
+    pdserve_decoder_model model;
+    pdserve_decoder_layer *layers;
+    pdserve_decoder_shape s;
+    int64_t q_size, kv_size, qkv_size, group, item_bytes;
+    buffers *buf;       /* the caller's: current buffers */
+    uint64_t last_tag;  /* the caller's */
+    /* The current step, for helpers: a seqlock (pseq odd while the caller writes). */
+    _Atomic uint64_t pseq, p_tag;
+    _Atomic int64_t p_m, p_nt;
+    _Atomic(buffers *) p_buf;
+    _Atomic(float *) p_logits;
+    _Atomic(int64_t *) p_greedy;
+    _Atomic uint32_t wake;  /* futex word: the newest tag's low 32 bits */
+    _Atomic int sleepers, quit;
+    worker *workers[MAX_THREADS];  /* [0]: the caller's */
+    int num_workers;
+    _Atomic int64_t stats[4];  /* steps, stolen, redone, dropped */
+    _Atomic int chaos_permille, chaos_max_us;
+} pdserve_decoder;
+
+enum { STAT_STEPS, STAT_STOLEN, STAT_REDONE, STAT_DROPPED };
 
 static int64_t argmax_row(const float *v, int64_t n);
 
-/* ids, positions, slots, seq_lens [m]; block_tables [m, table_width] (int64, dense); work: scratch of
- * pdserve_decode_work_floats(shape, m) floats; logits [m, vocab]; greedy: NULL, or [m] for each row's
- * argmax (as pdserve_argmax_f32). Returns 0, or 1 when scratch memory could not be allocated.
- *
- * One parallel region for the whole step: its ~45 kernels would each wake the team and wait for
- * it again; here they are parts of one team's work with a barrier between (a worksharing loop's
- * end is one). Small work (a row's norm, a token's rotary and cache write) goes to one thread. */
-int pdserve_decode_step_f32(const pdserve_decoder_model *model, const pdserve_decoder_shape *s, const int64_t *ids,
-                            const int64_t *positions, int64_t m, const int64_t *slots, const int64_t *block_tables,
-                            int64_t table_width, const int64_t *seq_lens, float *work, float *logits,
-                            int64_t *greedy, int num_threads) {
-    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    const int64_t qkv_size = q_size + 2 * kv_size, hidden = s->hidden, inter = s->intermediate;
-    float *h = work, *cos_sin = h + m * hidden, *x = cos_sin + m * s->head_dim, *qkv = x + m * hidden;
-    float *attn = qkv + m * qkv_size, *gate_up = attn + m * q_size, *act = gate_up + m * gate_up_floats(s);
-    /* Greedy: each thread's argmax over the logits it wrote, per row (-1: it wrote none). */
-    int64_t *part_best = greedy != NULL ? malloc(sizeof(int64_t) * m * num_threads) : NULL;
-    if (greedy != NULL && part_best == NULL) return 1;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp for
-        for (int64_t r = 0; r < m; ++r) {
-            memcpy(h + r * hidden, model->embedding + ids[r] * hidden, sizeof(float) * hidden);
-            memcpy(cos_sin + r * s->head_dim, model->cos_sin + positions[r] * s->head_dim, sizeof(float) * s->head_dim);
-        }
-        for (int64_t i = 0; i < model->num_layers; ++i) {
-            const pdserve_decoder_layer *l = &model->layers[i];
-            /* x = norm(h), after h += the previous layer's MLP output (in x). */
-#pragma omp for
-            for (int64_t r = 0; r < m; ++r)
-                rms_norm_row(h + r * hidden, i ? x + r * hidden : NULL, l->input_norm, x + r * hidden, hidden, s->eps);
-            linear_part(x, m, hidden, l->qkv, qkv_size, l->qkv_bias, qkv, t, nt);
-#pragma omp barrier
-#pragma omp for
-            for (int64_t r = 0; r < m; ++r) {  /* rotary on q and k, then k and v into the token's cache slot */
-                float *row_qkv = qkv + r * qkv_size;
-                rotary_token(row_qkv, s->heads + s->kv_heads, s->head_dim, cos_sin + r * s->head_dim);
-                memcpy(l->k_cache + slots[r] * kv_size, row_qkv + q_size, sizeof(float) * kv_size);
-                memcpy(l->v_cache + slots[r] * kv_size, row_qkv + q_size + kv_size, sizeof(float) * kv_size);
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void stat_add(pdserve_decoder *d, int which) { atomic_fetch_add_explicit(&d->stats[which], 1, memory_order_relaxed); }
+
+/* -- Shapes of the work ----------------------------------------------------------------------- */
+static int64_t panels_per_item(const pdserve_decoder *d, int64_t k) {
+    const int64_t p = d->item_bytes / (k * PANEL * (int64_t)sizeof(float));
+    return p > 0 ? p : 1;
+}
+
+static int64_t matmul_items(const pdserve_decoder *d, int64_t n, int64_t k) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, per = panels_per_item(d, k);
+    return (panels + per - 1) / per;
+}
+
+typedef struct { const float *x; int64_t k; const float *w; int64_t n; const float *bias; float *out; } matmul;
+
+static matmul matmul_of(const pdserve_decoder *d, const step_params *p, int kind, int64_t layer) {
+    const pdserve_decoder_shape *s = &d->s;
+    const buffers *b = p->buf;
+    const pdserve_decoder_layer *l = &d->layers[layer < d->model.num_layers ? layer : 0];
+    switch (kind) {
+    case K_QKV: return (matmul){b->x, s->hidden, l->qkv, d->qkv_size, l->qkv_bias, b->qkv};
+    case K_O: return (matmul){b->attn, d->q_size, l->o, s->hidden, NULL, b->o_out};
+    case K_GATE_UP: return (matmul){b->x, s->hidden, l->gate_up, 2 * s->intermediate, NULL, b->gate_up};
+    case K_DOWN: return (matmul){b->act, s->intermediate, l->down, s->hidden, NULL, b->down_out};
+    default: return (matmul){b->x, s->hidden, d->model.lm_head, s->vocab, NULL, p->logits};
+    }
+}
+
+/* Items in a phase of each kind, for m rows. */
+static void count_items(const pdserve_decoder *d, int64_t m, int greedy, int64_t counts[K_KINDS]) {
+    const pdserve_decoder_shape *s = &d->s;
+    counts[K_NORM_IN] = counts[K_ROTARY] = counts[K_NORM_POST] = counts[K_SILU] = counts[K_NORM_FINAL] = m;
+    counts[K_ATTN] = m * s->kv_heads;
+    counts[K_QKV] = matmul_items(d, d->qkv_size, s->hidden);
+    counts[K_O] = matmul_items(d, s->hidden, d->q_size);
+    counts[K_GATE_UP] = matmul_items(d, 2 * s->intermediate, s->hidden);
+    counts[K_DOWN] = matmul_items(d, s->hidden, s->intermediate);
+    counts[K_LM_HEAD] = matmul_items(d, s->vocab, s->hidden);
+    counts[K_ARGMAX] = greedy ? m : 0;
+}
+
+static int64_t total_items(const pdserve_decoder *d, int64_t m) {
+    int64_t c[K_KINDS], layer = 0;
+    count_items(d, m, 1, c);
+    for (int k = 0; k < K_LAYER_KINDS; ++k) layer += c[k];
+    return d->model.num_layers * layer + c[K_NORM_FINAL] + c[K_LM_HEAD] + c[K_ARGMAX];
+}
+
+/* -- Items: computed into the thread's buffers, then published ---------------------------------- */
+typedef struct { int kind; int64_t layer, n, offset; } phase;
+
+static void compute_item(const pdserve_decoder *d, worker *w, const step_params *p, const phase *f, int64_t i) {
+    const pdserve_decoder_shape *s = &d->s;
+    const buffers *b = p->buf;
+    thread_buffers *t = &b->threads[w->index];
+    const pdserve_decoder_layer *l = &d->layers[f->layer < d->model.num_layers ? f->layer : 0];
+    switch (f->kind) {
+    case K_NORM_IN:
+    case K_NORM_POST:
+    case K_NORM_FINAL: {  /* h += the last sublayer's output; x = norm(h) */
+        const float *delta = f->kind == K_NORM_POST ? b->o_out : f->layer > 0 ? b->down_out : NULL;
+        const float *weight = f->kind == K_NORM_IN ? l->input_norm : f->kind == K_NORM_POST ? l->post_norm
+                                                                                           : d->model.final_norm;
+        memcpy(t->row_a, b->h + i * s->hidden, sizeof(float) * s->hidden);
+        rms_norm_row(t->row_a, delta != NULL ? delta + i * s->hidden : NULL, weight, t->row_b, s->hidden, s->eps);
+        break;
+    }
+    case K_ROTARY:  /* q and k rotated (the cache write is the publish's) */
+        memcpy(t->row_a, b->qkv + i * d->qkv_size, sizeof(float) * (d->q_size + d->kv_size));
+        rotary_token(t->row_a, s->heads + s->kv_heads, s->head_dim, d->model.cos_sin + b->positions[i] * s->head_dim);
+        break;
+    case K_ATTN: {  /* row r's query heads of KV head g */
+        const int64_t r = i / s->kv_heads, g = i % s->kv_heads;
+        attend(b->qkv + r * d->qkv_size, s->head_dim, l->k_cache, l->v_cache, b->tables + r * b->w_cap, b->lens[r],
+               g, g + 1, d->group, s->head_dim, s->block_size, d->kv_size, s->scale, t->scores, t->acc, t->row_a);
+        break;
+    }
+    case K_SILU:
+        silu_mul_row(b->gate_up + i * 2 * s->intermediate, t->row_a, s->intermediate);
+        break;
+    case K_ARGMAX: {  /* over the LM-head items' winners in column order: argmax_row's rule */
+        const int64_t items = matmul_items(d, s->vocab, s->hidden);
+        int64_t best = -1;
+        float best_value = 0.0f;
+        for (int64_t j = 0; j < items; ++j) {
+            const float v = b->best_value[j * b->m_cap + i];
+            if (v != v) {
+                best = b->best_index[j * b->m_cap + i];
+                break;
             }
-            failed |= attention_part(qkv, qkv_size, s->head_dim, l->k_cache, l->v_cache, block_tables, table_width,
-                                     seq_lens, attn, m, s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale);
-            /* h += attn Wo, then x = norm(h): the o projection lands in `gate_up` (free until the MLP). */
-            linear_part(attn, m, q_size, l->o, hidden, NULL, gate_up, t, nt);
-#pragma omp barrier
-#pragma omp for
-            for (int64_t r = 0; r < m; ++r)
-                rms_norm_row(h + r * hidden, gate_up + r * hidden, l->post_norm, x + r * hidden, hidden, s->eps);
-            linear_part(x, m, hidden, l->gate_up, 2 * inter, NULL, gate_up, t, nt);
-#pragma omp barrier
-#pragma omp for
-            for (int64_t r = 0; r < m; ++r) silu_mul_row(gate_up + r * 2 * inter, act + r * inter, inter);
-            linear_part(act, m, inter, l->down, hidden, NULL, x, t, nt);
-#pragma omp barrier
+            if (best < 0 || v > best_value) {
+                best = b->best_index[j * b->m_cap + i];
+                best_value = v;
+            }
         }
-#pragma omp for
-        for (int64_t r = 0; r < m; ++r)
-            rms_norm_row(h + r * hidden, model->num_layers ? x + r * hidden : NULL, model->final_norm, x + r * hidden,
-                         hidden, s->eps);
-        linear_part(x, m, hidden, model->lm_head, s->vocab, NULL, logits, t, nt);
-        if (greedy != NULL) {
-            /* Scanned by the thread that wrote them, while they are in its cache (read back later by
-             * one thread they cost ~80 us a row); then the threads' winners are compared in column
-             * order, so the result is argmax_row's over the whole row: first NaN, else first max. */
-            int64_t p0, p1;
-            part_panels(m, hidden, s->vocab, t, nt, &p0, &p1);
-            const int64_t c0 = p0 * PANEL, c1 = p1 * PANEL < s->vocab ? p1 * PANEL : s->vocab;
-            for (int64_t r = 0; r < m; ++r)
-                part_best[t * m + r] = c1 > c0 ? c0 + argmax_row(logits + r * s->vocab + c0, c1 - c0) : -1;
-#pragma omp barrier
-#pragma omp for
+        w->argmax = best;
+        break;
+    }
+    default: {  /* panels [p0, p1) of a matmul, every row */
+        const matmul mm = matmul_of(d, p, f->kind, f->layer);
+        const int64_t per = panels_per_item(d, mm.k), ld = per * PANEL, panels = (mm.n + PANEL - 1) / PANEL;
+        const int64_t p0 = i * per, p1 = p0 + per < panels ? p0 + per : panels, m = p->m;
+        for (int64_t q = p0; q < p1; ++q) {
+            const float *panel = mm.w + q * mm.k * PANEL;
+            const int64_t c = q * PANEL, cols = mm.n - c < PANEL ? mm.n - c : PANEL;
+            const float *bias = mm.bias != NULL ? mm.bias + c : NULL;
+            float *out = t->tile + (q - p0) * PANEL;
+            int64_t r = 0;
+#ifdef HAVE_AVX2
+            if (m == 1) {
+                linear_row(mm.x, panel, mm.k, out, cols, bias);
+                continue;
+            }
+            for (; r + 6 <= m; r += 6) linear_tile_6(mm.x + r * mm.k, mm.k, panel, mm.k, out + r * ld, ld, cols, bias);
+            for (; r + 4 <= m; r += 4) linear_tile_4(mm.x + r * mm.k, mm.k, panel, mm.k, out + r * ld, ld, cols, bias);
+            for (; r + 2 <= m; r += 2) linear_tile_2(mm.x + r * mm.k, mm.k, panel, mm.k, out + r * ld, ld, cols, bias);
+            for (; r < m; ++r) linear_tile_1(mm.x + r * mm.k, mm.k, panel, mm.k, out + r * ld, ld, cols, bias);
+#endif
+            linear_rows_portable(mm.x + r * mm.k, m - r, mm.k, panel, out + r * ld, ld, cols, bias);
+        }
+        if (f->kind == K_LM_HEAD && p->greedy != NULL) {
+            const int64_t c0 = p0 * PANEL, cols = (p1 * PANEL < mm.n ? p1 * PANEL : mm.n) - c0;
             for (int64_t r = 0; r < m; ++r) {
-                const float *row_logits = logits + r * s->vocab;
-                int64_t best = -1;
-                for (int u = 0; u < nt; ++u) {
-                    const int64_t i = part_best[u * m + r];
-                    if (i < 0) continue;
-                    const float v = row_logits[i];
-                    if (v != v) {  /* NaN: the first one wins */
-                        best = i;
-                        break;
-                    }
-                    if (best < 0 || v > row_logits[best]) best = i;
-                }
-                greedy[r] = best;
+                const int64_t j = argmax_row(t->tile + r * ld, cols);
+                t->best_index[r] = c0 + j;
+                t->best_value[r] = t->tile[r * ld + j];
             }
         }
     }
-    free(part_best);
-    return failed;
+    }
 }
+
+static void publish_item(const pdserve_decoder *d, worker *w, const step_params *p, const phase *f, int64_t i) {
+    const pdserve_decoder_shape *s = &d->s;
+    const buffers *b = p->buf;
+    const thread_buffers *t = &b->threads[w->index];
+    const pdserve_decoder_layer *l = &d->layers[f->layer < d->model.num_layers ? f->layer : 0];
+    switch (f->kind) {
+    case K_NORM_IN:
+    case K_NORM_POST:
+    case K_NORM_FINAL:
+        memcpy(b->h + i * s->hidden, t->row_a, sizeof(float) * s->hidden);
+        memcpy(b->x + i * s->hidden, t->row_b, sizeof(float) * s->hidden);
+        break;
+    case K_ROTARY: {
+        float *row_qkv = b->qkv + i * d->qkv_size;
+        memcpy(row_qkv, t->row_a, sizeof(float) * (d->q_size + d->kv_size));
+        memcpy(l->k_cache + b->slots[i] * d->kv_size, row_qkv + d->q_size, sizeof(float) * d->kv_size);
+        memcpy(l->v_cache + b->slots[i] * d->kv_size, row_qkv + d->q_size + d->kv_size, sizeof(float) * d->kv_size);
+        break;
+    }
+    case K_ATTN: {
+        const int64_t r = i / s->kv_heads, g = i % s->kv_heads;
+        memcpy(b->attn + r * d->q_size + g * d->group * s->head_dim, t->row_a, sizeof(float) * d->group * s->head_dim);
+        break;
+    }
+    case K_SILU:
+        memcpy(b->act + i * s->intermediate, t->row_a, sizeof(float) * s->intermediate);
+        break;
+    case K_ARGMAX:
+        p->greedy[i] = w->argmax;
+        break;
+    default: {
+        const matmul mm = matmul_of(d, p, f->kind, f->layer);
+        const int64_t per = panels_per_item(d, mm.k), ld = per * PANEL, c0 = i * per * PANEL;
+        const int64_t cols = (c0 + ld < mm.n ? c0 + ld : mm.n) - c0;
+        for (int64_t r = 0; r < p->m; ++r) memcpy(mm.out + r * mm.n + c0, t->tile + r * ld, sizeof(float) * cols);
+        if (f->kind == K_LM_HEAD && p->greedy != NULL)
+            for (int64_t r = 0; r < p->m; ++r) {
+                b->best_index[i * b->m_cap + r] = t->best_index[r];
+                b->best_value[i * b->m_cap + r] = t->best_value[r];
+            }
+    }
+    }
+}
+
+static uint64_t next_random(uint64_t *x) { /* xorshift64 */
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/* Tests only (pdserve_decoder_chaos): sleep now and then, as a descheduled thread would. */
+static void maybe_stall(pdserve_decoder *d, worker *w) {
+    const int permille = atomic_load_explicit(&d->chaos_permille, memory_order_relaxed);
+    if (permille > 0 && (int)(next_random(&w->rng) % 1000) < permille) {
+        const int64_t us = (int64_t)(next_random(&w->rng) % (uint64_t)(atomic_load(&d->chaos_max_us) + 1));
+        struct timespec t = {us / 1000000, (us % 1000000) * 1000};
+        nanosleep(&t, NULL);
+    }
+}
+
+/* Compute item i (which `claimer` claimed) and publish it unless another thread did first. */
+static void run_item(pdserve_decoder *d, worker *w, const step_params *p, const phase *f, int64_t i,
+                     _Atomic uint64_t *state, int claimer) {
+    compute_item(d, w, p, f, i);
+    maybe_stall(d, w);
+    uint64_t expect = state_word(p->tag, ST_CLAIMED, claimer);
+    if (!atomic_compare_exchange_strong_explicit(state, &expect, state_word(p->tag, ST_STORING, w->index),
+                                                 memory_order_acq_rel, memory_order_relaxed)) {
+        stat_add(d, STAT_DROPPED);
+        return;
+    }
+    publish_item(d, w, p, f, i);
+    atomic_store_explicit(state, state_word(p->tag, ST_DONE, w->index), memory_order_release);
+}
+
+static int claim(_Atomic uint64_t *state, uint64_t tag, int who) {
+    uint64_t expect = state_word(tag, ST_FREE, 0);
+    return atomic_compare_exchange_strong_explicit(state, &expect, state_word(tag, ST_CLAIMED, who),
+                                                   memory_order_acq_rel, memory_order_relaxed);
+}
+
+/* Wait until every item of the phase is published (acquire: its outputs are then visible), taking
+ * free items and redoing those claimed by a thread that has sat on them too long. 0 when a newer
+ * step has begun (this thread is late: its step is over). */
+static int await_phase(pdserve_decoder *d, worker *w, const step_params *p, const phase *f,
+                       _Atomic uint64_t *states) {
+    const uint64_t tag = p->tag;
+    int64_t redo_after = 4 * w->item_ns[f->kind], waiting_since = 0;
+    if (redo_after < REDO_MIN_NS) redo_after = REDO_MIN_NS;
+    for (int64_t i = 0, spins = 0;; ++spins) {
+        uint64_t cur = 0;
+        while (i < f->n && state_of(cur = atomic_load_explicit(&states[i], memory_order_acquire)) == ST_DONE &&
+               tagged(cur, tag))
+            ++i;
+        if (i == f->n) return 1;
+        if (atomic_load_explicit(&d->p_tag, memory_order_relaxed) != tag) return 0;
+        if (state_of(cur) == ST_FREE) {
+            if (claim(&states[i], tag, w->index)) run_item(d, w, p, f, i, &states[i], w->index);
+            continue;
+        }
+        if (state_of(cur) == ST_CLAIMED && spins % 16 == 0) {
+            const int64_t now = now_ns();
+            if (waiting_since == 0) {
+                waiting_since = now;
+            } else if (now - waiting_since > redo_after) {
+                for (int64_t j = i; j < f->n; ++j) {
+                    const uint64_t c = atomic_load_explicit(&states[j], memory_order_relaxed);
+                    if (!tagged(c, tag)) break;
+                    if (state_of(c) == ST_CLAIMED && who_of(c) != w->index) {
+                        stat_add(d, STAT_REDONE);
+                        run_item(d, w, p, f, j, &states[j], who_of(c));
+                    } else if (state_of(c) == ST_FREE && claim(&states[j], tag, w->index)) {
+                        run_item(d, w, p, f, j, &states[j], w->index);
+                    }
+                }
+                waiting_since = 0;
+                continue;
+            }
+        }
+        CPU_RELAX();
+    }
+}
+
+/* Thread w's part of one phase: its share from the front, then the others' from their ends. */
+static int run_phase(pdserve_decoder *d, worker *w, const step_params *p, const phase *f) {
+    _Atomic uint64_t *states = p->buf->states + f->offset;
+    const uint64_t tag = p->tag;
+    const int t = w->index, nt = (int)p->nt;
+    const int64_t start = now_ns();
+    int64_t done = 0;
+    for (int64_t i = f->n * t / nt; i < f->n * (t + 1) / nt && claim(&states[i], tag, t); ++i, ++done)
+        run_item(d, w, p, f, i, &states[i], t);
+    for (int v = 1; v < nt; ++v) {
+        const int u = (t + v) % nt;
+        for (int64_t i = f->n * (u + 1) / nt - 1; i >= f->n * u / nt; --i) {
+            const uint64_t cur = atomic_load_explicit(&states[i], memory_order_relaxed);
+            if (state_of(cur) == ST_FREE && tagged(cur, tag)) {
+                if (claim(&states[i], tag, t)) {
+                    stat_add(d, STAT_STOLEN);
+                    run_item(d, w, p, f, i, &states[i], t);
+                    ++done;
+                }
+            } else if (!tagged(cur, tag) || who_of(cur) == u) {
+                break;  /* its owner got this far (or the step is over) */
+            }
+        }
+    }
+    if (done > 0) w->item_ns[f->kind] = (now_ns() - start) / done;
+    return await_phase(d, w, p, f, states);
+}
+
+/* Every phase of the step, as thread w; returns early when the step is over without it. */
+static void run_step(pdserve_decoder *d, worker *w, const step_params *p) {
+    int64_t counts[K_KINDS], offset = 0;
+    count_items(d, p->m, p->greedy != NULL, counts);
+    const int64_t layer_phases = d->model.num_layers * K_LAYER_KINDS;
+    for (int64_t ph = 0; ph < layer_phases + 3; ++ph) {
+        phase f;
+        f.kind = ph < layer_phases ? (int)(ph % K_LAYER_KINDS) : K_LAYER_KINDS + (int)(ph - layer_phases);
+        f.layer = ph < layer_phases ? ph / K_LAYER_KINDS : d->model.num_layers;
+        f.n = counts[f.kind];
+        f.offset = offset;
+        offset += f.n;
+        if (f.n > 0 && !run_phase(d, w, p, &f)) return;
+    }
+}
+
+/* -- Helpers ---------------------------------------------------------------------------------- */
+static void futex_wait(_Atomic uint32_t *word, uint32_t value) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static void read_step(pdserve_decoder *d, step_params *p) {
+    for (;;) {
+        const uint64_t seq = atomic_load_explicit(&d->pseq, memory_order_acquire);
+        if (seq & 1) {
+            CPU_RELAX();
+            continue;
+        }
+        p->tag = atomic_load_explicit(&d->p_tag, memory_order_relaxed);
+        p->m = atomic_load_explicit(&d->p_m, memory_order_relaxed);
+        p->nt = atomic_load_explicit(&d->p_nt, memory_order_relaxed);
+        p->buf = atomic_load_explicit(&d->p_buf, memory_order_relaxed);
+        p->logits = atomic_load_explicit(&d->p_logits, memory_order_relaxed);
+        p->greedy = atomic_load_explicit(&d->p_greedy, memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&d->pseq, memory_order_relaxed) == seq) return;
+    }
+}
+
+static void *helper_main(void *arg) {
+    worker *w = arg;
+    pdserve_decoder *d = w->dec;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals are the caller's business */
+    uint32_t seen = atomic_load(&d->wake);
+    for (;;) {
+        const int64_t spin_until = now_ns() + SPIN_NS;
+        for (int64_t spins = 0; atomic_load_explicit(&d->wake, memory_order_acquire) == seen; ++spins) {
+            if (atomic_load_explicit(&d->quit, memory_order_relaxed)) return NULL;
+            if (spins % 64 != 63 || now_ns() < spin_until) {
+                CPU_RELAX();
+                continue;
+            }
+            atomic_fetch_add(&d->sleepers, 1);
+            if (atomic_load(&d->wake) == seen && !atomic_load(&d->quit)) futex_wait(&d->wake, seen);
+            atomic_fetch_sub(&d->sleepers, 1);
+        }
+        if (atomic_load(&d->quit)) return NULL;
+        step_params p;
+        read_step(d, &p);
+        seen = (uint32_t)p.tag;
+        if (w->index >= p.nt || p.buf == NULL) continue;
+        maybe_stall(d, w);
+        run_step(d, w, &p);
+    }
+}
+
+static worker *new_worker(pdserve_decoder *d, int index) {
+    worker *w = NULL;
+    if (posix_memalign((void **)&w, 64, sizeof(worker)) == 0) {
+        memset(w, 0, sizeof(worker));
+        w->dec = d;
+        w->index = index;
+        w->rng = 0x9e3779b97f4a7c15ull * (uint64_t)(index + 1);
+    }
+    return w;
+}
+
+/* Start helpers until nt threads can work (fewer if the system refuses); how many can. */
+static int ensure_threads(pdserve_decoder *d, int nt) {
+    while (d->num_workers < nt) {
+        worker *w = new_worker(d, d->num_workers);
+        if (w == NULL) break;
+        if (pthread_create(&w->thread, NULL, helper_main, w) != 0) {
+            free(w);
+            break;
+        }
+        pthread_setname_np(w->thread, "pdserve-step");
+        d->workers[d->num_workers++] = w;
+    }
+    return d->num_workers < nt ? d->num_workers : nt;
+}
+
+/* -- Buffers ---------------------------------------------------------------------------------- */
+/* Lay b's arrays out in one block at `base` (NULL: only measure); returns the block's bytes. */
+static int64_t lay_out(const pdserve_decoder *d, buffers *b, char *base) {
+    const pdserve_decoder_shape *s = &d->s;
+    const int64_t m = b->m_cap, lm_items = matmul_items(d, s->vocab, s->hidden);
+    int64_t tile_cols = 0, row = s->hidden, used = 0;
+    const int64_t ks[] = {s->hidden, d->q_size, s->intermediate};
+    for (int j = 0; j < 3; ++j)
+        if (panels_per_item(d, ks[j]) * PANEL > tile_cols) tile_cols = panels_per_item(d, ks[j]) * PANEL;
+    if (d->qkv_size > row) row = d->qkv_size;
+    if (s->intermediate > row) row = s->intermediate;
+#define CARVE(bytes) (used += ((bytes) + 63) & ~(int64_t)63, base != NULL ? (void *)(base + used - (((bytes) + 63) & ~(int64_t)63)) : NULL)
+    b->ids = CARVE(8 * m);
+    b->positions = CARVE(8 * m);
+    b->slots = CARVE(8 * m);
+    b->lens = CARVE(8 * m);
+    b->tables = CARVE(8 * m * b->w_cap);
+    b->h = CARVE(4 * m * s->hidden);
+    b->x = CARVE(4 * m * s->hidden);
+    b->qkv = CARVE(4 * m * d->qkv_size);
+    b->attn = CARVE(4 * m * d->q_size);
+    b->o_out = CARVE(4 * m * s->hidden);
+    b->gate_up = CARVE(4 * m * 2 * s->intermediate);
+    b->act = CARVE(4 * m * s->intermediate);
+    b->down_out = CARVE(4 * m * s->hidden);
+    b->best_index = CARVE(8 * lm_items * m);
+    b->best_value = CARVE(4 * lm_items * m);
+    b->states = CARVE(8 * total_items(d, m));
+    b->threads = CARVE((int64_t)sizeof(thread_buffers) * b->nt_cap);
+    for (int64_t t = 0; t < b->nt_cap; ++t) {
+        thread_buffers tb;
+        tb.tile = CARVE(4 * m * tile_cols);
+        tb.row_a = CARVE(4 * row);
+        tb.row_b = CARVE(4 * s->hidden);
+        tb.scores = CARVE(4 * d->group * b->w_cap * s->block_size);
+        tb.acc = CARVE(4 * d->group * s->head_dim);
+        tb.best_index = CARVE(8 * m);
+        tb.best_value = CARVE(4 * m);
+        if (base != NULL) b->threads[t] = tb;
+    }
+#undef CARVE
+    return used;
+}
+
+/* Buffers for m rows, block tables `width` wide and nt threads: the current ones, or bigger ones
+ * (the old ones retired, not freed: a late thread may still read them). NULL when out of memory. */
+static buffers *ensure_buffers(pdserve_decoder *d, int64_t m, int64_t width, int64_t nt) {
+    buffers *old = d->buf;
+    if (old != NULL && m <= old->m_cap && width <= old->w_cap && nt <= old->nt_cap) return old;
+    buffers *b = calloc(1, sizeof(buffers));
+    if (b == NULL) return NULL;
+    b->m_cap = old != NULL ? old->m_cap : 8;
+    b->w_cap = old != NULL ? old->w_cap : 16;
+    b->nt_cap = old != NULL && old->nt_cap > nt ? old->nt_cap : nt;
+    while (b->m_cap < m) b->m_cap *= 2;
+    while (b->w_cap < width) b->w_cap *= 2;
+    const int64_t bytes = lay_out(d, b, NULL);
+    /* Zeroed: ids, positions, slots and tables hold valid indices for a late reader from the start. */
+    if (posix_memalign(&b->memory, 64, (size_t)bytes) != 0) {
+        free(b);
+        return NULL;
+    }
+    memset(b->memory, 0, (size_t)bytes);
+    lay_out(d, b, b->memory);
+    b->retired = old;
+    d->buf = b;
+    return b;
+}
+
+/* -- The API ---------------------------------------------------------------------------------- */
+/* item_bytes: a matmul item's weights (items are whole panels: at least one). */
+pdserve_decoder *pdserve_decoder_new(const pdserve_decoder_model *model, const pdserve_decoder_shape *s,
+                                     int64_t item_bytes) {
+    pdserve_decoder *d = calloc(1, sizeof(pdserve_decoder));
+    if (d == NULL) return NULL;
+    d->layers = malloc(sizeof(pdserve_decoder_layer) * (model->num_layers > 0 ? model->num_layers : 1));
+    d->workers[0] = new_worker(d, 0);
+    if (d->layers == NULL || d->workers[0] == NULL) {
+        free(d->layers);
+        free(d->workers[0]);
+        free(d);
+        return NULL;
+    }
+    memcpy(d->layers, model->layers, sizeof(pdserve_decoder_layer) * model->num_layers);
+    d->model = *model;
+    d->model.layers = d->layers;
+    d->s = *s;
+    d->q_size = s->heads * s->head_dim;
+    d->kv_size = s->kv_heads * s->head_dim;
+    d->qkv_size = d->q_size + 2 * d->kv_size;
+    d->group = s->heads / s->kv_heads;
+    d->item_bytes = item_bytes;
+    d->num_workers = 1;
+    return d;
+}
+
+/* Stop and join the helpers (a late one first finishes its item), then free everything. */
+void pdserve_decoder_free(pdserve_decoder *d) {
+    if (d == NULL) return;
+    atomic_store(&d->quit, 1);
+    atomic_fetch_add(&d->wake, 1);
+    futex_wake(&d->wake);
+    for (int i = 1; i < d->num_workers; ++i) pthread_join(d->workers[i]->thread, NULL);
+    for (int i = 0; i < d->num_workers; ++i) free(d->workers[i]);
+    for (buffers *b = d->buf; b != NULL;) {
+        buffers *next = b->retired;
+        free(b->memory);
+        free(b);
+        b = next;
+    }
+    free(d->layers);
+    free(d);
+}
+
+/* One decode step. ints: m token ids, then m positions, m cache slots, m sequence lengths, then m
+ * block tables `width` wide (int64); logits [m, vocab] out; greedy: NULL, or [m] out for each
+ * row's argmax (argmax_row's rule). Writes the tokens' K and V into the cache. Returns 0; 1 when
+ * buffers could not be allocated; 2 when an index is out of range (nothing was computed). */
+int pdserve_decoder_step(pdserve_decoder *d, const int64_t *ints, int64_t m, int64_t width, float *logits,
+                         int64_t *greedy, int num_threads) {
+    const pdserve_decoder_shape *s = &d->s;
+    if (m <= 0 || width <= 0) return m == 0 ? 0 : 2;
+    const int64_t *ids = ints, *positions = ints + m, *slots = ints + 2 * m, *lens = ints + 3 * m,
+                  *tables = ints + 4 * m;
+    for (int64_t r = 0; r < m; ++r) {
+        if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= s->max_position ||
+            slots[r] < 0 || slots[r] >= s->num_blocks * s->block_size || lens[r] < 1 || lens[r] > width * s->block_size)
+            return 2;
+        for (int64_t j = 0; j < width; ++j)
+            if (tables[r * width + j] < 0 || tables[r * width + j] >= s->num_blocks) return 2;
+    }
+    const int nt = ensure_threads(d, num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
+    buffers *b = ensure_buffers(d, m, width, nt);
+    if (b == NULL) return 1;
+    memcpy(b->ids, ids, 8 * m);
+    memcpy(b->positions, positions, 8 * m);
+    memcpy(b->slots, slots, 8 * m);
+    memcpy(b->lens, lens, 8 * m);
+    for (int64_t r = 0; r < m; ++r) {
+        memcpy(b->tables + r * b->w_cap, tables + r * width, 8 * width);
+        memcpy(b->h + r * s->hidden, d->model.embedding + ids[r] * s->hidden, sizeof(float) * s->hidden);
+    }
+    const uint64_t tag = ++d->last_tag;
+    const int64_t n = total_items(d, m);
+    for (int64_t i = 0; i < n; ++i) atomic_store_explicit(&b->states[i], state_word(tag, ST_FREE, 0), memory_order_relaxed);
+    /* Publish the step (seqlock), then wake the helpers that sleep. */
+    const uint64_t seq = atomic_load_explicit(&d->pseq, memory_order_relaxed);
+    atomic_store_explicit(&d->pseq, seq + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&d->p_tag, tag, memory_order_relaxed);
+    atomic_store_explicit(&d->p_m, m, memory_order_relaxed);
+    atomic_store_explicit(&d->p_nt, nt, memory_order_relaxed);
+    atomic_store_explicit(&d->p_buf, b, memory_order_relaxed);
+    atomic_store_explicit(&d->p_logits, logits, memory_order_relaxed);
+    atomic_store_explicit(&d->p_greedy, greedy, memory_order_relaxed);
+    atomic_store_explicit(&d->pseq, seq + 2, memory_order_release);
+    if (nt > 1) {
+        atomic_store(&d->wake, (uint32_t)tag);
+        if (atomic_load(&d->sleepers) > 0) futex_wake(&d->wake);
+    }
+    const step_params p = {tag, m, nt, b, logits, greedy};
+    run_step(d, d->workers[0], &p);
+    stat_add(d, STAT_STEPS);
+    return 0;
+}
+
+/* Counters since the decoder was made: steps, items taken from another thread's share, items
+ * redone because their thread sat on them, results dropped because another thread published first. */
+void pdserve_decoder_stats(pdserve_decoder *d, int64_t out[4]) {
+    for (int i = 0; i < 4; ++i) out[i] = atomic_load(&d->stats[i]);
+}
+
+/* Tests: every thread sleeps up to max_us before a permille of its publishes and of its steps. */
+void pdserve_decoder_chaos(pdserve_decoder *d, int permille, int max_us) {
+    atomic_store(&d->chaos_max_us, max_us);
+    atomic_store(&d->chaos_permille, permille);
+}
+
 
 /* The first index of v's largest value, or of its first NaN if it has one (torch's argmax): one
  * vector pass for the maximum (and whether any value is NaN), then one for where it first occurs. */

@@ -5,7 +5,8 @@
   decode batch sizes it streams the weights faster than oneDNN's or MKL's matmul on these shapes.
 - `DecoderModel.decode_step`: a decode-only step of a dense Llama-family model in one call, token
   ids to logits, over the same kernels (at batch 1 the Python between them had cost ~3 ms of a
-  ~12 ms step).
+  ~12 ms step), on threads of its own that share the work without waiting for one another, so a
+  thread descheduled by the replica's other processes does not stall the step.
 - `argmax`: greedy sampling's argmax over the vocabulary.
 - `rms_norm` (optionally adding the residual first), `silu_mul`, `rotary_`: one pass each where
   torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from array import array
 from pathlib import Path
 
@@ -39,7 +41,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC", "-shared", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -239,8 +241,8 @@ class DecoderLayerPointers(ctypes.Structure):
 class DecoderShape(ctypes.Structure):
     """`pdserve_decoder_shape`."""
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                                    "block_size", "vocab")] + [("eps", ctypes.c_float),
-                                                                               ("scale", ctypes.c_float)]
+                                                    "block_size", "vocab", "num_blocks", "max_position")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class _DecoderModelPointers(ctypes.Structure):
@@ -250,18 +252,28 @@ class _DecoderModelPointers(ctypes.Structure):
 
 
 class DecoderModel:
-    """A dense decoder model as the C side sees it, for `decode_step`: its layers, the embedding
-    table `[vocab rows, hidden]`, the rotary table `[max_position, 2, head_dim // 2]`, the final
-    norm's weight and the LM head packed by `pack_linear`, all fp32 and dense. The caller keeps the
-    tensors behind the addresses alive and in place (weights after `finalize`, the KV cache)."""
+    """A dense decoder model as the C side sees it (`pdserve_decoder`), for `decode_step`: its
+    layers, the embedding table `[vocab rows, hidden]`, the rotary table `[max_position, 2,
+    head_dim // 2]`, the final norm's weight and the LM head packed by `pack_linear`, all fp32 and
+    dense. `tensors`: every tensor behind those addresses (weights, the KV cache), kept alive here
+    for as long as the decoder's threads may read them. One caller at a time (the engine's loop)."""
 
     def __init__(self, layers: list[DecoderLayerPointers], shape: DecoderShape, embedding: torch.Tensor,
-                 cos_sin: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor):
-        self._layers = (DecoderLayerPointers * len(layers))(*layers)
+                 cos_sin: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
+                 tensors: list[torch.Tensor]):
+        lib = load()
         self.shape = shape
-        self._model = _DecoderModelPointers(ctypes.addressof(self._layers), len(layers), embedding.data_ptr(),
-                                            cos_sin.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr())
-        self._work = torch.empty(0, dtype=torch.float32)  # the step's scratch, grown to the largest batch
+        self._tensors = [embedding, cos_sin, final_norm, lm_head, *tensors]
+        pointers = (DecoderLayerPointers * len(layers))(*layers)
+        model = _DecoderModelPointers(ctypes.addressof(pointers), len(layers), embedding.data_ptr(),
+                                      cos_sin.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr())
+        handle = lib.pdserve_decoder_new(ctypes.byref(model), ctypes.byref(shape), DECODE_ITEM_BYTES)  # copies
+        if not handle:
+            raise MemoryError("could not allocate the CPU decoder")
+        self._handle = handle
+        # Joins the decoder's threads and frees it when this object goes (or at exit), before the
+        # tensors above can go.
+        self._free = weakref.finalize(self, lib.pdserve_decoder_free, handle)
 
     def decode_step(self, ints: array, m: int, width: int,
                     greedy: bool = False) -> tuple[torch.Tensor, list[int] | None]:
@@ -269,23 +281,34 @@ class DecoderModel:
         each row's argmax token (as `argmax`; else None). `ints`: int64, `m` token ids, then their
         positions, cache slots and sequence lengths (`m` each), then the block tables (`m` rows of
         `width`). Writes the tokens' K and V into the cache."""
-        lib = load()
-        base, step = ints.buffer_info()[0], 8 * m
-        need = lib.pdserve_decode_work_floats(ctypes.byref(self.shape), m)
-        if self._work.numel() < need:
-            self._work = torch.empty(need, dtype=torch.float32)
         logits = torch.empty(m, self.shape.vocab, dtype=torch.float32)
         tokens = (ctypes.c_int64 * m)() if greedy else None
-        failed = lib.pdserve_decode_step_f32(
-            ctypes.byref(self._model), ctypes.byref(self.shape), base, base + step, m, base + 2 * step,
-            base + 4 * step, width, base + 3 * step, self._work.data_ptr(), logits.data_ptr(), tokens,
-            torch.get_num_threads())
+        failed = load().pdserve_decoder_step(self._handle, ints.buffer_info()[0], m, width, logits.data_ptr(),
+                                             tokens, torch.get_num_threads())
+        if failed == 1:
+            raise MemoryError("the CPU decode step could not allocate its buffers")
         if failed:
-            raise MemoryError("the CPU decode step could not allocate its scratch memory")
+            raise ValueError("a decode step's token id, position, cache slot, length or block id is out of range")
         return logits, None if tokens is None else list(tokens)
+
+    def stats(self) -> dict[str, int]:
+        """Since this decoder was made: steps; items a thread took from another's share (`stolen`);
+        items a thread computed because the one that claimed them sat on them (`redone`);
+        results dropped because another thread published first (`dropped`)."""
+        out = (ctypes.c_int64 * 4)()
+        load().pdserve_decoder_stats(self._handle, out)
+        return dict(zip(("steps", "stolen", "redone", "dropped"), out))
+
+    def chaos(self, permille: int, max_us: int) -> None:
+        """For tests: every thread sleeps up to `max_us` before `permille` of its publishes and of
+        its steps, as threads descheduled by other processes would."""
+        load().pdserve_decoder_chaos(self._handle, permille, max_us)
 
 
 PANEL = 16  # columns per panel of a packed weight (cpu_kernels.c)
+# Weight bytes per work item of a decode step's matmuls: ~5 us of streaming, enough to pay for the
+# item's bookkeeping; small enough that a thread that finds its share done can take over the rest.
+DECODE_ITEM_BYTES = 128 * 1024
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pdserve_paged_decode_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I,
@@ -296,7 +319,10 @@ _SIGNATURES = {
     "pdserve_pack_linear_f32": (None, [_P, _I, _I, _P, _T]),
     "pdserve_want_huge_pages": (None, [_P, _I]),
     "pdserve_linear_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _T]),
-    "pdserve_decode_work_floats": (_I, [_P, _I]),
-    "pdserve_decode_step_f32": (ctypes.c_int, [_P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _T]),
+    "pdserve_decoder_new": (_P, [_P, _P, _I]),
+    "pdserve_decoder_free": (None, [_P]),
+    "pdserve_decoder_step": (ctypes.c_int, [_P, _P, _I, _I, _P, _P, _T]),
+    "pdserve_decoder_stats": (None, [_P, _P]),
+    "pdserve_decoder_chaos": (None, [_P, _T, _T]),
     "pdserve_argmax_f32": (None, [_P, _I, _I, _P, _T]),
 }

@@ -177,21 +177,23 @@ class LlamaForCausalLM(nn.Module):
             return None if t is None else t.data_ptr()
 
         m = self.model
-        pointers = []
+        pointers, tensors = [], [kv.kv]
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv.layer(i).unbind(0)
-            pointers.append(cpu_kernels.DecoderLayerPointers(
-                address(layer.input_layernorm.weight), address(layer.post_attention_layernorm.weight),
-                address(a.qkv_proj.packed), address(a.qkv_proj.bias), address(a.o_proj.packed),
-                address(mlp.gate_up_proj.packed), address(mlp.down_proj.packed), address(k_cache), address(v_cache)))
+            weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.qkv_proj.packed,
+                       a.qkv_proj.bias, a.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
+            tensors += [w for w in weights if w is not None]
+            pointers.append(cpu_kernels.DecoderLayerPointers(*(address(w) for w in weights), address(k_cache),
+                                                             address(v_cache)))
         first = m.layers[0]
         attn = first.self_attn.attn
         shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
                                          attn.head_dim, first.mlp.intermediate_size, kv.block_size,
-                                         self.lm_head.out_features, first.input_layernorm.eps, attn.scale)
+                                         self.lm_head.out_features, kv.num_blocks, m.rotary.cos_sin.shape[0],
+                                         first.input_layernorm.eps, attn.scale)
         return cpu_kernels.DecoderModel(pointers, shape, m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight,
-                                        self.lm_head.packed)
+                                        self.lm_head.packed, tensors)
 
     def num_decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: all but the embedding table, of which it reads a row.

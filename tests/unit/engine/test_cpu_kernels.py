@@ -4,6 +4,7 @@ fallback behaviour. (The engine's parity tests against transformers run through 
 from __future__ import annotations
 
 import logging
+from array import array
 
 import pytest
 import torch
@@ -301,3 +302,99 @@ def test_greedy_tokens_from_the_decode_step_are_its_logits_argmax(checkpoints, m
         head.packed.copy_(original)
     finally:
         torch.set_num_threads(threads)
+
+
+# -- The decode step's threads (pdserve_decoder) -------------------------------------------------
+@pytest.fixture
+def decode_steps(checkpoints, monkeypatch):
+    """A tiny model after generating, and the decode steps it ran in one call: (ints, m, width)
+    each. Twelve sequences of different lengths finish at different times (the batch shrinks from
+    12), and the longest spans 24 blocks of 4 tokens."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(checkpoints["tiny-llama"], block_size=4)
+    steps = []
+    step = cpu_kernels.DecoderModel.decode_step
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels.DecoderModel, "decode_step",
+                  lambda self, ints, m_, width, greedy=False: steps.append((array("q", ints), m_, width))
+                  or step(self, ints, m_, width, greedy))
+        prompts = [list(range(5, 5 + n)) for n in (1, 3, 9, 16, 17, 20, 33, 40, 41, 52, 64, 80)]
+        params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(12)]
+        llm.generate(prompts, params)
+    assert max(m_ for _, m_, _ in steps) == 12 and max(w for _, _, w in steps) > 16
+    return llm, steps
+
+
+def _replay(llm, steps, threads: int, chaos: tuple[int, int] | None, start: torch.Tensor):
+    """The steps again on a fresh decoder (matmuls split into one-panel items) from the same cache
+    contents: each step's logits and greedy tokens, and the decoder's counters."""
+    model, kv = llm.engine.model, llm.engine.kv_cache
+    kv.kv.copy_(start)
+    decoder = model._model_for_c(kv)
+    if chaos:
+        decoder.chaos(*chaos)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return [decoder.decode_step(ints, m, width, greedy=True) for ints, m, width in steps], decoder.stats()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_step_results_do_not_depend_on_which_thread_computed_what(decode_steps, monkeypatch):
+    """The decoder's threads share each phase's items and redo those a stalled thread sits on; a
+    thread that wakes after its step has ended drops what it computed. Whatever the thread count
+    and however threads stall (randomly here, for up to 0.5 ms before publishing and when a step
+    begins, so late threads run into the following steps; 4 threads on 2 cores are descheduled
+    too), every step's logits and tokens are the same bits as one thread's. The steps are replayed
+    newest first, so the batch grows from 1 to 12 rows (the decoder's buffers grow mid-run)."""
+    llm, steps = decode_steps
+    monkeypatch.setattr(cpu_kernels, "DECODE_ITEM_BYTES", 1)  # one panel per item: many items per matmul
+    steps = steps[::-1]
+    start = llm.engine.kv_cache.kv.clone()
+    expected, _ = _replay(llm, steps, 1, None, start)
+    for threads, chaos in [(2, None), (2, (100, 500)), (4, (100, 500))]:
+        got, stats = _replay(llm, steps, threads, chaos, start)
+        for (logits, tokens), (want_logits, want_tokens) in zip(got, expected):
+            assert torch.equal(logits, want_logits) and tokens == want_tokens, (threads, chaos)
+        assert stats["steps"] == len(steps)
+        if chaos:  # the stalls did make threads take over items and drop late results
+            assert stats["redone"] > 0 and stats["dropped"] > 0, stats
+        assert stats["stolen"] > 0, stats
+
+
+def test_decode_step_rejects_out_of_range_inputs(decode_steps):
+    """Indices are checked before anything runs: a bad token id, position, slot, length or block id
+    raises ValueError and leaves the cache as it was."""
+    llm, steps = decode_steps
+    decoder = llm.engine.model.c_decoder(llm.engine.kv_cache)
+    ints, m, width = steps[0]
+    vocab, slots = decoder.shape.vocab, decoder.shape.num_blocks * decoder.shape.block_size
+    before = llm.engine.kv_cache.kv.clone()
+    for field, value in [(0, vocab), (0, -1), (1, decoder.shape.max_position), (2, slots), (3, 0),
+                         (3, width * decoder.shape.block_size + 1), (4, decoder.shape.num_blocks)]:
+        bad = array("q", ints)
+        bad[field * m] = value
+        with pytest.raises(ValueError, match="out of range"):
+            decoder.decode_step(bad, m, width)
+    assert torch.equal(llm.engine.kv_cache.kv, before)
+
+
+def test_a_decoder_with_stalled_threads_frees_promptly(decode_steps):
+    """Freeing a decoder joins its threads, stalled ones included (each finishes its item first)."""
+    import time
+
+    llm, steps = decode_steps
+    decoder = llm.engine.model._model_for_c(llm.engine.kv_cache)
+    decoder.chaos(1000, 20000)  # every thread sleeps up to 20 ms before every publish
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        decoder.decode_step(*steps[0])
+    finally:
+        torch.set_num_threads(before)
+    start = time.monotonic()
+    decoder._free()
+    assert time.monotonic() - start < 5
