@@ -7,6 +7,8 @@
                                             # alternating twice (side by side, one run)
     python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3
                                             # and the Ray hop alone (no gateway, no HTTP) between them
+    python benchmarks/serving.py --part 2 --rates 4,4.5,5
+                                            # only disaggregation's effect, at three arrival rates
 
 Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (`--waves` x concurrency
 random prompts, fixed output length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine
@@ -21,7 +23,9 @@ Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats
 prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
 core each, every prompt prefilled remotely), the same with `early_first_token` (the first token
 streamed before the KV pull) and colocated serving (one replica, both cores): p99 ITL, TTFT and
-goodput.
+goodput, at each of `--rates`. At light load few decodes run while a long prompt prefills, so
+colocated serving's stalls stay under its 1% tail; disaggregation shows from the load where they
+do not.
 
 Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
 tokenizer's, so every token streams text; fp32), generated into the pdserve cache on first use.
@@ -46,6 +50,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run(coroutine):
+    """On the event loop `pdserve bench`'s client runs on, so every setup's reader costs the same."""
+    from pdserve.bench.runner import event_loop_factory
+
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(coroutine)
 
 
 async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, float]:
@@ -90,7 +102,7 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int, warmup
         return await _stream_all(requests, concurrency, open_stream)
 
     try:
-        records, duration = asyncio.run(main())
+        records, duration = _run(main())
     finally:
         engine.shutdown()
     return compute_metrics(records, duration)
@@ -117,7 +129,7 @@ def handle_run(config, requests, concurrency: int, warmup) -> dict:
         return await _stream_all(requests, concurrency, open_stream)
 
     try:
-        records, duration = asyncio.run(main())
+        records, duration = _run(main())
     finally:
         serve.shutdown()
     return compute_metrics(records, duration)
@@ -153,7 +165,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller counts for a smoke check")
     ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (hops) or part 2 (interference)")
-    ap.add_argument("--rate", type=float, help="part 2's Poisson arrival rate in requests/s (default 1.5)")
+    ap.add_argument("--rates", help="part 2's Poisson arrival rates in requests/s, comma-separated (default "
+                                    "1.5,3,4.5; 1 with --quick): where disaggregation pays depends on the load")
     ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
     ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
     ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
@@ -184,9 +197,10 @@ def main() -> None:
     warmup = random_workload(builder, 1, "128", str(out_len), seed=1000)[0]  # every setup's first request
 
     if args.ingress == "haproxy":  # as `pdserve serve` does (gateway.ingress): set before Ray starts
-        from pdserve.app import HA_PROXY_ENV
+        from pdserve.app import ingress_env
 
-        os.environ[HA_PROXY_ENV] = "1"
+        for name, value in ingress_env(ServeConfig(model=model), None).items():
+            os.environ.setdefault(name, value)
         # An ingress replica otherwise drains for 30 s (for outside load balancers) when Serve shuts
         # down, past serve.shutdown's own wait: the next setup's serve.run then finds a dying controller.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
@@ -215,14 +229,15 @@ def main() -> None:
         # -- part 2: interference -------------------------------------------------------------
         n = 24 if args.quick else 60
         mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=1)
-        rate = args.rate or (1.0 if args.quick else 1.5)
+        rates = [float(r) for r in (args.rates or ("1" if args.quick else "1.5,3,4.5")).split(",")]
         slo = {"ttft": 4000.0, "tpot": 150.0}
-        report["interference"]["rate"] = rate
         remote_always = disagg.model_copy(update={"remote_prefill_min_tokens": 0})
-        report["interference"]["disaggregated"] = served_runs(remote_always, {0: mix}, builder, warmup, rate, slo)[0]
-        report["interference"]["disaggregated, early first token"] = served_runs(
-            remote_always.model_copy(update={"early_first_token": True}), {0: mix}, builder, warmup, rate, slo)[0]
-        report["interference"]["colocated"] = served_runs(colocated, {0: mix}, builder, warmup, rate, slo)[0]
+        setups_2 = {"disaggregated": remote_always,
+                    "disaggregated, early first token": remote_always.model_copy(update={"early_first_token": True}),
+                    "colocated": colocated}
+        for rate in rates:
+            report["interference"][rate] = {name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0]
+                                            for name, cfg in setups_2.items()}
     finally:
         ray.shutdown()
         _print(report)
@@ -245,22 +260,18 @@ def _print(report: dict) -> None:
         for c in by_c:
             ratio = by_c[c]["median_itl_ms"] / offline[c]["median_itl_ms"]
             print(f"{setup} median ITL / offline at concurrency {c}: {ratio:.3f}")
-    inter = report["interference"]
-    if not inter:
-        print(json.dumps(report, default=str))
-        return
-    print(f"\nlong-prompt mix at {inter['rate']} req/s:\n")
-    print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | p99 TTFT ms | goodput req/s | completed |")
-    print("|---|---|---|---|---|---|---|")
-    setups = [s for s in inter if s != "rate"]
-    for setup in setups:
-        m = inter[setup]
-        print(f"| {setup} | {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} | {m['median_ttft_ms']:.1f} "
-              f"| {m['p99_ttft_ms']:.1f} | {m['request_goodput']:.3f} | {m['completed']}/{m['num_requests']} |")
-    c = inter["colocated"]
-    for setup in setups[:-1]:
-        print(f"{setup}: p99 ITL / colocated {inter[setup]['p99_itl_ms'] / c['p99_itl_ms']:.3f}, "
-              f"goodput / colocated {inter[setup]['request_goodput'] / c['request_goodput']:.3f}")
+    for rate, by_setup in report["interference"].items():
+        print(f"\nlong-prompt mix at {rate} req/s:\n")
+        print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | p99 TTFT ms | goodput req/s | completed |")
+        print("|---|---|---|---|---|---|---|")
+        for setup, m in by_setup.items():
+            print(f"| {setup} | {m['median_itl_ms']:.2f} | {m['p99_itl_ms']:.2f} | {m['median_ttft_ms']:.1f} "
+                  f"| {m['p99_ttft_ms']:.1f} | {m['request_goodput']:.3f} | {m['completed']}/{m['num_requests']} |")
+        c = by_setup["colocated"]
+        for setup, m in by_setup.items():
+            if setup != "colocated":
+                print(f"{setup}: p99 ITL / colocated {m['p99_itl_ms'] / c['p99_itl_ms']:.3f}, "
+                      f"goodput / colocated {m['request_goodput'] / c['request_goodput']:.3f}")
     print(json.dumps(report, default=str))
 
 

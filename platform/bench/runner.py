@@ -92,9 +92,21 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
     return records, duration, model
 
 
+def event_loop_factory():
+    """uvloop's event loop where it is installed (Ray Serve's uvicorn brings it), else asyncio's: the
+    client shares the machine with what it measures, and uvloop reads and parses the streams for
+    about a third less CPU per token."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run_benchmark(requests: list[BenchRequest], s: RunSettings, builder: PromptBuilder | None = None,
                   workload: str = "", progress: bool = True) -> dict:
-    records, duration, model = asyncio.run(run_requests(requests, s, builder, progress))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        records, duration, model = runner.run(run_requests(requests, s, builder, progress))
     result = compute_metrics(records, duration, s.slo, s.percentiles)
     settings = asdict(s)
     settings.pop("api_key")
