@@ -7,8 +7,8 @@
                                             # alternating twice (side by side, one run)
     python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3
                                             # and the Ray hop alone (no gateway, no HTTP) between them
-    python benchmarks/serving.py --part 2 --rates 4,4.5,5
-                                            # only disaggregation's effect, at three arrival rates
+    python benchmarks/serving.py --part 2 --rates 3,4.5 --seeds 1,2,3
+                                            # only disaggregation's effect: two rates, three draws of the mix
 
 Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (`--waves` x concurrency
 random prompts, fixed output length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine
@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (hops) or part 2 (interference)")
     ap.add_argument("--rates", help="part 2's Poisson arrival rates in requests/s, comma-separated (default "
                                     "1.5,3,4.5; 1 with --quick): where disaggregation pays depends on the load")
+    ap.add_argument("--seeds", default="1", help="part 2: draws of the long-prompt mix, comma-separated seeds "
+                                                 "(how many long prompts come, and how close, varies a lot)")
     ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
     ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
     ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
@@ -228,16 +230,18 @@ def main() -> None:
 
         # -- part 2: interference -------------------------------------------------------------
         n = 24 if args.quick else 60
-        mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=1)
         rates = [float(r) for r in (args.rates or ("1" if args.quick else "1.5,3,4.5")).split(",")]
+        seeds = [int(x) for x in args.seeds.split(",")]
         slo = {"ttft": 4000.0, "tpot": 150.0}
         remote_always = disagg.model_copy(update={"remote_prefill_min_tokens": 0})
         setups_2 = {"disaggregated": remote_always,
                     "disaggregated, early first token": remote_always.model_copy(update={"early_first_token": True}),
                     "colocated": colocated}
-        for rate in rates:
-            report["interference"][rate] = {name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0]
-                                            for name, cfg in setups_2.items()}
+        for seed in seeds:
+            mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
+            for rate in rates:
+                report["interference"][f"{rate} req/s, mix seed {seed}"] = {
+                    name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0] for name, cfg in setups_2.items()}
     finally:
         ray.shutdown()
         _print(report)
@@ -260,8 +264,8 @@ def _print(report: dict) -> None:
         for c in by_c:
             ratio = by_c[c]["median_itl_ms"] / offline[c]["median_itl_ms"]
             print(f"{setup} median ITL / offline at concurrency {c}: {ratio:.3f}")
-    for rate, by_setup in report["interference"].items():
-        print(f"\nlong-prompt mix at {rate} req/s:\n")
+    for load, by_setup in report["interference"].items():
+        print(f"\nlong-prompt mix at {load}:\n")
         print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | p99 TTFT ms | goodput req/s | completed |")
         print("|---|---|---|---|---|---|---|")
         for setup, m in by_setup.items():
