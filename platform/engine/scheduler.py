@@ -65,6 +65,7 @@ class Scheduler:
         self.num_computed_prompt_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
+        self.num_aborted = 0  # unfinished requests aborted (client gone, failed leg, shutdown)
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -83,6 +84,7 @@ class Scheduler:
         self.kv.free(request_id)
         if not req.is_finished:
             req.finish("abort")
+            self.num_aborted += 1
         return req
 
     def add_running(self, request: Request) -> None:

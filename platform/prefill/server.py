@@ -99,7 +99,8 @@ def engine_stats(engine: AsyncLLMEngine) -> dict:
             "num_waiting": len(s.waiting), "num_running": len(s.running),
             "queued_prefill_tokens": s.num_queued_prefill_tokens(),
             "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
-            "num_preemptions": s.num_preemptions, "num_prefix_hit_tokens": hits,
+            "num_preemptions": s.num_preemptions, "num_aborted_requests": s.num_aborted,
+            "num_prefix_hit_tokens": hits,
             "num_computed_prompt_tokens": computed, "num_prefix_query_tokens": hits + computed,
             "prefix_hit_rate": hits / (hits + computed) if hits + computed else 0.0,
             # Share of the cache requests hold (free cached blocks count as free).

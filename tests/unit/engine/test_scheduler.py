@@ -62,5 +62,5 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert s.kv.pool.num_free_blocks < 8
     assert s.abort("running").finish_reason == "abort"
     assert s.abort("waiting").finish_reason == "abort"
-    assert s.abort("unknown") is None
-    assert s.kv.pool.num_free_blocks == 8 and s.num_unfinished == 0
+    assert s.abort("unknown") is None and s.abort("running") is None
+    assert s.kv.pool.num_free_blocks == 8 and s.num_unfinished == 0 and s.num_aborted == 2
