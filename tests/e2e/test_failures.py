@@ -16,7 +16,7 @@ from pdserve.config import ServeConfig
 
 from .conftest import ENGINE, wait_until_serving
 
-LONG = {"max_tokens": 200, "ignore_eos": True}
+LONG = {"max_tokens": 370, "ignore_eos": True}  # short prompts and nearly the whole context (384): long requests
 
 
 def deploy(name: str, tiny_llama: str, pool: dict):
