@@ -52,14 +52,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(coroutine):
-    """On the event loop `pdserve bench`'s client runs on, so every setup's reader costs the same."""
-    from pdserve.bench.runner import event_loop_factory
-
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        return runner.run(coroutine)
-
-
 async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, float]:
     """Every request's output stream, at most `concurrency` at once, recorded for the metrics;
     `await open_stream(i, request, params)` gives request i's async iterator of outputs.
@@ -88,6 +80,7 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int, warmup
     """The baseline: the same requests as engine streams in this process (after `warmup`, as the
     served setups)."""
     from pdserve.bench.metrics import compute_metrics
+    from pdserve.bench.runner import run_on_client_loop
     from pdserve.config import EngineConfig
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.engine import LLMEngine
@@ -102,7 +95,7 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int, warmup
         return await _stream_all(requests, concurrency, open_stream)
 
     try:
-        records, duration = _run(main())
+        records, duration = run_on_client_loop(main())
     finally:
         engine.shutdown()
     return compute_metrics(records, duration)
@@ -115,6 +108,7 @@ def handle_run(config, requests, concurrency: int, warmup) -> dict:
 
     from pdserve.app import build
     from pdserve.bench.metrics import compute_metrics
+    from pdserve.bench.runner import run_on_client_loop
     from pdserve.gateway.deployment import PoolsClient
     from pdserve.messages import GenerateRequest
 
@@ -129,7 +123,7 @@ def handle_run(config, requests, concurrency: int, warmup) -> dict:
         return await _stream_all(requests, concurrency, open_stream)
 
     try:
-        records, duration = _run(main())
+        records, duration = run_on_client_loop(main())
     finally:
         serve.shutdown()
     return compute_metrics(records, duration)

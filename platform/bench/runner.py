@@ -92,21 +92,23 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
     return records, duration, model
 
 
-def event_loop_factory():
-    """uvloop's event loop where it is installed (Ray Serve's uvicorn brings it), else asyncio's: the
-    client shares the machine with what it measures, and uvloop reads and parses the streams for
-    about a third less CPU per token."""
+def run_on_client_loop(coroutine):
+    """Run `coroutine` on uvloop's event loop where it is installed (Ray Serve's uvicorn brings it),
+    else asyncio's: the client shares the machine with what it measures, and uvloop reads and
+    parses the streams for about a third less CPU per token."""
     try:
         import uvloop
     except ImportError:
-        return None
-    return uvloop.new_event_loop
+        factory = None
+    else:
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coroutine)
 
 
 def run_benchmark(requests: list[BenchRequest], s: RunSettings, builder: PromptBuilder | None = None,
                   workload: str = "", progress: bool = True) -> dict:
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        records, duration, model = runner.run(run_requests(requests, s, builder, progress))
+    records, duration, model = run_on_client_loop(run_requests(requests, s, builder, progress))
     result = compute_metrics(records, duration, s.slo, s.percentiles)
     settings = asdict(s)
     settings.pop("api_key")
