@@ -71,12 +71,17 @@ class Decode(EngineReplica):
                     yield out
             return
         num_outputs = 0
+
+        def send(out: RequestOutput) -> None:  # from the engine's delivery, or below
+            nonlocal num_outputs
+            sink.send(req.request_id, out)
+            num_outputs += 1
+
         sink.request_ids.add(req.request_id)
         try:
-            async with aclosing(self.server.generate(req)) as outs:
-                async for out in outs:
-                    sink.send(req.request_id, out)
-                    num_outputs += 1
+            async with aclosing(self.server.generate(req, send)) as outs:
+                async for out in outs:  # what the engine did not forward: the first and last outputs
+                    send(out)
         finally:
             sink.request_ids.discard(req.request_id)
         yield ChannelDone(sink.conn_id, num_outputs)

@@ -23,7 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import torch
 
 from pdserve.config import EngineConfig, TransferConfig
-from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.async_engine import AsyncLLMEngine, Forward
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.kvtransfer import KVHandle, KVImporter, KVTransferError
@@ -60,11 +60,12 @@ class DecodeServer:
         self.early_first_token = early_first_token
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
+        """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
         if not await self._wants_remote_prefill(req):
             self.num_local_prefills += 1
             async for out in self._decode(req, "local", self.engine.generate(req.request_id, req.prompt_token_ids,
-                                                                             req.params)):
+                                                                             req.params, forward=forward)):
                 yield out
             return
         try:
@@ -75,7 +76,8 @@ class DecodeServer:
             log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id, e)
             self.num_local_prefills += 1
             async for out in self._decode(req, "local after a failed remote prefill",
-                                          self.engine.generate(req.request_id, req.prompt_token_ids, req.params)):
+                                          self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
+                                                               forward=forward)):
                 yield out
             return
         self.num_remote_prefills += 1
@@ -97,7 +99,7 @@ class DecodeServer:
         # that computes the second begins, so the stream runs at the batch's pace from token one.
         first = None if self.early_first_token else result.first
         async for out in self._decode(req, "recomputed" if recompute else "remote",
-                                      self.engine.resume(req.request_id, recompute, first)):
+                                      self.engine.resume(req.request_id, recompute, first, forward)):
             yield out
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:

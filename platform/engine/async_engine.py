@@ -4,7 +4,10 @@ The step loop runs on a thread of its own, so a replica's event loop stays free 
 requests while the model computes. `generate(...)` validates and queues a request (bad input
 raises at once, before anything is queued) and returns an async iterator of `RequestOutput`s,
 which ends after the output marked `finished`. Leaving the iterator early (client gone, task
-cancelled) aborts the request and frees its KV blocks. If the loop itself fails, every open
+cancelled) aborts the request and frees its KV blocks. With `forward`, a stream's outputs before
+the finished one go to `forward(out)` on the caller's event loop as the step delivers them, and
+the iterator yields only what `forward` did not take (an output queued before it, the finished
+one, errors): a replica passing outputs on to a connection then wakes no task per token. If the loop itself fails, every open
 stream raises `EngineDeadError` and `is_healthy` turns False.
 
 Contract: one lock guards the engine, so `add_request`, `abort_request` and `step` never
@@ -29,6 +32,7 @@ from pdserve.errors import PdserveError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Forward = Callable[[RequestOutput], None]
 
 
 class EngineDeadError(PdserveError):
@@ -43,7 +47,8 @@ class AsyncLLMEngine:
         self._has_work = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (the caller's event loop, the stream's queue, its forward or None)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Forward | None]] = {}
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine-loop", daemon=True)
         self._thread.start()
 
@@ -52,18 +57,18 @@ class AsyncLLMEngine:
         return self._error is None and self._thread.is_alive()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (raising on bad input) and return its stream of outputs."""
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
-                                       prefill_only)
+                                       prefill_only, forward=forward)
 
-    async def resume(self, request_id: str, recompute: bool = False,
-                     first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
+    async def resume(self, request_id: str, recompute: bool = False, first: RequestOutput | None = None,
+                     forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
         place (or, with `recompute`, could not be pulled); it opens with `first` when given (the
         prefill's output, not yet sent)."""
         return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute,
-                                       first=first)
+                                       first=first, forward=forward)
 
     def locked(self, fn: Callable[..., T], *args) -> T:
         """Run `fn(*args)` under the engine lock, between steps (KV bookkeeping from other threads)."""
@@ -104,8 +109,8 @@ class AsyncLLMEngine:
         self._calls.append((fn, args, None, None))
         self._has_work.set()
 
-    async def _open_stream(self, request_id: str, add: Callable, *args,
-                           first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
+    async def _open_stream(self, request_id: str, add: Callable, *args, first: RequestOutput | None = None,
+                           forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
         queue: asyncio.Queue = asyncio.Queue()
@@ -115,7 +120,7 @@ class AsyncLLMEngine:
 
         def open_():
             add(*args)
-            self._streams[request_id] = (loop, queue)
+            self._streams[request_id] = (loop, queue, forward)
 
         try:
             await self.call(open_)
@@ -159,7 +164,7 @@ class AsyncLLMEngine:
             aborted = self.engine.abort_request(request_id)
             stream = self._streams.get(request_id)
         if aborted and stream is not None:
-            loop, queue = stream
+            loop, queue, _ = stream
             out = RequestOutput(request_id, [], "", True, "abort")
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -195,8 +200,8 @@ class AsyncLLMEngine:
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for stream, out in targets:
                     if stream is not None:
-                        loop, queue = stream
-                        by_loop.setdefault(loop, []).append((queue, out))
+                        loop, queue, forward = stream
+                        by_loop.setdefault(loop, []).append((queue, forward, out))
                 for loop, items in by_loop.items():
                     try:
                         loop.call_soon_threadsafe(_deliver, items)
@@ -210,7 +215,7 @@ class AsyncLLMEngine:
     def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
         """Abort the requests streaming to `loop` (closed), freeing their KV."""
         with self._lock:
-            for request_id in [rid for rid, (stream_loop, _) in self._streams.items() if stream_loop is loop]:
+            for request_id in [rid for rid, (stream_loop, _, _) in self._streams.items() if stream_loop is loop]:
                 self._drop(request_id)
 
     def _run_calls(self) -> None:
@@ -235,7 +240,7 @@ class AsyncLLMEngine:
             streams = list(self._streams.items())
             for request_id, _ in streams:
                 self.engine.abort_request(request_id)
-        for _, (loop, queue) in streams:
+        for _, (loop, queue, _) in streams:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, error)
             except RuntimeError:  # that caller's event loop is already closed
@@ -256,6 +261,14 @@ def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result
         pass
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _deliver(items: list[tuple[asyncio.Queue, Forward | None, RequestOutput]]) -> None:
+    for queue, forward, out in items:
+        # An output goes around the queue only while nothing waits in it (order), and never the
+        # finished one: the stream's reader ends the request.
+        if forward is None or out.finished or not queue.empty():
+            queue.put_nowait(out)
+            continue
+        try:
+            forward(out)
+        except Exception as e:  # noqa: BLE001 - the reader raises it (its connection closed)
+            queue.put_nowait(e)

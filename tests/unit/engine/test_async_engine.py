@@ -41,6 +41,51 @@ def test_concurrent_streams_match_offline_generation(async_engine, tiny_llama):
     assert async_engine.engine.block_pool.num_free_blocks == 128
 
 
+def test_forwarded_streams_keep_every_token_in_order(async_engine, tiny_llama):
+    """With `forward`, outputs go to it as steps deliver them, the finished one to the iterator;
+    together they are the same tokens in the same order, for concurrent streams."""
+    prompts = _prompts(8)
+    expected = [o.token_ids for o in LLM(tiny_llama).generate(prompts, GREEDY)]
+
+    async def one(i, prompt):
+        got = []  # (path, output) in arrival order
+        stream = await async_engine.generate(f"f{i}", prompt, GREEDY, forward=lambda o: got.append(("fwd", o)))
+        async for o in stream:
+            got.append(("iter", o))
+        assert [p for p, _ in got].count("iter") >= 1 and got[-1][0] == "iter" and got[-1][1].finished
+        assert all(not o.finished for p, o in got if p == "fwd")
+        return [p for p, _ in got], [t for _, o in got for t in o.new_token_ids]
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    assert [tokens for _, tokens in results] == expected
+    assert sum(paths.count("fwd") for paths, _ in results) >= 8 * 8  # most tokens went around the queue
+    assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
+def test_a_forward_that_fails_ends_the_stream_with_its_error_and_frees_blocks(async_engine):
+    class Closed(Exception):
+        pass
+
+    def forward(out):
+        raise Closed("connection closed")
+
+    async def main():
+        stream = await async_engine.generate("x", list(range(10, 50)), SamplingParams(max_tokens=500, ignore_eos=True),
+                                             forward=forward)
+        with pytest.raises(Closed):
+            async for _ in stream:
+                pass
+        outs = [o async for o in await async_engine.generate("after", [5, 6, 7], GREEDY)]
+        assert outs[-1].finished
+
+    asyncio.run(main())
+    assert not async_engine.engine.has_unfinished_requests()
+    assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
 def test_cancelled_consumer_aborts_and_frees_blocks(async_engine):
     long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
 
