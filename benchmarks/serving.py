@@ -192,11 +192,12 @@ def main() -> None:
     requests_by_c = {c: random_workload(builder, max(4, waves * c), "128", str(out_len), seed=c) for c in concurrencies}
     warmup = random_workload(builder, 1, "128", str(out_len), seed=1000)[0]  # every setup's first request
 
-    if args.ingress == "haproxy":  # as `pdserve serve` does (gateway.ingress): set before Ray starts
-        from pdserve.app import ingress_env
+    from pdserve.app import ray_env
 
-        for name, value in ingress_env(ServeConfig(model=model), None).items():
-            os.environ.setdefault(name, value)
+    # As `pdserve serve` starts Ray (gateway.ingress, Serve's control loop): set before Ray starts.
+    for name, value in ray_env(ServeConfig(model=model, gateway={"ingress": args.ingress}), None).items():
+        os.environ.setdefault(name, value)
+    if args.ingress == "haproxy":
         # An ingress replica otherwise drains for 30 s (for outside load balancers) when Serve shuts
         # down, past serve.shutdown's own wait: the next setup's serve.run then finds a dying controller.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")

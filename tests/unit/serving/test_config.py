@@ -106,12 +106,14 @@ def test_replicas_run_on_serves_own_loop_and_engines_spin_briefly_unless_configu
 def test_serve_starts_ray_with_haproxy_ingress_unless_configured(monkeypatch):
     from pdserve import app
 
-    haproxy = {app.HA_PROXY_ENV: "1", app.HA_PROXY_THREADS_ENV: str(app.haproxy_threads())}
-    cases = [("haproxy", None, True, haproxy), ("proxy", None, True, {}),
-             ("haproxy", "ray://h:1", True, {}), ("haproxy", None, False, {})]  # no binary: Serve's own proxy
-    for ingress, address, has_haproxy, expected in cases:
-        monkeypatch.setattr(app, "has_haproxy", lambda: has_haproxy)
-        assert app.ingress_env(ServeConfig(model="m", gateway={"ingress": ingress}), address) == expected
+    small, large = {app.CONTROL_LOOP_ENV: "0.5"}, {}  # Serve's control loop: slower on small machines
+    for cpus, loop in ((2, small), (16, large)):
+        haproxy = {**loop, app.HA_PROXY_ENV: "1", app.HA_PROXY_THREADS_ENV: str(app.haproxy_threads(cpus))}
+        cases = [("haproxy", None, True, haproxy), ("proxy", None, True, loop),
+                 ("haproxy", "ray://h:1", True, {}), ("haproxy", None, False, loop)]  # no binary: Serve's own proxy
+        for ingress, address, has_haproxy, expected in cases:
+            monkeypatch.setattr(app, "has_haproxy", lambda: has_haproxy)
+            assert app.ray_env(ServeConfig(model="m", gateway={"ingress": ingress}), address, cpus) == expected
     with pytest.raises(ValidationError):
         ServeConfig(gateway={"ingress": "nginx"})
     assert [app.haproxy_threads(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 4]
