@@ -15,7 +15,7 @@ import aiohttp
 from tqdm import tqdm
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.client import build_payload, send_request
+from pdserve.bench.client import Connections, build_payload, send_request
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.workloads import BenchRequest, PromptBuilder
 
@@ -64,21 +64,22 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
     limit = asyncio.Semaphore(s.concurrency or len(requests) or 1)
     records: list[RequestRecord] = []
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession() as session:
         model = await _resolve_model(session, s, headers)
+    connections = Connections()
 
-        async def one(req: BenchRequest):
-            async with limit:
-                if s.duration_s is not None and time.perf_counter() - start >= s.duration_s:
-                    return  # past the run's duration: a queued request is not sent
-                payload = build_payload(s.endpoint, model, req, s.ignore_eos, s.temperature)
-                rec = await send_request(session, url, payload, req.prompt_tokens, s.timeout_s, count, headers)
-            records.append(rec)
-            bar.update(1)
+    async def one(req: BenchRequest):
+        async with limit:
+            if s.duration_s is not None and time.perf_counter() - start >= s.duration_s:
+                return  # past the run's duration: a queued request is not sent
+            payload = build_payload(s.endpoint, model, req, s.ignore_eos, s.temperature)
+            rec = await send_request(connections, url, payload, req.prompt_tokens, s.timeout_s, count, headers)
+        records.append(rec)
+        bar.update(1)
 
-        start = time.perf_counter()
-        tasks = []
+    start = time.perf_counter()
+    tasks = []
+    try:
         for req, offset in zip(requests, offsets):
             if s.duration_s is not None and offset >= s.duration_s:
                 break
@@ -87,7 +88,9 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req)))
         await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    finally:
+        connections.close()
+    duration = time.perf_counter() - start
     bar.close()
     return records, duration, model
 

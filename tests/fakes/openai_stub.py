@@ -19,6 +19,7 @@ class OpenAIStub:
     def __init__(self, ttft_s: float = 0.2, itl_s: float = 0.05, mode: str = "ok"):
         self.ttft_s, self.itl_s, self.mode = ttft_s, itl_s, mode
         self.requests: list[dict] = []
+        self.client_ports: list[int] = []  # each completion request's client port: connections reused
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -57,6 +58,7 @@ class OpenAIStub:
     async def _complete(self, request):
         body = await request.json()
         self.requests.append(body)
+        self.client_ports.append(request.transport.get_extra_info("peername")[1])
         chat = "messages" in body
         if self.mode == "http_500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)

@@ -148,6 +148,55 @@ def test_server_faults_are_counted_and_the_run_finishes(mode, kind):
     assert kind in m["error_examples"]
 
 
+def test_connections_are_kept_alive_across_requests_and_error_responses():
+    with OpenAIStub(ttft_s=0.01, itl_s=0.005) as stub:
+        m = _run(stub, n=5, concurrency=1)
+        assert m["completed"] == 5 and len(set(stub.client_ports)) == 1
+    with OpenAIStub(ttft_s=0.01, itl_s=0.005, mode="http_500") as stub:
+        m = _run(stub, n=3, concurrency=1)
+        assert m["errors"] == {"http_500": 3} and "boom" in m["error_examples"]["http_500"]
+        assert len(set(stub.client_ports)) == 1  # a complete error response leaves the connection usable
+
+
+def test_a_request_past_its_timeout_is_reported_and_the_run_goes_on():
+    with OpenAIStub(ttft_s=1.0, itl_s=0.01) as stub:
+        m = _run(stub, n=2, concurrency=2, timeout_s=0.3)
+    assert m["errors"] == {"timeout": 2} and m["completed"] == 0
+
+
+def test_sse_lines_split_across_reads_are_parsed_and_stamped_when_complete():
+    """The protocol's parser against a body whose lines arrive in pieces, one HTTP chunk each."""
+    import asyncio
+
+    from pdserve.bench.client import Connections, send_request
+
+    chunks = [b'data: {"choices": [{"index": 0, "te', b'xt": " a"}]}\n\n', b'data: {"choices": [{"index": 0, "text": " b"}]}\n',
+              b'\ndata: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DO', b'NE]\n\n']
+
+    async def main():
+        async def serve(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for c in chunks:
+                writer.write(b"%x\r\n%s\r\n" % (len(c), c))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        connections = Connections()
+        rec = await send_request(connections, f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x"}, 1, 10)
+        connections.close()
+        server.close()
+        return rec
+
+    rec = asyncio.run(main())
+    assert rec.error is None and rec.output_tokens == 2 and rec.output_tokens_source == "usage"
+    assert len(rec.chunk_times_s) == 2 and rec.chunk_times_s[1] - rec.chunk_times_s[0] >= 0.04
+
+
 def test_unreachable_server_is_reported():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
