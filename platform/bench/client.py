@@ -231,8 +231,8 @@ async def send_request(connections: Connections, url: str, payload: dict, prompt
                 rec.error, rec.error_detail = "connection_error", str(e)[:200]
                 return rec
             conn.begin(stream)
-            conn.transport.write(_request_bytes(host, port, parts.path or "/", json.dumps(payload).encode(),
-                                                headers))
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            conn.transport.write(_request_bytes(host, port, path, json.dumps(payload).encode(), headers))
             await conn.ended
     except TimeoutError:
         rec.error = "timeout"

@@ -4,11 +4,11 @@ The step loop runs on a thread of its own, so a replica's event loop stays free 
 requests while the model computes. `generate(...)` validates and queues a request (bad input
 raises at once, before anything is queued) and returns an async iterator of `RequestOutput`s,
 which ends after the output marked `finished`. Leaving the iterator early (client gone, task
-cancelled) aborts the request and frees its KV blocks. With `forward`, a stream's outputs before
-the finished one go to `forward(out)` on the caller's event loop as the step delivers them, and
-the iterator yields only what `forward` did not take (an output queued before it, the finished
-one, errors): a replica passing outputs on to a connection then wakes no task per token. If the loop itself fails, every open
-stream raises `EngineDeadError` and `is_healthy` turns False.
+cancelled) aborts the request and frees its KV blocks. If the loop itself fails, every open
+stream raises `EngineDeadError` and `is_healthy` turns False. With `forward`, a stream's outputs
+before the finished one go to `forward(out)` on the caller's event loop as the step delivers
+them, and the iterator yields only what `forward` did not take (an output queued before it, the
+finished one, errors): a replica passing outputs on to a connection wakes no task per token.
 
 Contract: one lock guards the engine, so `add_request`, `abort_request` and `step` never
 interleave. Calls from an event loop (`generate`, `resume`, `call`, a stream's end) never wait

@@ -1,5 +1,6 @@
 """pdserve bench: metric definitions, arrivals, exact prompts, and runs against a scripted server."""
 
+import asyncio
 import json
 import math
 import socket
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import Connections, send_request
 from pdserve.bench.metrics import RequestRecord, compute_metrics, parse_slo
 from pdserve.bench.runner import RunSettings, run_benchmark
 from pdserve.bench.workloads import (PromptBuilder, long_prompt_mix_workload, random_workload, replay_workload,
@@ -166,17 +168,15 @@ def test_a_request_past_its_timeout_is_reported_and_the_run_goes_on():
 
 def test_sse_lines_split_across_reads_are_parsed_and_stamped_when_complete():
     """The protocol's parser against a body whose lines arrive in pieces, one HTTP chunk each."""
-    import asyncio
-
-    from pdserve.bench.client import Connections, send_request
-
-    chunks = [b'data: {"choices": [{"index": 0, "te', b'xt": " a"}]}\n\n', b'data: {"choices": [{"index": 0, "text": " b"}]}\n',
+    chunks = [b'data: {"choices": [{"index": 0, "te', b'xt": " a"}]}\n\n',
+              b'data: {"choices": [{"index": 0, "text": " b"}]}\n',
               b'\ndata: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DO', b'NE]\n\n']
 
     async def main():
         async def serve(reader, writer):
             await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
             for c in chunks:
                 writer.write(b"%x\r\n%s\r\n" % (len(c), c))
                 await writer.drain()
