@@ -156,7 +156,7 @@ class _Response(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.is_complete = True
-        if self.status == 200 and self._tail and not self.ended.done():
+        if self.status == 200 and self._tail and not (self.ended.done() or self.stream.is_done):
             self.stream.take(self._tail, self._now)  # a last line without its newline
         self._end(None)
 
