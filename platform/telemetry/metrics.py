@@ -70,11 +70,12 @@ def series() -> SimpleNamespace:
     )
 
 
-# A gateway records inter-token gaps in batches: one `observe` per token as each arrives cost 12 us
-# of the gateway's CPU per streamed token on 2 cores (each call runs cache-cold between the engine's
-# threads), a batch ~2.4 us per value (RESULTS.md, #5). The dashboard's scrape is seconds apart.
+# A gateway records inter-token gaps in batches. One `observe` per token as it arrived cost the
+# gateway's event loop ~12 us per streamed token under load on 2 cores (each call ran cache-cold
+# between the engine's threads; in a tight loop one costs 2.4 us), batched ~3 (RESULTS.md, #5).
+# Prometheus scrapes seconds apart, so a quarter-second delay does not show.
 ITL_BATCH_S = 0.25
-ITL_BATCH_MAX = 512  # values; bounds one batch's time on the event loop (~1 ms)
+ITL_BATCH_MAX = 512  # values: bounds one batch's time on the event loop (about a millisecond)
 
 
 class GatewayMetrics:
