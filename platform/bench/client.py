@@ -240,7 +240,7 @@ async def send_request(connections: Connections, url: str, payload: dict, prompt
         rec.error, rec.error_detail = "connection_reset", str(e)[:200]
     finally:
         if conn is not None:
-            if rec.error or conn.ended is None or not conn.ended.done():
+            if rec.error or not conn.ended.done():
                 conn.transport.abort()  # timed out, broken, cancelled, or a stream with an error in it
             else:
                 connections.release(key, conn)
