@@ -7,6 +7,8 @@
                                             # alternating twice (side by side, one run)
     python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3
                                             # and the Ray hop alone (no gateway, no HTTP) between them
+    python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3 \
+        --engine-threads 1                  # the same with one engine thread: the stack gets a core of its own
     python benchmarks/serving.py --part 2 --rates 3,4.5 --seeds 1,2,3
                                             # only disaggregation's effect: two rates, three draws of the mix
 
@@ -168,6 +170,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
     ap.add_argument("--waves", type=int, help="part 1: requests per setup, in multiples of the concurrency "
                                               "(default 8; 3 with --quick)")
+    ap.add_argument("--engine-threads", type=int, default=2,
+                    help="part 1: threads of the offline and colocated engines (default 2, both cores; 1 leaves a "
+                         "core to the gateway, HAProxy, Ray and the client, as a GPU host's engine leaves its CPUs)")
     ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="haproxy",
                     help="what takes HTTP in front of the gateway replicas: Ray Serve's Python proxy, or "
                          "HAProxy forwarding to the replicas' own servers (direct ingress)")
@@ -211,11 +216,14 @@ def main() -> None:
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
         two_cores = {"ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": 2}}
         colocated = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode=two_cores)
+        colocated_hops = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode={
+            "ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": args.engine_threads}})
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
-        runs = {"offline": lambda: {c: offline_run(model, reqs, c, 2, warmup) for c, reqs in requests_by_c.items()},
-                "handle": lambda: {c: handle_run(colocated, reqs, c, warmup) for c, reqs in requests_by_c.items()},
-                "colocated": lambda: served_runs(colocated, requests_by_c, builder, warmup),
+        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, warmup)
+                                    for c, reqs in requests_by_c.items()},
+                "handle": lambda: {c: handle_run(colocated_hops, reqs, c, warmup) for c, reqs in requests_by_c.items()},
+                "colocated": lambda: served_runs(colocated_hops, requests_by_c, builder, warmup),
                 "disaggregated": lambda: served_runs(disagg, requests_by_c, builder, warmup)}
         for r in range(args.rounds if args.part != 2 else 0):
             for setup in setups:
