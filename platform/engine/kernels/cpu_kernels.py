@@ -12,8 +12,9 @@
   torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
 
 The C source is compiled once per machine type with the system C compiler into the cache
-directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by the source, the compiler and the CPU, so a
-shared cache serves mixed hosts. Replicas starting together may race to build it: each builds
+directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by the source, the compiler, its flags and the
+CPU, so a shared cache serves mixed hosts. `$PDSERVE_CPU_KERNELS_CFLAGS` adds flags (say
+`-mno-avx512f` to run the AVX2 kernels on a CPU that has AVX-512). Replicas starting together may race to build it: each builds
 into a file of its own and renames it into place, so a reader sees a whole library or none.
 
 Where no compiler is found, or the build fails, `load()` logs why once and returns None, and
@@ -28,6 +29,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC", "-shared", "-std=c11"]
+CFLAGS_ENV = "PDSERVE_CPU_KERNELS_CFLAGS"  # appended to _FLAGS, e.g. "-mno-avx512f" (the AVX2 kernels)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -73,8 +76,9 @@ def _cpu_id() -> str:
 
 
 def build(compiler: str, out_dir: Path) -> Path:
-    """Compile the kernel into `out_dir` (once per source, compiler and CPU) and return its path."""
-    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(_FLAGS).encode()
+    """Compile the kernel into `out_dir` (once per source, compiler, flags and CPU) and return its path."""
+    flags = _FLAGS + shlex.split(os.environ.get(CFLAGS_ENV, ""))
+    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(flags).encode()
                          + _cpu_id().encode()).hexdigest()[:16]
     target = out_dir / f"cpu_kernels-{key}.so"
     if target.is_file():
@@ -83,7 +87,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=out_dir)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise KernelBuildError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")

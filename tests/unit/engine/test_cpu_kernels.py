@@ -4,6 +4,9 @@ fallback behaviour. (The engine's parity tests against transformers run through 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from array import array
 
 import pytest
@@ -99,7 +102,7 @@ def test_rotary_matches_torch_in_place_on_a_strided_view(tokens, heads, head_dim
     assert torch.equal(qkv[:, heads:], untouched)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 13, 64, 200])  # every register tile and its remainders
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 12, 13, 25, 64, 200])  # every kind of register tiling
 @pytest.mark.parametrize("out_features,in_features", [
     (48, 32),    # whole panels
     (37, 19),    # a partial last panel, an odd inner dimension
@@ -111,6 +114,40 @@ def test_linear_matches_torch(rows, out_features, in_features, with_bias):
     bias = torch.randn(out_features) if with_bias else None
     got = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), out_features, bias)
     torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_gives_a_row_the_same_result_in_any_batch():
+    # How a batch's rows are tiled depends on its size; a request's output must not (greedy
+    # decoding gives the same text whatever else is in the batch). One row alone is another path.
+    w, x, bias = torch.randn(37, 40), torch.randn(30, 40), torch.randn(37)
+    packed = cpu_kernels.pack_linear(w)
+    whole = cpu_kernels.linear(x, packed, 37, bias)
+    for m in range(2, 30):
+        assert torch.equal(cpu_kernels.linear(x[:m], packed, 37, bias), whole[:m]), m
+
+
+_OTHER_BUILD_CHECK = """
+import torch, torch.nn.functional as F
+from pdserve.engine.kernels import cpu_kernels
+assert cpu_kernels.load() is not None
+w, x, bias = torch.randn(37, 40), torch.randn(30, 40), torch.randn(37)
+packed = cpu_kernels.pack_linear(w)
+whole = cpu_kernels.linear(x, packed, 37, bias)
+torch.testing.assert_close(whole, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+for m in range(1, 30):
+    torch.testing.assert_close(cpu_kernels.linear(x[:m], packed, 37, bias), whole[:m], atol=1e-4, rtol=1e-4)
+    assert m == 1 or torch.equal(cpu_kernels.linear(x[:m], packed, 37, bias), whole[:m]), m
+"""
+
+
+@pytest.mark.parametrize("cflags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma"])
+def test_linear_on_the_kernels_for_older_cpus(cflags, tmp_path):
+    # This machine may have AVX-512; the AVX2 and plain C kernels are built and checked as well.
+    env = {**os.environ, cpu_kernels.CFLAGS_ENV: cflags, "PDSERVE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", _OTHER_BUILD_CHECK], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so")), "the build did not land in the cache"
 
 
 def test_linear_at_the_benchmark_model_shapes_threaded():
