@@ -359,9 +359,11 @@ void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_di
  * stream these models' weights at 60-75% of what the memory can deliver. The packed layout here
  * stores W `[N, K]` as panels of 16 output columns, `[ceil(N / 16), K, 16]` (zero-padded), so:
  * - one row of x (batch-1 decode) reads the weights as one contiguous stream per thread;
- * - several rows use a 6 x 16 register tile: per k, two weight vectors and six broadcasts of x
- *   feed twelve FMAs, so from about sixteen rows on the loop runs at the cores' FMA rate, not the
- *   memory's; a panel (16 x K floats) stays in cache while every row block passes over it.
+ * - several rows use register tiles: with AVX2 up to 6 x 16 (per k, two weight vectors and six
+ *   broadcasts of x feed twelve FMAs), with AVX-512 up to 12 x 16 (one weight vector, twelve
+ *   FMAs of twice the width: 2x the rows per cycle), so from a few rows on the loop runs at the
+ *   cores' FMA rate, not the memory's; a panel (16 x K floats) stays in cache while every row
+ *   block passes over it.
  * Threads split the panels; rows are taken in blocks whose x fits in L2 (prefill chunks). */
 
 #define PANEL 16

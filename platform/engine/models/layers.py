@@ -6,10 +6,12 @@ shard_id)` narrows the checkpoint tensor to this rank's part), so tensor paralle
 shapes and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
 Parameters are created empty in the checkpoint's `[out, in]` layout and the loader fills them; then
 `finalize()` packs each weight once for the CPU: for pdserve's C matmul (`cpu_kernels.linear`,
-column panels) in fp32 where the kernels are built, else for oneDNN's matmul. On the benchmark
-model's shapes the C matmul runs a decode step's matrices 1.1-1.75x faster than oneDNN at 1-64
-rows and within ~5% of it at 256-2048 (prefill); oneDNN in turn beats MKL's `mm` on the plain
-weight by 1.5x at 1-64 rows (benchmarks/cpu_linear.py; figures in benchmarks/RESULTS.md).
+column panels) in fp32 where the kernels are built, else for oneDNN's matmul. The C matmul is
+faster than oneDNN at batch-1 decode, where a step streams its weights (the whole decode step
+runs in C there), level with it at a few rows, and behind it on prefill chunks: 0.83x at
+16-2048 rows with AVX-512 on the Zen 5 machines of the 2026-11-24 runs (benchmarks/cpu_linear.py;
+figures in benchmarks/RESULTS.md). Prefill runs on it all the same: a second packing of every
+weight, for oneDNN, would double the weights' memory.
 """
 
 from __future__ import annotations
