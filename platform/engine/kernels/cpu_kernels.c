@@ -515,14 +515,14 @@ static void linear_rows_portable(const float *x, int64_t rows, int64_t k, const 
 
 /* Rows [0, m) of x (row stride k) times one panel, in register tiles. A tile's rows are its
  * independent FMA chains: a tile of few rows waits on the FMAs' latency, so the rows go in as few
- * tiles as fit the registers (decode batches: 3, 5 or 7 rows no longer run as 2 + 1, 4 + 1 or
- * 6 + 1). Every tile adds a row's products in the same order, so how a batch is tiled does not
- * change a row's result. */
+ * tiles as fit the registers (with AVX-512 a decode batch of up to 12 rows is one tile; with AVX2,
+ * 3 or 5 rows no longer run as 2 + 1 or 4 + 1). Every tile adds a row's products in the same
+ * order, so how a batch is tiled does not change a row's result. */
 static void linear_tiles(const float *x, int64_t m, int64_t k, const float *panel, float *out, int64_t ldo,
                          int64_t cols, const float *bias) {
 #if defined(HAVE_AVX512)
-    /* ceil(m / 12) tiles, as even as they can be: under 8 rows a tile waits on its FMAs' latency
-     * (4 cycles a k, whatever its size); from 8 on it runs at their rate (two a cycle). */
+    /* ceil(m / 12) tiles, as even as they can be: a tile of 2 to 6 rows measured as slow as one
+     * of 6 (the FMAs' latency), and from 8 rows on a tile runs at the FMAs' rate. */
     for (int64_t r = 0; r < m;) {
         const int64_t left = m - r, tiles = (left + 11) / 12, rows = (left + tiles - 1) / tiles;
         const float *xr = x + r * k;

@@ -14,8 +14,9 @@
 The C source is compiled once per machine type with the system C compiler into the cache
 directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by the source, the compiler, its flags and the
 CPU, so a shared cache serves mixed hosts. `$PDSERVE_CPU_KERNELS_CFLAGS` adds flags (say
-`-mno-avx512f` to run the AVX2 kernels on a CPU that has AVX-512). Replicas starting together may race to build it: each builds
-into a file of its own and renames it into place, so a reader sees a whole library or none.
+`-mno-avx512f` to run the AVX2 kernels on a CPU that has AVX-512). Replicas starting together
+may race to build it: each builds into a file of its own and renames it into place, so a reader
+sees a whole library or none.
 
 Where no compiler is found, or the build fails, `load()` logs why once and returns None, and
 the model stays on the torch path. `PDSERVE_CPU_KERNELS=torch` chooses the torch path on
