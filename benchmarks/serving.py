@@ -214,10 +214,12 @@ def main() -> None:
         # -- part 1: hops ------------------------------------------------------------------------
         engine = {"num_threads": 2, "max_num_seqs": 64}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
-        two_cores = {"ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": 2}}
-        colocated = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode=two_cores)
-        colocated_hops = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode={
-            "ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": args.engine_threads}})
+
+        def colocated_app(threads: int) -> ServeConfig:  # one replica on both cores, `threads` engine threads
+            return ServeConfig(name="colocated", model=model, engine=engine, mode="colocated",
+                               decode={"ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": threads}})
+
+        colocated, colocated_hops = colocated_app(2), colocated_app(args.engine_threads)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
         runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, warmup)
