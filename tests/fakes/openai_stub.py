@@ -9,6 +9,7 @@ usage chunk and `data: [DONE]`. `mode` scripts a failure for every request: "htt
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 
@@ -20,6 +21,7 @@ class OpenAIStub:
         self.ttft_s, self.itl_s, self.mode = ttft_s, itl_s, mode
         self.requests: list[dict] = []
         self.client_ports: list[int] = []  # each completion request's client port: connections reused
+        self.frozen_objects: list[int] = []  # gc.get_freeze_count() as each came (the client is this process)
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -59,6 +61,7 @@ class OpenAIStub:
         body = await request.json()
         self.requests.append(body)
         self.client_ports.append(request.transport.get_extra_info("peername")[1])
+        self.frozen_objects.append(gc.get_freeze_count())
         chat = "messages" in body
         if self.mode == "http_500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)

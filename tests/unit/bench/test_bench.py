@@ -1,6 +1,7 @@
 """pdserve bench: metric definitions, arrivals, exact prompts, and runs against a scripted server."""
 
 import asyncio
+import gc
 import json
 import math
 import socket
@@ -148,6 +149,13 @@ def test_server_faults_are_counted_and_the_run_finishes(mode, kind):
         m = _run(stub, n=3, rate=50.0)
     assert m["completed"] == 0 and m["errors"] == {kind: 3}
     assert kind in m["error_examples"]
+
+
+def test_the_client_keeps_its_heap_out_of_full_collections_for_the_run_only():
+    with OpenAIStub(ttft_s=0.01, itl_s=0.005) as stub:
+        assert _run(stub, n=3, concurrency=1)["completed"] == 3
+    assert len(stub.frozen_objects) == 3 and min(stub.frozen_objects) > 10_000
+    assert gc.get_freeze_count() == 0
 
 
 def test_connections_are_kept_alive_across_requests_and_error_responses():
