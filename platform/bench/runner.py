@@ -81,6 +81,7 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
     # What the client process holds stays out of full collections for the run: with Ray, torch
     # and a tokenizer loaded (~230,000 objects) one takes 115-130 ms, and one of 216 ms mid-run
     # stalled every stream it timed. vLLM's bench does the same; Ray Serve freezes its replicas'.
+    was_frozen = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     start = time.perf_counter()
@@ -96,7 +97,8 @@ async def run_requests(requests: list[BenchRequest], s: RunSettings, builder: Pr
         await asyncio.gather(*tasks)
     finally:
         connections.close()
-        gc.unfreeze()
+        if not was_frozen:  # a caller that froze its own heap keeps it frozen
+            gc.unfreeze()
     duration = time.perf_counter() - start
     bar.close()
     return records, duration, model
