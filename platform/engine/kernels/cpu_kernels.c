@@ -82,16 +82,44 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-/* Ask for the cache lines of `bytes` bytes at p ahead of use: a sequence's blocks are scattered
- * over the cache, so the hardware prefetcher loses the stream at every block boundary. */
-static inline void prefetch(const float *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
-}
-
 /* Rows of one KV head for tokens [t, t + n) of a sequence: row(i) = base of token t + i. */
 static inline const float *row(const float *cache, const int64_t *table, int64_t t, int64_t block_size,
                                int64_t block_stride, int64_t token_stride, int64_t head_offset) {
     return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+}
+
+/* The cache lines one attend() reads, K's tokens then V's, asked for a few at a time ahead of
+ * use. A sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the
+ * stream at every block boundary: read cold, 16 KiB blocks came at ~16 GB/s on one core against
+ * ~40 for one long run. Asked for ATTN_AHEAD tokens ahead in small steady portions between the
+ * arithmetic (not in bursts, which fill the core's miss buffers and stall it), they came at
+ * ~24 GB/s (benchmarks/RESULTS.md). */
+#define ATTN_AHEAD 32
+typedef struct {
+    const float *k, *v;
+    const int64_t *table;
+    int64_t len, block_size, block_stride, token_stride, lo, hi;  /* [lo, hi): bytes of a row read */
+    int64_t t, off;                                                /* next line: token t (V's from len on) */
+    const char *base;                                              /* token t's row */
+} kv_lines;
+
+static inline void kv_lines_seek(kv_lines *s) {
+    if (s->t < 2 * s->len) {
+        const int v = s->t >= s->len;
+        s->base = (const char *)row(v ? s->v : s->k, s->table, s->t - v * s->len, s->block_size, s->block_stride,
+                                    s->token_stride, 0);
+    }
+}
+
+static inline void kv_lines_fetch(kv_lines *s, int64_t lines) {
+    for (; lines > 0 && s->t < 2 * s->len; --lines) {
+        __builtin_prefetch(s->base + s->off, 0, 3);
+        if ((s->off += 64) >= s->hi) {
+            s->off = s->lo;
+            ++s->t;
+            kv_lines_seek(s);
+        }
+    }
 }
 
 /* One sequence's KV heads [h0, h1) against its `len` tokens; each KV head serves `group` query
@@ -105,6 +133,14 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
                    float *out) {
     const int64_t block_stride = block_size * token_stride;
     const int64_t rows = (h1 - h0) * group;
+    /* Lines of a token's row this call reads, and how many to ask for per row of work so that
+     * the prefetches keep pace with the reads (8 tokens per row in pass 1, a block in pass 2). */
+    const int64_t row_lines = ((h1 - h0) * head_dim * 4 + 63) / 64;
+    const int64_t per_row_8 = (8 * row_lines + rows - 1) / rows;
+    kv_lines ahead = {k_cache, v_cache, table, len, block_size, block_stride, token_stride,
+                      h0 * head_dim * 4, h0 * head_dim * 4 + row_lines * 64, 0, h0 * head_dim * 4, NULL};
+    kv_lines_seek(&ahead);
+    kv_lines_fetch(&ahead, ATTN_AHEAD * row_lines);
 
     /* Pass 1: scores, reading each K row once for all the query heads it serves. */
     int64_t t = 0;
@@ -113,12 +149,10 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
         for (; t + 8 <= len; t += 8) {  /* eight tokens at a time: eight independent FMA chains */
             const float *k[8];
             for (int j = 0; j < 8; ++j) k[j] = row(k_cache, table, t + j, block_size, block_stride, token_stride, 0);
-            for (int64_t j = t + 16; j < t + 24 && j < len; ++j)  /* two steps ahead */
-                prefetch(row(k_cache, table, j, block_size, block_stride, token_stride, 0) + h0 * head_dim,
-                         (h1 - h0) * head_dim * 4);
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t o = h * head_dim;
                 for (int64_t g = 0; g < group; ++g) {
+                    kv_lines_fetch(&ahead, per_row_8);
                     const float *qg = q + (h * group + g) * q_head_stride;
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                     for (int64_t d = 0; d < head_dim; d += 8) {
@@ -141,6 +175,7 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
 #endif
     for (; t < len; ++t) {
         const float *k = row(k_cache, table, t, block_size, block_stride, token_stride, 0);
+        kv_lines_fetch(&ahead, row_lines);
         for (int64_t h = h0; h < h1; ++h)
             for (int64_t g = 0; g < group; ++g)
                 scores[((h - h0) * group + g) * len + t] =
@@ -178,11 +213,8 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
     for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
         const float *vb = v_cache + table[blk] * block_stride;
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + block_size < len)  /* the next block, one block ahead */
-            for (int64_t i = 0; i < block_size && t0 + block_size + i < len; ++i)
-                prefetch(v_cache + table[blk + 1] * block_stride + i * token_stride + h0 * head_dim,
-                         (h1 - h0) * head_dim * 4);
         for (int64_t r = 0; r < rows; ++r) {
+            kv_lines_fetch(&ahead, (n * row_lines + rows - 1) / rows);
             float *ar = acc + r * head_dim;
             const float *p = scores + r * len + t0;
             const float *vh = vb + (h0 + r / group) * head_dim;
@@ -215,6 +247,14 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
     }
 }
 
+/* KV heads per attention work item for `batch` sequences on `threads` threads: all of a
+ * sequence's (its rows stream whole, where one KV head's slices of them read cold came ~1.25x
+ * slower) on one thread or with sequences enough to keep every thread busy; else one, for more
+ * items to share. */
+static inline int64_t attention_heads_per_item(int64_t batch, int64_t threads, int64_t kv_heads) {
+    return threads == 1 || batch >= 4 * threads ? kv_heads : 1;
+}
+
 /* Per-thread scratch that outlives the call (OpenMP's threads persist): long contexts need
  * megabytes of scores, and a fresh allocation that size would be page-faulted in on every call.
  * NULL when it cannot grow. */
@@ -241,9 +281,7 @@ static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head
     const int64_t token_stride = num_kv_heads * head_dim;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    /* Work items: whole sequences (all their heads: whole blocks stream in) when there are enough
-     * to keep every thread busy, else (sequence, KV head) pairs. */
-    const int64_t heads_per_item = batch >= 4 * omp_get_num_threads() ? num_kv_heads : 1;
+    const int64_t heads_per_item = attention_heads_per_item(batch, omp_get_num_threads(), num_kv_heads);
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t rows = heads_per_item * group;
     float *scores = scratch(0, rows * (max_len > 0 ? max_len : 1));
@@ -684,7 +722,7 @@ static inline int tagged(uint64_t w, uint64_t tag) { return (w >> 16) == (tag & 
 typedef struct { /* a thread's own buffers, for one item at a time */
     float *tile;           /* [m_cap, tile_cols]: a matmul item's result */
     float *row_a, *row_b;  /* a row: max(hidden, qkv, intermediate) and hidden floats */
-    float *scores, *acc;   /* attention: [group, max_len], [group, head_dim] */
+    float *scores, *acc;   /* attention: [heads, max_len], [heads, head_dim] */
     int64_t *best_index;   /* [m_cap]: an LM-head item's argmax per row, and its value */
     float *best_value;
 } thread_buffers;
@@ -779,11 +817,11 @@ static matmul matmul_of(const pdserve_decoder *d, const step_params *p, int kind
     }
 }
 
-/* Items in a phase of each kind, for m rows. */
-static void count_items(const pdserve_decoder *d, int64_t m, int greedy, int64_t counts[K_KINDS]) {
+/* Items in a phase of each kind, for m rows with `attn_heads` KV heads per attention item. */
+static void count_items(const pdserve_decoder *d, int64_t m, int greedy, int64_t attn_heads, int64_t counts[K_KINDS]) {
     const pdserve_decoder_shape *s = &d->s;
     counts[K_NORM_IN] = counts[K_ROTARY] = counts[K_NORM_POST] = counts[K_SILU] = counts[K_NORM_FINAL] = m;
-    counts[K_ATTN] = m * s->kv_heads;
+    counts[K_ATTN] = m * (s->kv_heads / attn_heads);
     counts[K_QKV] = matmul_items(d, d->qkv_size, s->hidden);
     counts[K_O] = matmul_items(d, s->hidden, d->q_size);
     counts[K_GATE_UP] = matmul_items(d, 2 * s->intermediate, s->hidden);
@@ -792,9 +830,10 @@ static void count_items(const pdserve_decoder *d, int64_t m, int greedy, int64_t
     counts[K_ARGMAX] = greedy ? m : 0;
 }
 
+/* At most: one KV head per attention item. */
 static int64_t total_items(const pdserve_decoder *d, int64_t m) {
     int64_t c[K_KINDS], layer = 0;
-    count_items(d, m, 1, c);
+    count_items(d, m, 1, 1, c);
     for (int k = 0; k < K_LAYER_KINDS; ++k) layer += c[k];
     return d->model.num_layers * layer + c[K_NORM_FINAL] + c[K_LM_HEAD] + c[K_ARGMAX];
 }
@@ -822,10 +861,11 @@ static void compute_item(const pdserve_decoder *d, worker *w, const step_params 
         memcpy(t->row_a, b->qkv + i * d->qkv_size, sizeof(float) * (d->q_size + d->kv_size));
         rotary_token(t->row_a, s->heads + s->kv_heads, s->head_dim, d->model.cos_sin + b->positions[i] * s->head_dim);
         break;
-    case K_ATTN: {  /* row r's query heads of KV head g */
-        const int64_t r = i / s->kv_heads, g = i % s->kv_heads;
+    case K_ATTN: {  /* row r's query heads of KV heads [g, g + heads) */
+        const int64_t heads = attention_heads_per_item(p->m, p->nt, s->kv_heads), per_row = s->kv_heads / heads;
+        const int64_t r = i / per_row, g = i % per_row * heads;
         attend(b->qkv + r * d->qkv_size, s->head_dim, l->k_cache, l->v_cache, b->tables + r * b->w_cap, b->lens[r],
-               g, g + 1, d->group, s->head_dim, s->block_size, d->kv_size, s->scale, t->scores, t->acc, t->row_a);
+               g, g + heads, d->group, s->head_dim, s->block_size, d->kv_size, s->scale, t->scores, t->acc, t->row_a);
         break;
     }
     case K_SILU:
@@ -898,8 +938,9 @@ static void publish_item(const pdserve_decoder *d, worker *w, const step_params 
         break;
     }
     case K_ATTN: {
-        const int64_t r = i / s->kv_heads, g = i % s->kv_heads;
-        memcpy(b->attn + r * d->q_size + g * d->group * s->head_dim, t->row_a, sizeof(float) * d->group * s->head_dim);
+        const int64_t heads = attention_heads_per_item(p->m, p->nt, s->kv_heads), per_row = s->kv_heads / heads;
+        const int64_t r = i / per_row, g = i % per_row * heads;
+        memcpy(b->attn + r * d->q_size + g * d->group * s->head_dim, t->row_a, sizeof(float) * heads * d->group * s->head_dim);
         break;
     }
     case K_SILU:
@@ -1033,7 +1074,7 @@ static int run_phase(pdserve_decoder *d, worker *w, const step_params *p, const 
 /* Every phase of the step, as thread w; returns early when the step is over without it. */
 static void run_step(pdserve_decoder *d, worker *w, const step_params *p) {
     int64_t counts[K_KINDS], offset = 0;
-    count_items(d, p->m, p->greedy != NULL, counts);
+    count_items(d, p->m, p->greedy != NULL, attention_heads_per_item(p->m, p->nt, d->s.kv_heads), counts);
     const int64_t layer_phases = d->model.num_layers * K_LAYER_KINDS;
     for (int64_t ph = 0; ph < layer_phases + 3; ++ph) {
         phase f;
@@ -1162,8 +1203,8 @@ static int64_t lay_out(const pdserve_decoder *d, buffers *b, char *base) {
         tb.tile = CARVE(4 * m * tile_cols);
         tb.row_a = CARVE(4 * row);
         tb.row_b = CARVE(4 * s->hidden);
-        tb.scores = CARVE(4 * d->group * b->w_cap * s->block_size);
-        tb.acc = CARVE(4 * d->group * s->head_dim);
+        tb.scores = CARVE(4 * s->heads * b->w_cap * s->block_size);
+        tb.acc = CARVE(4 * s->heads * s->head_dim);
         tb.best_index = CARVE(8 * m);
         tb.best_value = CARVE(4 * m);
         if (base != NULL) b->threads[t] = tb;
