@@ -15,6 +15,7 @@ Nothing here knows about models, scheduling policy or Ray.
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -34,8 +35,11 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            self.kv = _zeros_on_huge_pages(shape, dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
@@ -45,6 +49,24 @@ class KVCache:
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on 2 MiB pages where the kernel grants them (`madvise`; THP in `madvise`
+    mode or `always`). A sequence's blocks lie anywhere in the cache: on 4 KiB pages each block
+    read cold misses the TLB, and decode attention read its blocks ~1.2x slower
+    (benchmarks/RESULTS.md). Anonymous memory: zero until written, paged in on first use, as
+    `torch.zeros` is."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    memory = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor's storage keeps `memory` alive
+    start = -raw.data_ptr() % _HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
