@@ -1,0 +1,119 @@
+"""Paged decode attention on one CPU thread, read cold: this tree's kernel against the kernel of an
+earlier revision, each on a KV cache in 4 KiB pages (`torch.zeros`) and in 2 MiB pages (the
+engine's `KVCache`), interleaved call by call in one run.
+
+    python benchmarks/cpu_attention.py [--against HEAD] [--contexts 200,1500,3000] [--batches 1,4]
+
+The serving model's attention shape (8 query heads, 4 KV heads, head dim 64, 16-token blocks,
+fp32): 1 KiB of K and 1 KiB of V per token and layer. K and V are 256 MiB each, every call gets
+fresh random block tables and a 256 MiB write in between flushes the last-level cache, so the
+blocks come from memory as in a serving decode step (whose weights alone exceed the cache).
+The limit beside them: the same number of bytes read by `torch.sum` over one contiguous run.
+Prints a markdown table (median ms per call, and the KV bytes over that time) and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kv_cache import KVCache
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
+BLOCKS = 16384  # 256 MiB each for K and V
+
+
+def earlier_kernel(rev: str, out_dir: Path) -> ctypes.CDLL:
+    """The kernel library built from `rev`'s source, with the flags this tree builds with."""
+    source = out_dir / "cpu_kernels.c"
+    source.write_text(subprocess.run(["git", "show", f"{rev}:platform/engine/kernels/cpu_kernels.c"],
+                                     capture_output=True, text=True, check=True,
+                                     cwd=Path(__file__).resolve().parent).stdout)
+    lib = out_dir / "cpu_kernels.so"
+    subprocess.run(["cc", *cpu_kernels._FLAGS, str(source), "-o", str(lib), "-lm"], check=True)
+    dll = ctypes.CDLL(str(lib))
+    restype, argtypes = cpu_kernels._SIGNATURES["pdserve_paged_decode_attention_f32"]
+    dll.pdserve_paged_decode_attention_f32.restype = restype
+    dll.pdserve_paged_decode_attention_f32.argtypes = argtypes
+    return dll
+
+
+def attention_call(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, batch: int, context: int):
+    """One call's closure over fresh inputs: q, random block tables, every sequence `context` long."""
+    width = -(-context // BLOCK)
+    tables = torch.randperm(BLOCKS)[:batch * width].view(batch, width).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.long)
+    q = torch.randn(batch, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+
+    def call():
+        lib.pdserve_paged_decode_attention_f32(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), tables.data_ptr(), width,
+            lens.data_ptr(), out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, 1)
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", default="HEAD", help="the git revision whose kernel is the baseline (default HEAD)")
+    ap.add_argument("--contexts", default="200,1500,3000", help="tokens per sequence, comma-separated")
+    ap.add_argument("--batches", default="1,4", help="sequences per call, comma-separated")
+    ap.add_argument("--repeats", type=int, default=25, help="calls per variant and case (median reported)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    small = (2, BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = {"4k": torch.zeros(small).normal_(), "2m": KVCache(1, BLOCKS, BLOCK, KV_HEADS, HEAD_DIM).kv[0].normal_()}
+    flush = torch.zeros(64 << 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"this tree": cpu_kernels.load(), args.against: earlier_kernel(args.against, Path(tmp))}
+        variants = [(name, pages) for name in libs for pages in caches]
+        rows = []
+        for context in map(int, args.contexts.split(",")):
+            for batch in map(int, args.batches.split(",")):
+                kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+                line = caches["4k"].view(-1)[:kv_bytes // 4]
+                times = {key: [] for key in [*variants, "sum"]}
+                for _ in range(args.repeats):
+                    for key in times:
+                        if key == "sum":
+                            call = lambda: line.sum()  # noqa: E731
+                        else:
+                            cache = caches[key[1]]
+                            call = attention_call(libs[key[0]], cache[0], cache[1], batch, context)
+                        flush.add_(1.0)
+                        t = time.perf_counter()
+                        call()
+                        times[key].append(time.perf_counter() - t)
+                medians = {key: statistics.median(ts) for key, ts in times.items()}
+                rows.append({"context": context, "batch": batch, "kv_bytes": kv_bytes,
+                             "ms": {("sum" if key == "sum" else f"{key[0]}, {key[1]} pages"): m * 1e3
+                                    for key, m in medians.items()}})
+
+    names = list(rows[0]["ms"])
+    print(f"command: python benchmarks/cpu_attention.py --against {args.against} --contexts {args.contexts} "
+          f"--batches {args.batches} --repeats {args.repeats}")
+    print(f"machine: {platform.machine()}, torch {torch.__version__}, one thread\n")
+    print("| context | batch | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for r in rows:
+        cells = [f"{r['ms'][n]:.3f} ms ({r['kv_bytes'] / r['ms'][n] / 1e6:.1f} GB/s)" for n in names]
+        print(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " |")
+    print()
+    print(json.dumps({"bench": "cpu_attention", "against": args.against, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
