@@ -56,17 +56,20 @@ _HUGE_PAGE = 2 << 20
 
 def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on 2 MiB pages where the kernel grants them (`madvise`; THP in `madvise`
-    mode or `always`). A sequence's blocks lie anywhere in the cache: on 4 KiB pages each block
-    read cold misses the TLB, and decode attention read its blocks ~1.2x slower
-    (benchmarks/RESULTS.md). Anonymous memory: zero until written, paged in on first use, as
-    `torch.zeros` is."""
+    mode or `always`), every page touched now. A sequence's blocks lie anywhere in the cache: on
+    4 KiB pages each block read cold misses the TLB, and decode attention read its blocks ~1.2x
+    slower (benchmarks/RESULTS.md). Touched here rather than on first use: where a VM's memory is
+    backed by its host on first touch, a fresh 2 MiB page took ~5 ms (512 MiB in 1.2 s), a stall
+    that would otherwise land in whichever step first writes a block there."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     memory = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor's storage keeps `memory` alive
     start = -raw.data_ptr() % _HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    kv = raw[start:start + nbytes].view(dtype).view(shape)
+    kv.zero_()  # pages in the whole cache
+    return kv
 
 
 @dataclass(frozen=True)
