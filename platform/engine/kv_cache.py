@@ -15,7 +15,6 @@ Nothing here knows about models, scheduling policy or Ray.
 
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -35,11 +34,8 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        if torch.device(device).type == "cpu":
-            self.kv = _zeros_on_huge_pages(shape, dtype)
-        else:
-            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
@@ -49,27 +45,6 @@ class KVCache:
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-_HUGE_PAGE = 2 << 20
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on 2 MiB pages where the kernel grants them (`madvise`; THP in `madvise`
-    mode or `always`), every page touched now. A sequence's blocks lie anywhere in the cache: on
-    4 KiB pages each block read cold misses the TLB, and decode attention read its blocks ~1.2x
-    slower (benchmarks/RESULTS.md). Touched here rather than on first use: where a VM's memory is
-    backed by its host on first touch, a fresh 2 MiB page took ~5 ms (512 MiB in 1.2 s), a stall
-    that would otherwise land in whichever step first writes a block there."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(memory, dtype=torch.uint8)  # the tensor's storage keeps `memory` alive
-    start = -raw.data_ptr() % _HUGE_PAGE
-    kv = raw[start:start + nbytes].view(dtype).view(shape)
-    kv.zero_()  # pages in the whole cache
-    return kv
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from pdserve.engine.kv_cache import (BlockPool, BlockRemoved, BlockStored, KVCache, KVCacheManager,
-                                     NoFreeBlocksError, block_hashes)
+from pdserve.engine.kv_cache import (BlockPool, BlockRemoved, BlockStored, KVCacheManager, NoFreeBlocksError,
+                                     block_hashes)
 
 
 def test_hashes_chain_and_ignore_partial_blocks():
@@ -71,37 +71,3 @@ def test_allocation_failure_changes_nothing():
     assert kv.allocate("a", 8)
     assert not kv.allocate("b", 8)
     assert "b" not in kv.block_tables and pool.num_free_blocks == 1
-
-
-def test_the_cpu_cache_is_zeroed_paged_in_and_on_2mib_boundaries():
-    """The cache lies in its own mapping from a 2 MiB boundary (where huge pages can back it), all
-    zeros, resident from the start (no page faults in a step that first writes a block), and the
-    tensor alone keeps the mapping alive."""
-    import gc
-
-    import torch
-
-    cache = KVCache(2, 64, 16, 4, 64)
-    kv = cache.kv
-    assert kv.shape == (2, 2, 64, 16, 4, 64) and kv.dtype == torch.float32 and kv.is_contiguous()
-    assert kv.data_ptr() % (2 << 20) == 0
-    assert not kv.any()
-    assert _resident_bytes(kv.data_ptr()) >= kv.numel() * 4
-    del cache
-    gc.collect()
-    kv[1, 1, 63].fill_(3.0)
-    assert kv.sum().item() == 3.0 * 16 * 4 * 64
-
-
-def _resident_bytes(address: int) -> int:
-    """Rss of the mapping that holds `address`, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    return 0
