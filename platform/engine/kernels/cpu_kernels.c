@@ -90,10 +90,10 @@ static inline const float *row(const float *cache, const int64_t *table, int64_t
 
 /* The cache lines one attend() reads, K's tokens then V's, asked for a few at a time ahead of
  * use. A sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the
- * stream at every block boundary: read cold, 16 KiB blocks came at ~16 GB/s on one core against
+ * stream at every block boundary: read cold, 16 KiB blocks came at ~11 GB/s on one core against
  * ~40 for one long run. Asked for ATTN_AHEAD tokens ahead in small steady portions between the
- * arithmetic (not in bursts, which fill the core's miss buffers and stall it), they came at
- * ~24 GB/s (benchmarks/RESULTS.md). */
+ * arithmetic (not in bursts, which fill the core's miss buffers and stall it), they came at ~15
+ * GB/s, ~24 on 2 MiB pages (benchmarks/RESULTS.md). */
 #define ATTN_AHEAD 32
 typedef struct {
     const float *k, *v;
