@@ -841,6 +841,15 @@ static int64_t total_items(const pdserve_decoder *d, int64_t m) {
 /* -- Items: computed into the thread's buffers, then published ---------------------------------- */
 typedef struct { int kind; int64_t layer, n, offset; } phase;
 
+/* Attention item i of step p: row *r's query heads of KV heads [*g, *g + *heads). */
+static void attention_item(const pdserve_decoder *d, const step_params *p, int64_t i, int64_t *r, int64_t *g,
+                           int64_t *heads) {
+    *heads = attention_heads_per_item(p->m, p->nt, d->s.kv_heads);
+    const int64_t per_row = d->s.kv_heads / *heads;
+    *r = i / per_row;
+    *g = i % per_row * *heads;
+}
+
 static void compute_item(const pdserve_decoder *d, worker *w, const step_params *p, const phase *f, int64_t i) {
     const pdserve_decoder_shape *s = &d->s;
     const buffers *b = p->buf;
@@ -861,9 +870,9 @@ static void compute_item(const pdserve_decoder *d, worker *w, const step_params 
         memcpy(t->row_a, b->qkv + i * d->qkv_size, sizeof(float) * (d->q_size + d->kv_size));
         rotary_token(t->row_a, s->heads + s->kv_heads, s->head_dim, d->model.cos_sin + b->positions[i] * s->head_dim);
         break;
-    case K_ATTN: {  /* row r's query heads of KV heads [g, g + heads) */
-        const int64_t heads = attention_heads_per_item(p->m, p->nt, s->kv_heads), per_row = s->kv_heads / heads;
-        const int64_t r = i / per_row, g = i % per_row * heads;
+    case K_ATTN: {
+        int64_t r, g, heads;
+        attention_item(d, p, i, &r, &g, &heads);
         attend(b->qkv + r * d->qkv_size, s->head_dim, l->k_cache, l->v_cache, b->tables + r * b->w_cap, b->lens[r],
                g, g + heads, d->group, s->head_dim, s->block_size, d->kv_size, s->scale, t->scores, t->acc, t->row_a);
         break;
@@ -938,8 +947,8 @@ static void publish_item(const pdserve_decoder *d, worker *w, const step_params 
         break;
     }
     case K_ATTN: {
-        const int64_t heads = attention_heads_per_item(p->m, p->nt, s->kv_heads), per_row = s->kv_heads / heads;
-        const int64_t r = i / per_row, g = i % per_row * heads;
+        int64_t r, g, heads;
+        attention_item(d, p, i, &r, &g, &heads);
         memcpy(b->attn + r * d->q_size + g * d->group * s->head_dim, t->row_a, sizeof(float) * heads * d->group * s->head_dim);
         break;
     }
