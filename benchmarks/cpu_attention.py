@@ -50,7 +50,10 @@ def earlier_kernel(rev: str, out_dir: Path) -> ctypes.CDLL:
                                      capture_output=True, text=True, check=True,
                                      cwd=Path(__file__).resolve().parent).stdout)
     lib = out_dir / "cpu_kernels.so"
-    subprocess.run(["cc", *cpu_kernels._FLAGS, str(source), "-o", str(lib), "-lm"], check=True)
+    compiler = cpu_kernels._compiler()
+    if compiler is None:
+        raise SystemExit("no C compiler (cc, gcc or clang) found: install gcc to build the kernels")
+    subprocess.run([compiler, *cpu_kernels._FLAGS, str(source), "-o", str(lib), "-lm"], check=True)
     dll = ctypes.CDLL(str(lib))
     restype, argtypes = cpu_kernels._SIGNATURES["pdserve_paged_decode_attention_f32"]
     dll.pdserve_paged_decode_attention_f32.restype = restype
