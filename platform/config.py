@@ -36,8 +36,10 @@ class EngineConfig(BaseModel):
         2048, ge=1, description="Token budget of one engine step; longer prefills are chunked to fit.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     seed: int = Field(0, description="Seed of the sampling RNG for requests without a seed of their own.")
-    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (per rank); default: all "
-                                                            "cores, shared evenly by the ranks of a parallel engine.")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (per rank); default: "
+                                                            "torch's (OMP_NUM_THREADS, else all cores), no more than "
+                                                            "the CPUs the process may run on, shared evenly by the "
+                                                            "ranks of a parallel engine.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks (devices) one engine spans; attention heads, "
                                                            "MLP and vocabulary are split across them.")
     enable_expert_parallel: bool = Field(

@@ -70,9 +70,7 @@ class RequestOutput:
 
 def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[torch.nn.Module, ModelArch, KVCache]:
     """This rank's model shard and KV cache (its KV heads; the same number of blocks on every rank)."""
-    threads = torch_threads_per_rank(config) if parallel.size > 1 else config.num_threads
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(torch_threads_per_rank(config))
     dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
     model, arch = load_model(config.model, dtype, config.device, config.max_model_len, parallel)
     if (config.max_model_len or arch.context_len) > arch.context_len:

@@ -153,8 +153,20 @@ def spawn_local_workers(config, init_method: str) -> list[mp.Process]:
     return procs
 
 
-def torch_threads_per_rank(config) -> int | None:
-    """CPU ranks share the machine: split the threads unless the config says otherwise."""
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, which taskset, a container's cpuset or
+    the parent that started it may have narrowed below the machine's count (`os.cpu_count()`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
+
+
+def torch_threads_per_rank(config) -> int:
+    """Threads for each of a replica's ranks unless the config says otherwise: torch's default
+    (OMP_NUM_THREADS, which Ray sets to an actor's num_cpus, else every core of the machine) held
+    to the CPUs this process may run on, split evenly by the ranks. Without the cap, a process
+    pinned to one of two cores runs two threads on it, and each step waits on the one descheduled."""
     if config.num_threads:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, min(torch.get_num_threads(), usable_cpus()) // config.tensor_parallel_size)
