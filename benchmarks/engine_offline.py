@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import statistics
@@ -25,6 +24,7 @@ import time
 import torch
 
 from cpu_linear import median_seconds  # this folder's scripts run with it on sys.path
+from machine import machine_line, warn_if_pinned
 
 PRESET = "bench-llama-56m"
 
@@ -205,13 +205,7 @@ def _run_child(phase: str, argv: list[str], extra: list[str] = (), env: dict | N
 
 
 def _machine_line() -> str:
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{model}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, Python {platform.python_version()}, "
+    return (f"{machine_line()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"{time.strftime('%Y-%m-%d')}")
 
 
@@ -230,6 +224,7 @@ def main() -> None:
     ap.add_argument("--roofline-form", help=argparse.SUPPRESS)
     ap.add_argument("--hf-batches", default="64,16", help="static batch sizes tried for transformers")
     args = ap.parse_args()
+    warn_if_pinned()
 
     if args.phase:
         print(json.dumps(PHASES[args.phase](args)))

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform as stdlib_platform
 import random
 import statistics
 import time
@@ -34,6 +32,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from machine import machine_line  # this folder's scripts run with it on sys.path
 from pdserve.router import RadixIndex, block_hashes
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, rank_prefill
 
@@ -235,7 +234,7 @@ def main() -> None:
                          "pdserve queue_weight=1")]
     oracle_hit = next(q for q in quality if q["policy"] == "oracle")["hit_rate"]
 
-    machine = f"{stdlib_platform.node()} {stdlib_platform.machine()}, {os.cpu_count()} cores, Python {stdlib_platform.python_version()}"
+    machine = machine_line()
     print(f"machine: {machine}\ntrace: {n} requests, {args.replicas} replicas, {args.prefixes} prefixes, "
           f"mean prompt {mean_prompt:.0f} tokens, block {BLOCK}\n")
     print("| index (match + insert per request, hashing included) | requests/s | p50 us | p99 us |\n|---|---|---|---|")

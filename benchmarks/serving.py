@@ -40,9 +40,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import time
+
+from machine import machine_line, warn_if_pinned  # this folder's scripts run with it on sys.path
 
 PRESET = "serve-llama-40m"
 SETUPS = ("offline", "handle", "colocated", "disaggregated")
@@ -177,6 +178,7 @@ def main() -> None:
                     help="what takes HTTP in front of the gateway replicas: Ray Serve's Python proxy, or "
                          "HAProxy forwarding to the replicas' own servers (direct ingress)")
     args = ap.parse_args()
+    warn_if_pinned()
     setups = args.setups.split(",")
     if not set(setups) <= set(SETUPS):
         ap.error(f"--setups: choose from {','.join(SETUPS)}")
@@ -208,7 +210,7 @@ def main() -> None:
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
-    report: dict = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+    report: dict = {"machine": machine_line(),
                     "model": PRESET, "hops": {}, "interference": {}}
     try:
         # -- part 1: hops ------------------------------------------------------------------------

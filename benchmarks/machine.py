@@ -1,0 +1,31 @@
+"""The machine line every benchmark prints beside its figures (RESULTS.md quotes it)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from pdserve.engine.parallel import usable_cpus
+
+
+def machine_line() -> str:
+    """Host, CPU model, cores (and how many of them this process may use, when fewer), memory, Python."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    cores, usable = os.cpu_count() or 1, usable_cpus()
+    cpus = f"{cores} cores" if usable == cores else f"{cores} cores, {usable} usable by this process"
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.node()} {platform.machine()}, {model}, {cpus}, {mem_gib:.0f} GiB, Python {platform.python_version()}"
+
+
+def warn_if_pinned() -> None:
+    """A benchmark that gives its engines all cores measures nothing useful from a process pinned
+    to fewer (its parent's taskset, or a container's cpuset): say so before the run."""
+    cores, usable = os.cpu_count() or 1, usable_cpus()
+    if usable < cores:
+        print(f"warning: this process may run on {usable} of the machine's {cores} cores, and so will "
+              f"everything it starts; to give it all of them: taskset -c 0-{cores - 1} {' '.join(sys.argv)}",
+              file=sys.stderr)
