@@ -100,8 +100,9 @@ async def _init_ucx() -> None:
 
 
 def _buffer(t: torch.Tensor):
-    """What ucxx sends from or receives into: the tensor's own memory, no copy (contiguous)."""
-    return t if t.is_cuda else t.numpy().reshape(-1).view(np.uint8)
+    """What ucxx sends from or receives into: the tensor's own memory as bytes, no copy (contiguous;
+    viewed as bytes before numpy sees it, which has no bfloat16)."""
+    return t if t.is_cuda else t.reshape(-1).view(torch.uint8).numpy()
 
 
 async def _send_frame(ep, kind: int, payload: dict) -> None:

@@ -95,6 +95,27 @@ def test_blocks_arrive_bit_identical(exporter, src, importer, num_tokens):
     assert exporter.free_blocks() == NUM_BLOCKS
 
 
+def test_bf16_blocks_arrive_bit_identical():
+    """A bf16 cache (`kv_cache_dtype: bfloat16`, or a bf16 model) moves as its bytes, in place and
+    gathered (both ends in this process)."""
+    from pdserve.engine.kv_cache import BlockPool
+    from pdserve.kvtransfer.ucx_backend import UCXExporter
+
+    layout = p.KVLayout(**{**LAYOUT, "dtype": "bfloat16"})
+    src_bf16 = make_cache(64).bfloat16()
+    pool = BlockPool(64, LAYOUT["block_size"])
+    exporter = UCXExporter("prefill-bf16", src_bf16, layout, pool.incref, pool.free, lease_s=5.0)
+    importer = UCXImporter(torch.zeros_like(src_bf16), layout)
+    try:
+        for blocks in (pool.allocate(3), pool.allocate(6)[::2]):  # one run; every other block
+            handle = exporter.export(f"r{blocks[0]}", blocks, 40)
+            importer.pull(handle, [7, 10, 13])
+            assert torch.equal(gather_blocks(importer.kv, [7, 10, 13]), gather_blocks(src_bf16, blocks))
+    finally:
+        importer.close()
+        exporter.close()
+
+
 def test_sixteen_concurrent_transfers_do_not_mix(exporter, src, importer):
     handles = [exporter.export(f"c{i}", 40 + 17 * i) for i in range(16)]
     dsts, offset = [], 0
