@@ -25,6 +25,10 @@ class EngineConfig(BaseModel):
         "auto", description="Weight and activation dtype; 'auto' takes the checkpoint's dtype.")
     device: str = Field("cpu", description="torch device for weights and KV cache, e.g. 'cpu' or 'cuda:0'.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the KV cache holds; 'auto' takes the model's. bfloat16 under an fp32 model "
+                            "halves the bytes attention reads and KV transfers move (K and V rounded once, when "
+                            "written); prefill and decode pools must agree.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV-cache blocks to allocate; overrides kv_cache_memory_bytes when set.")
     kv_cache_memory_bytes: int = Field(

@@ -143,7 +143,7 @@ class Attention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """CPU decode: the C kernel (one pass over the blocks) where it applies, else gather + SDPA."""
         meta = ctx.attn
-        if cpu_kernels.usable(q, k_cache) and k_cache.is_contiguous():
+        if cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache):
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                         meta.decode_seq_lens, self.scale)
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,

@@ -76,7 +76,7 @@ def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[t
     if (config.max_model_len or arch.context_len) > arch.context_len:
         raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's context length "
                              f"{arch.context_len}")
-    kv_dtype = next(model.parameters()).dtype
+    kv_dtype = next(model.parameters()).dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
     bytes_per_block = KVCache.bytes_per_block_for(arch.num_layers, config.block_size, model.num_kv_heads,
                                                   arch.head_dim, kv_dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)

@@ -13,6 +13,8 @@
  *   q            [batch, num_heads, head_dim]       q_batch_stride, q_head_stride; last dim dense
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim]   dense (one layer's K half)
  *   v_cache      same as k_cache
+ * The caches hold fp32, or bf16 (`kv_bf16`: the upper half of an fp32, rounded to nearest even as
+ * torch rounds), which halves the bytes attention reads; everything else is fp32.
  *   block_tables [batch, table_width] int64, dense
  *   seq_lens     [batch] int64
  *   out          [batch, num_heads, head_dim]       dense
@@ -51,9 +53,58 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+/* KV cache elements: 4-byte fp32, or 2-byte bf16. */
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* torch's rounding: to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float kv_at(const char *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float kv_dot(const float *restrict q, const char *k, int64_t n, int bf16) {
+    if (!bf16) return dot(q, (const float *)k, n);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; ++i) acc += q[i] * kv_at(k, i, 1);
+    return acc;
+}
+
+static inline void kv_axpy(float *restrict y, float a, const char *v, int64_t n, int bf16) {
+    if (!bf16) {
+        axpy(y, a, (const float *)v, n);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) y[i] += a * kv_at(v, i, 1);
+}
+
+/* A cache row written from fp32. */
+static inline void kv_store(char *dst, const float *src, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = float_to_bf16(src[i]);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+
+/* Eight cache elements from p as fp32. */
+static inline __m256 kv_load8(const char *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 
 /* [sum(a0), ..., sum(a7)] */
 static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
@@ -82,10 +133,10 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-/* Rows of one KV head for tokens [t, t + n) of a sequence: row(i) = base of token t + i. */
-static inline const float *row(const float *cache, const int64_t *table, int64_t t, int64_t block_size,
-                               int64_t block_stride, int64_t token_stride, int64_t head_offset) {
-    return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + head_offset;
+/* Token t's row of a sequence's cache (strides in bytes). */
+static inline const char *row(const char *cache, const int64_t *table, int64_t t, int64_t block_size,
+                              int64_t block_stride, int64_t token_stride) {
+    return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
 /* The cache lines one attend() reads, K's tokens then V's, asked for a few at a time ahead of
@@ -96,7 +147,7 @@ static inline const float *row(const float *cache, const int64_t *table, int64_t
  * GB/s, ~24 on 2 MiB pages (benchmarks/RESULTS.md). */
 #define ATTN_AHEAD 32
 typedef struct {
-    const float *k, *v;
+    const char *k, *v;
     const int64_t *table;
     int64_t len, block_size, block_stride, token_stride, lo, hi;  /* [lo, hi): bytes of a row read */
     int64_t t, off;                                                /* next line: token t (V's from len on) */
@@ -106,8 +157,7 @@ typedef struct {
 static inline void kv_lines_seek(kv_lines *s) {
     if (s->t < 2 * s->len) {
         const int v = s->t >= s->len;
-        s->base = (const char *)row(v ? s->v : s->k, s->table, s->t - v * s->len, s->block_size, s->block_stride,
-                                    s->token_stride, 0);
+        s->base = row(v ? s->v : s->k, s->table, s->t - v * s->len, s->block_size, s->block_stride, s->token_stride);
     }
 }
 
@@ -125,20 +175,22 @@ static inline void kv_lines_fetch(kv_lines *s, int64_t lines) {
 /* One sequence's KV heads [h0, h1) against its `len` tokens; each KV head serves `group` query
  * heads (q row h * group + g, stride q_head_stride; out rows likewise, dense). Rows of all the
  * heads of a token are adjacent in the cache, so reading them together streams whole blocks.
+ * token_stride: elements from one token's row to the next (fp32, or bf16 with kv_bf16).
  * scores: scratch of (h1 - h0) * group * len floats; acc: (h1 - h0) * group * head_dim floats;
  * out: the rows of heads [h0, h1)' query heads, from h0 * group's on, dense. */
-static void attend(const float *q, int64_t q_head_stride, const float *k_cache, const float *v_cache,
+static void attend(const float *q, int64_t q_head_stride, const void *k_cache, const void *v_cache, int kv_bf16,
                    const int64_t *table, int64_t len, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
                    int64_t block_size, int64_t token_stride, float scale, float *scores, float *acc,
                    float *out) {
-    const int64_t block_stride = block_size * token_stride;
+    const int64_t es = kv_bf16 ? 2 : 4;  /* bytes per cache element */
+    const int64_t token_bytes = token_stride * es, block_stride = block_size * token_bytes;
     const int64_t rows = (h1 - h0) * group;
     /* Lines of a token's row this call reads, and how many to ask for per row of work so that
      * the prefetches keep pace with the reads (8 tokens per row in pass 1, a block in pass 2). */
-    const int64_t row_lines = ((h1 - h0) * head_dim * 4 + 63) / 64;
+    const int64_t row_lines = ((h1 - h0) * head_dim * es + 63) / 64;
     const int64_t per_row_8 = (8 * row_lines + rows - 1) / rows;
-    kv_lines ahead = {k_cache, v_cache, table, len, block_size, block_stride, token_stride,
-                      h0 * head_dim * 4, h0 * head_dim * 4 + row_lines * 64, 0, h0 * head_dim * 4, NULL};
+    kv_lines ahead = {k_cache, v_cache, table, len, block_size, block_stride, token_bytes,
+                      h0 * head_dim * es, h0 * head_dim * es + row_lines * 64, 0, h0 * head_dim * es, NULL};
     kv_lines_seek(&ahead);
     kv_lines_fetch(&ahead, ATTN_AHEAD * row_lines);
 
@@ -147,8 +199,8 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
 #ifdef HAVE_AVX2
     if (head_dim % 8 == 0) {
         for (; t + 8 <= len; t += 8) {  /* eight tokens at a time: eight independent FMA chains */
-            const float *k[8];
-            for (int j = 0; j < 8; ++j) k[j] = row(k_cache, table, t + j, block_size, block_stride, token_stride, 0);
+            const char *k[8];
+            for (int j = 0; j < 8; ++j) k[j] = row(k_cache, table, t + j, block_size, block_stride, token_bytes);
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t o = h * head_dim;
                 for (int64_t g = 0; g < group; ++g) {
@@ -157,14 +209,14 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                     for (int64_t d = 0; d < head_dim; d += 8) {
                         __m256 qv = _mm256_loadu_ps(qg + d);
-                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + o + d), a0);
-                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + o + d), a1);
-                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + o + d), a2);
-                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + o + d), a3);
-                        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + o + d), a4);
-                        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + o + d), a5);
-                        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + o + d), a6);
-                        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + o + d), a7);
+                        a0 = _mm256_fmadd_ps(qv, kv_load8(k[0] + (o + d) * es, kv_bf16), a0);
+                        a1 = _mm256_fmadd_ps(qv, kv_load8(k[1] + (o + d) * es, kv_bf16), a1);
+                        a2 = _mm256_fmadd_ps(qv, kv_load8(k[2] + (o + d) * es, kv_bf16), a2);
+                        a3 = _mm256_fmadd_ps(qv, kv_load8(k[3] + (o + d) * es, kv_bf16), a3);
+                        a4 = _mm256_fmadd_ps(qv, kv_load8(k[4] + (o + d) * es, kv_bf16), a4);
+                        a5 = _mm256_fmadd_ps(qv, kv_load8(k[5] + (o + d) * es, kv_bf16), a5);
+                        a6 = _mm256_fmadd_ps(qv, kv_load8(k[6] + (o + d) * es, kv_bf16), a6);
+                        a7 = _mm256_fmadd_ps(qv, kv_load8(k[7] + (o + d) * es, kv_bf16), a7);
                     }
                     _mm256_storeu_ps(scores + ((h - h0) * group + g) * len + t,
                                      _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)));
@@ -174,12 +226,12 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
     }
 #endif
     for (; t < len; ++t) {
-        const float *k = row(k_cache, table, t, block_size, block_stride, token_stride, 0);
+        const char *k = row(k_cache, table, t, block_size, block_stride, token_bytes);
         kv_lines_fetch(&ahead, row_lines);
         for (int64_t h = h0; h < h1; ++h)
             for (int64_t g = 0; g < group; ++g)
                 scores[((h - h0) * group + g) * len + t] =
-                    dot(q + (h * group + g) * q_head_stride, k + h * head_dim, head_dim) * scale;
+                    kv_dot(q + (h * group + g) * q_head_stride, k + h * head_dim * es, head_dim, kv_bf16) * scale;
     }
 
     /* Softmax per query head; the normaliser is applied to the output at the end. */
@@ -211,25 +263,25 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
     /* Pass 2: the weighted sum of V, a block at a time (its rows stay in cache across the heads). */
     memset(acc, 0, sizeof(float) * rows * head_dim);
     for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
-        const float *vb = v_cache + table[blk] * block_stride;
+        const char *vb = (const char *)v_cache + table[blk] * block_stride;
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;
         for (int64_t r = 0; r < rows; ++r) {
             kv_lines_fetch(&ahead, (n * row_lines + rows - 1) / rows);
             float *ar = acc + r * head_dim;
             const float *p = scores + r * len + t0;
-            const float *vh = vb + (h0 + r / group) * head_dim;
+            const char *vh = vb + (h0 + r / group) * head_dim * es;
             int64_t d = 0;
 #ifdef HAVE_AVX2
             for (; d + 32 <= head_dim; d += 32) {  /* four accumulators held across the block's tokens */
                 __m256 a0 = _mm256_loadu_ps(ar + d), a1 = _mm256_loadu_ps(ar + d + 8);
                 __m256 a2 = _mm256_loadu_ps(ar + d + 16), a3 = _mm256_loadu_ps(ar + d + 24);
                 for (int64_t i = 0; i < n; ++i) {
-                    const float *v = vh + i * token_stride + d;
+                    const char *v = vh + (i * token_stride + d) * es;
                     __m256 pv = _mm256_set1_ps(p[i]);
-                    a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v), a0);
-                    a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8), a1);
-                    a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 16), a2);
-                    a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 24), a3);
+                    a0 = _mm256_fmadd_ps(pv, kv_load8(v, kv_bf16), a0);
+                    a1 = _mm256_fmadd_ps(pv, kv_load8(v + 8 * es, kv_bf16), a1);
+                    a2 = _mm256_fmadd_ps(pv, kv_load8(v + 16 * es, kv_bf16), a2);
+                    a3 = _mm256_fmadd_ps(pv, kv_load8(v + 24 * es, kv_bf16), a3);
                 }
                 _mm256_storeu_ps(ar + d, a0);
                 _mm256_storeu_ps(ar + d + 8, a1);
@@ -238,7 +290,8 @@ static void attend(const float *q, int64_t q_head_stride, const float *k_cache, 
             }
 #endif
             if (d < head_dim)
-                for (int64_t i = 0; i < n; ++i) axpy(ar + d, p[i], vh + i * token_stride + d, head_dim - d);
+                for (int64_t i = 0; i < n; ++i)
+                    kv_axpy(ar + d, p[i], vh + (i * token_stride + d) * es, head_dim - d, kv_bf16);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -273,8 +326,8 @@ static float *scratch(int which, int64_t floats) {
 /* One thread's part of paged decode attention, inside a parallel region every thread of the team
  * calls it from (its work items are a worksharing loop, whose end is a barrier). Returns 1 when
  * this thread's scratch could not be allocated (its items are then left unwritten), else 0. */
-static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head_stride, const float *k_cache,
-                          const float *v_cache, const int64_t *block_tables, int64_t table_width,
+static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head_stride, const void *k_cache,
+                          const void *v_cache, int kv_bf16, const int64_t *block_tables, int64_t table_width,
                           const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads;
@@ -291,7 +344,8 @@ static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head
     for (int64_t item = 0; item < batch * items_per_seq; ++item) {
         const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
         if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
-        attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, block_tables + b * table_width, seq_lens[b],
+        attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16, block_tables + b * table_width,
+               seq_lens[b],
                h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores, acc,
                out + b * num_heads * head_dim + h0 * group * head_dim);
     }
@@ -300,13 +354,14 @@ static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
 int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, int64_t q_head_stride,
-                                       const float *k_cache, const float *v_cache, const int64_t *block_tables,
+                                       const void *k_cache, const void *v_cache, int kv_bf16,
+                                       const int64_t *block_tables,
                                        int64_t table_width, const int64_t *seq_lens, float *out, int64_t batch,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                        int64_t block_size, float scale, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    failed = attention_part(q, q_batch_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, seq_lens,
+    failed = attention_part(q, q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16, block_tables, table_width, seq_lens,
                             out, batch, num_heads, num_kv_heads, head_dim, block_size, scale);
     return failed;
 }
@@ -676,12 +731,13 @@ void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packe
 typedef struct {
     const float *input_norm, *post_norm;                  /* [hidden] */
     const float *qkv, *qkv_bias, *o, *gate_up, *down;     /* packed (pdserve_pack_linear_f32); bias may be NULL */
-    float *k_cache, *v_cache;                             /* [num_blocks, block_size, kv_heads, head_dim], dense */
+    void *k_cache, *v_cache;                              /* [num_blocks, block_size, kv_heads, head_dim], dense */
 } pdserve_decoder_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, vocab;
     int64_t num_blocks, max_position;  /* the KV cache's blocks; the rotary table's rows */
+    int64_t kv_bf16;                   /* the cache holds bf16 (else fp32) */
     float eps, scale;
 } pdserve_decoder_shape;
 
@@ -873,7 +929,8 @@ static void compute_item(const pdserve_decoder *d, worker *w, const step_params 
     case K_ATTN: {
         int64_t r, g, heads;
         attention_item(d, p, i, &r, &g, &heads);
-        attend(b->qkv + r * d->qkv_size, s->head_dim, l->k_cache, l->v_cache, b->tables + r * b->w_cap, b->lens[r],
+        attend(b->qkv + r * d->qkv_size, s->head_dim, l->k_cache, l->v_cache, (int)s->kv_bf16, b->tables + r * b->w_cap,
+               b->lens[r],
                g, g + heads, d->group, s->head_dim, s->block_size, d->kv_size, s->scale, t->scores, t->acc, t->row_a);
         break;
     }
@@ -942,8 +999,9 @@ static void publish_item(const pdserve_decoder *d, worker *w, const step_params 
     case K_ROTARY: {
         float *row_qkv = b->qkv + i * d->qkv_size;
         memcpy(row_qkv, t->row_a, sizeof(float) * (d->q_size + d->kv_size));
-        memcpy(l->k_cache + b->slots[i] * d->kv_size, row_qkv + d->q_size, sizeof(float) * d->kv_size);
-        memcpy(l->v_cache + b->slots[i] * d->kv_size, row_qkv + d->q_size + d->kv_size, sizeof(float) * d->kv_size);
+        const int64_t at = b->slots[i] * d->kv_size * (s->kv_bf16 ? 2 : 4);
+        kv_store((char *)l->k_cache + at, row_qkv + d->q_size, d->kv_size, (int)s->kv_bf16);
+        kv_store((char *)l->v_cache + at, row_qkv + d->q_size + d->kv_size, d->kv_size, (int)s->kv_bf16);
         break;
     }
     case K_ATTN: {

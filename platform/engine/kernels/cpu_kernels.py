@@ -138,9 +138,15 @@ def usable(*tensors: torch.Tensor) -> bool:
     return load() is not None
 
 
+def usable_cache(cache: torch.Tensor) -> bool:
+    """Whether the kernels read this KV cache: dense, on CPU, fp32 or bf16, and the library built."""
+    return (cache.dtype in (torch.float32, torch.bfloat16) and cache.device.type == "cpu" and cache.is_contiguous()
+            and enabled() and load() is not None)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as `paged_attention.paged_decode_attention` (check `usable` and a dense cache):
+    """Same contract as `paged_attention.paged_decode_attention` (check `usable(q)` and `usable_cache`):
     q `[batch, num_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`,
     block_tables `[batch, width]` int64, seq_lens `[batch]` int64 -> `[batch, num_heads, head_dim]`."""
     batch, num_heads, head_dim = q.shape
@@ -149,8 +155,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lens = seq_lens.contiguous()
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
     failed = load().pdserve_paged_decode_attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.dtype == torch.bfloat16, tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
         scale, torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
@@ -238,7 +244,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayerPointers(ctypes.Structure):
     """`pdserve_decoder_layer`: one layer's weights (norms; linears packed by `pack_linear`) and its
-    K and V caches `[num_blocks, block_size, kv_heads, head_dim]`, by address."""
+    K and V caches `[num_blocks, block_size, kv_heads, head_dim]` (fp32, or bf16 where the shape's
+    `kv_bf16` says so), by address."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up",
                                                      "down", "k_cache", "v_cache")]
 
@@ -246,7 +253,7 @@ class DecoderLayerPointers(ctypes.Structure):
 class DecoderShape(ctypes.Structure):
     """`pdserve_decoder_shape`."""
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                                    "block_size", "vocab", "num_blocks", "max_position")] + [
+                                                    "block_size", "vocab", "num_blocks", "max_position", "kv_bf16")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -316,8 +323,8 @@ PANEL = 16  # columns per panel of a packed weight (cpu_kernels.c)
 DECODE_ITEM_BYTES = 128 * 1024
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "pdserve_paged_decode_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I,
-                                                          _F, _T]),
+    "pdserve_paged_decode_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _T, _P, _I, _P, _P, _I, _I, _I, _I,
+                                                          _I, _F, _T]),
     "pdserve_rms_norm_f32": (None, [_P, _P, _P, _P, _I, _I, _F, _T]),
     "pdserve_silu_mul_f32": (None, [_P, _P, _I, _I, _T]),
     "pdserve_rotary_f32": (None, [_P, _I, _I, _I, _I, _P, _T]),

@@ -3,7 +3,9 @@
 Inputs are one layer's cache halves `k_cache`, `v_cache` of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`, block tables mapping each sequence's logical
 blocks to physical ones, and the queries of the current step. GQA: query head h reads KV head
-`h // (num_heads // num_kv_heads)`.
+`h // (num_heads // num_kv_heads)`. The cache may hold a narrower dtype than the queries
+(`kv_cache_dtype`): K and V are rounded to it when written, and every attention reads them as the
+cache holds them, fresh ones included, so a token's output does not depend on which path ran.
 
 - `write_kv`: scatter this step's K/V into their slots (`slot = block_id * block_size + offset`).
 - `paged_decode_attention`: one query token per sequence, any context lengths; gathers the
@@ -38,8 +40,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """k, v: `[num_tokens, num_kv_heads, head_dim]`; slot_mapping: `[num_tokens]` int64."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,8 +63,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k, v = workspace.get(idx.numel(), k_cache)
         torch.index_select(k_cache, 0, idx, out=k)
         torch.index_select(v_cache, 0, idx, out=v)
-    k = k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    k = k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    v = v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     if mask is None:
         mask = decode_mask(seq_lens, max_len, q.dtype)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -86,16 +88,16 @@ def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.T
     q_len = q.shape[0]
     qt = q.transpose(0, 1).unsqueeze(0)
     if context_len == q_len:
-        # Nothing cached before this chunk: attend to the fresh K/V, no gather needed.
-        k = k_new.transpose(0, 1).unsqueeze(0)
-        v = v_new.transpose(0, 1).unsqueeze(0)
+        # Nothing cached before this chunk: attend to the fresh K/V (as the cache holds them), no gather.
+        k = k_new.to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        v = v_new.to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_blocks = -(-context_len // block_size)
     blocks = block_table[:num_blocks]
-    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
-    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
+    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len].to(q.dtype)
+    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len].to(q.dtype)
     # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
     q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
     mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]

@@ -103,8 +103,8 @@ def _kernels() -> SimpleNamespace:
             block = tl.load(tables_ptr + seq * stride_tb + b)
             keys = b * BLOCK_SIZE + s
             offs = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-            k = tl.load(k_ptr + offs, mask=(keys < context_len)[:, None], other=0.0)
-            v = tl.load(v_ptr + offs, mask=(keys < context_len)[:, None], other=0.0)
+            k = tl.load(k_ptr + offs, mask=(keys < context_len)[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + offs, mask=(keys < context_len)[:, None], other=0.0).to(q.dtype)
             # "ieee": fp32 inputs must not drop to TF32 on a GPU (bf16/fp16 are unaffected).
             scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < context_len)

@@ -147,11 +147,11 @@ class LlamaForCausalLM(nn.Module):
         """This model over this KV cache as one C call per decode step, from token ids to logits
         (`cpu_kernels.DecoderModel`: the same kernels as `forward` and `compute_logits`, without
         Python between them), where the model runs there: a dense fp32 model on CPU, one rank, a
-        dense fp32 cache. None otherwise: the caller runs `forward` and `compute_logits`."""
+        dense fp32 or bf16 cache. None otherwise: the caller runs `forward` and `compute_logits`."""
         if not self._runs_in_c():
             return None
         if self._c_model is None or self._c_model[0] is not kv:  # decided once per cache
-            in_c = cpu_kernels.usable(kv.kv) and kv.kv.is_contiguous()
+            in_c = cpu_kernels.usable_cache(kv.kv)
             self._c_model = (kv, self._model_for_c(kv) if in_c else None)
         return self._c_model[1]
 
@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
                                          attn.head_dim, first.mlp.intermediate_size, kv.block_size,
                                          self.lm_head.out_features, kv.num_blocks, m.rotary.cos_sin.shape[0],
-                                         first.input_layernorm.eps, attn.scale)
+                                         kv.dtype == torch.bfloat16, first.input_layernorm.eps, attn.scale)
         return cpu_kernels.DecoderModel(pointers, shape, m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight,
                                         self.lm_head.packed, tensors)
 

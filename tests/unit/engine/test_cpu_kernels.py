@@ -18,9 +18,9 @@ from pdserve.engine.kernels import paged_attention as ref
 from pdserve.engine.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding
 
 
-def random_case(batch, heads, kv_heads, head_dim, block_size, max_len, num_blocks=64):
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+def random_case(batch, heads, kv_heads, head_dim, block_size, max_len, num_blocks=64, kv_dtype=torch.float32):
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(kv_dtype)
     lens = torch.randint(1, max_len + 1, (batch,))
     lens[0] = 1  # a single token
     if batch > 1:
@@ -45,9 +45,11 @@ def test_the_kernel_builds_on_this_machine():
     (2, 2, 16, 1, 9),      # one token per block
 ])
 @pytest.mark.parametrize("batch", [3, 40])  # work split by KV head; whole sequences per thread
-def test_kernel_matches_torch(heads, kv_heads, head_dim, block_size, max_len, batch):
-    q, k_cache, v_cache, tables, lens = random_case(batch, heads, kv_heads, head_dim, block_size, max_len)
-    assert cpu_kernels.usable(q, k_cache)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_torch(heads, kv_heads, head_dim, block_size, max_len, batch, kv_dtype):
+    q, k_cache, v_cache, tables, lens = random_case(batch, heads, kv_heads, head_dim, block_size, max_len,
+                                                    kv_dtype=kv_dtype)
+    assert cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -67,6 +69,10 @@ def test_only_fp32_cpu_tensors_with_a_dense_last_dimension_are_taken():
     assert cpu_kernels.usable(q, k_cache)
     assert not cpu_kernels.usable(q.bfloat16(), k_cache.bfloat16())
     assert not cpu_kernels.usable(q, k_cache.transpose(2, 3))
+    # The KV cache may hold bf16 (kv_cache_dtype), never fp16, and must be dense.
+    assert cpu_kernels.usable_cache(k_cache) and cpu_kernels.usable_cache(k_cache.bfloat16())
+    assert not cpu_kernels.usable_cache(k_cache.half())
+    assert not cpu_kernels.usable_cache(k_cache.transpose(2, 3))
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 512), (64, 512), (300, 200), (3, 13)])
@@ -238,11 +244,13 @@ def test_without_a_compiler_attention_falls_back_with_a_warning(monkeypatch, cap
     assert not cpu_kernels.usable(q, k_cache)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])  # qwen2: qkv bias, tied embeddings
-def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, monkeypatch):
+@pytest.mark.parametrize("preset,kv_cache_dtype", [("tiny-llama", "auto"), ("tiny-qwen2", "auto"),
+                                                   ("tiny-llama", "bfloat16")])  # qwen2: qkv bias, tied embeddings
+def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, kv_cache_dtype, monkeypatch):
     """A decode-only step runs in one C call from token ids to logits (`DecoderModel`); the same
-    requests through the Python layers give the same tokens and logprobs. Sequences of different
-    lengths decode together, so attention reads different block tables in one call."""
+    requests through the Python layers give the same tokens and logprobs, and leave the same bits
+    in the KV cache (bf16: the C side rounds as torch does). Sequences of different lengths decode
+    together, so attention reads different block tables in one call."""
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
@@ -254,15 +262,18 @@ def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, pre
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
 
     def generate(in_c: bool):
-        llm = LLM(checkpoints[preset], block_size=4)
+        llm = LLM(checkpoints[preset], block_size=4, kv_cache_dtype=kv_cache_dtype)
         llm.engine.model._all_in_c = in_c
-        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
+        outputs = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
+        return outputs, llm.engine.kv_cache.kv
 
-    fused = generate(True)
+    fused, fused_kv = generate(True)
     assert calls, "no decode step went through the one-call path"
     calls.clear()
-    layered = generate(False)
+    layered, layered_kv = generate(False)
     assert not calls
+    assert fused_kv.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
+    assert torch.equal(fused_kv, layered_kv)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, layered):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)

@@ -23,9 +23,10 @@ DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 BLOCK, HEAD_DIM, HEADS, KV_HEADS, NUM_BLOCKS = 16, 16, 4, 2, 24
 
 
-def cache(device):
+def cache(device, dtype=torch.float32):
+    """K and V caches; bf16 under fp32 queries as `kv_cache_dtype: bfloat16` makes them."""
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    return torch.randn(shape, device=device), torch.randn(shape, device=device)
+    return torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype)
 
 
 def tables_for(lens, device):
@@ -40,8 +41,9 @@ def tables_for(lens, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_attention_matches_torch(device):
-    k_cache, v_cache = cache(device)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_torch(device, kv_dtype):
+    k_cache, v_cache = cache(device, kv_dtype)
     lens = [1, 17, 33, 48]  # one token; mid-block ends; a full last block
     tables = tables_for(lens, device)
     seq_lens = torch.tensor(lens, device=device)
@@ -52,8 +54,9 @@ def test_decode_attention_matches_torch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_attention_varlen_batch_matches_torch(device):
-    k_cache, v_cache = cache(device)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_varlen_batch_matches_torch(device, kv_dtype):
+    k_cache, v_cache = cache(device, kv_dtype)
     # (cached prefix, chunk): nothing cached; a prefix over several blocks ending mid-block; a
     # chunk of one token after a long prefix.
     chunks = [(0, 20), (37, 11), (60, 1)]

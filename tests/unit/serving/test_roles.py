@@ -19,8 +19,10 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture
-def pools(tiny_llama):
-    config = EngineConfig(model=tiny_llama, num_kv_blocks=96, block_size=8)
+def pools(tiny_llama, request):
+    """Both roles over the local backend; `indirect` parametrization picks the KV cache's dtype."""
+    config = EngineConfig(model=tiny_llama, num_kv_blocks=96, block_size=8,
+                          kv_cache_dtype=getattr(request, "param", "auto"))
     prefill = PrefillServer(config, TransferConfig(backend="local", lease_s=5), "prefill-0")
     importer = lambda e: LocalImporter(e.kv_cache.kv, layout_of(e.kv_cache.kv, Path(tiny_llama).name),  # noqa: E731
                                        {"prefill-0": prefill.exporter})
@@ -46,12 +48,15 @@ def _tokens(outs):
     return [t for o in outs for t in o.new_token_ids]
 
 
+@pytest.mark.parametrize("pools", ["auto", "bfloat16"], indirect=True)
 def test_disaggregated_greedy_and_seeded_match_one_engine(pools, tiny_llama):
     prefill, decode = pools
     prompts = [list(range(5, 5 + n)) for n in (4, 17, 24, 40)]
     seeded = SamplingParams(max_tokens=10, temperature=0.9, seed=7, ignore_eos=True)
     params = [GREEDY, GREEDY, seeded, GREEDY]
-    expected = [c.token_ids for c in LLM(tiny_llama, block_size=8).generate(prompts, params)]
+    kv_cache_dtype = decode.engine.engine.config.kv_cache_dtype
+    expected = [c.token_ids for c in LLM(tiny_llama, block_size=8, kv_cache_dtype=kv_cache_dtype).generate(
+        prompts, params)]
     outs = _run(decode, [GenerateRequest(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
     assert [_tokens(o) for o in outs] == expected
     assert decode.stats()["num_remote_prefills"] == 3 and decode.stats()["num_local_prefills"] == 1
