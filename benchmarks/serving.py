@@ -79,7 +79,7 @@ async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, fl
     return records, time.perf_counter() - start
 
 
-def offline_run(model: str, requests, concurrency: int, num_threads: int, warmup) -> dict:
+def offline_run(model: str, requests, concurrency: int, num_threads: int, kv_cache_dtype: str, warmup) -> dict:
     """The baseline: the same requests as engine streams in this process (after `warmup`, as the
     served setups)."""
     from pdserve.bench.metrics import compute_metrics
@@ -88,7 +88,7 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int, warmup
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.engine import LLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads)))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads, kv_cache_dtype=kv_cache_dtype)))
 
     async def open_stream(i, r, params):
         return await engine.generate(f"b{i}", r.prompt_token_ids, params)
@@ -177,6 +177,9 @@ def main() -> None:
     ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="haproxy",
                     help="what takes HTTP in front of the gateway replicas: Ray Serve's Python proxy, or "
                          "HAProxy forwarding to the replicas' own servers (direct ingress)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default="auto",
+                    help="every setup's KV cache: the model's dtype (fp32), or bf16 (half the bytes attention "
+                         "reads and pulls move)")
     args = ap.parse_args()
     warn_if_pinned()
     setups = args.setups.split(",")
@@ -214,7 +217,7 @@ def main() -> None:
                     "model": PRESET, "hops": {}, "interference": {}}
     try:
         # -- part 1: hops ------------------------------------------------------------------------
-        engine = {"num_threads": 2, "max_num_seqs": 64}
+        engine = {"num_threads": 2, "max_num_seqs": 64, "kv_cache_dtype": args.kv_cache_dtype}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
 
         def colocated_app(threads: int) -> ServeConfig:  # one replica on both cores, `threads` engine threads
@@ -224,7 +227,7 @@ def main() -> None:
         colocated, colocated_hops = colocated_app(2), colocated_app(args.engine_threads)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
-        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, warmup)
+        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, args.kv_cache_dtype, warmup)
                                     for c, reqs in requests_by_c.items()},
                 "handle": lambda: {c: handle_run(colocated_hops, reqs, c, warmup) for c, reqs in requests_by_c.items()},
                 "colocated": lambda: served_runs(colocated_hops, requests_by_c, builder, warmup),
