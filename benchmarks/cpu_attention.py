@@ -1,15 +1,16 @@
 """Paged decode attention on one CPU thread, read cold: this tree's kernel against the kernel of an
 earlier revision, each on a KV cache in 4 KiB pages (`torch.zeros`, as the engine's `KVCache`)
-and in 2 MiB pages (`madvise`), interleaved call by call in one run.
+and in 2 MiB pages (`madvise`), and on a bf16 cache in 4 KiB pages (`kv_cache_dtype: bfloat16`,
+for the kernels that read one), interleaved call by call in one run.
 
     python benchmarks/cpu_attention.py [--against HEAD] [--contexts 200,1500,3000] [--batches 1,4]
 
 The serving model's attention shape (8 query heads, 4 KV heads, head dim 64, 16-token blocks,
-fp32): 1 KiB of K and 1 KiB of V per token and layer. K and V are 256 MiB each, every call gets
+fp32): 1 KiB of K and 1 KiB of V per token and layer (half that in bf16). K and V are 256 MiB each, every call gets
 fresh random block tables and a 256 MiB write in between flushes the last-level cache, so the
 blocks come from memory as in a serving decode step (whose weights alone exceed the cache).
 The limit beside them: the same number of bytes read by `torch.sum` over one contiguous run.
-Prints a markdown table (median ms per call, and the KV bytes over that time) and one JSON line.
+Prints a markdown table (median ms per call, and the KV bytes read over that time) and one JSON line.
 """
 
 from __future__ import annotations
@@ -43,25 +44,32 @@ def on_huge_pages(shape: tuple[int, ...]) -> torch.Tensor:
     return raw[start:start + nbytes].view(torch.float32).view(shape)
 
 
-def earlier_kernel(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """The kernel library built from `rev`'s source, with the flags this tree builds with."""
+def reads_bf16(source: str) -> bool:
+    """Whether a revision's attention entry point takes the cache's dtype (`kv_bf16`, 9490f19 on)."""
+    return "const void *v_cache, int kv_bf16" in source
+
+
+def earlier_kernel(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
+    """The kernel library built from `rev`'s source, with the flags this tree builds with, and
+    whether its attention entry point takes the cache's dtype."""
     source = out_dir / "cpu_kernels.c"
-    source.write_text(subprocess.run(["git", "show", f"{rev}:platform/engine/kernels/cpu_kernels.c"],
-                                     capture_output=True, text=True, check=True,
-                                     cwd=Path(__file__).resolve().parent).stdout)
+    text = subprocess.run(["git", "show", f"{rev}:platform/engine/kernels/cpu_kernels.c"], capture_output=True,
+                          text=True, check=True, cwd=Path(__file__).resolve().parent).stdout
+    source.write_text(text)
     lib = out_dir / "cpu_kernels.so"
     compiler = cpu_kernels._compiler()
     if compiler is None:
         raise SystemExit("no C compiler (cc, gcc or clang) found: install gcc to build the kernels")
     subprocess.run([compiler, *cpu_kernels._FLAGS, str(source), "-o", str(lib), "-lm"], check=True)
-    dll = ctypes.CDLL(str(lib))
+    dll, bf16 = ctypes.CDLL(str(lib)), reads_bf16(text)
     restype, argtypes = cpu_kernels._SIGNATURES["pdserve_paged_decode_attention_f32"]
     dll.pdserve_paged_decode_attention_f32.restype = restype
-    dll.pdserve_paged_decode_attention_f32.argtypes = argtypes
-    return dll
+    dll.pdserve_paged_decode_attention_f32.argtypes = argtypes if bf16 else argtypes[:5] + argtypes[6:]
+    return dll, bf16
 
 
-def attention_call(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, batch: int, context: int):
+def attention_call(lib: ctypes.CDLL, lib_reads_bf16: bool, k: torch.Tensor, v: torch.Tensor, batch: int,
+                   context: int):
     """One call's closure over fresh inputs: q, random block tables, every sequence `context` long."""
     width = -(-context // BLOCK)
     tables = torch.randperm(BLOCKS)[:batch * width].view(batch, width).contiguous()
@@ -69,10 +77,12 @@ def attention_call(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, batch: in
     q = torch.randn(batch, HEADS, HEAD_DIM)
     out = torch.empty_like(q)
 
+    dtype_arg = (k.dtype == torch.bfloat16,) if lib_reads_bf16 else ()
+
     def call():
         lib.pdserve_paged_decode_attention_f32(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), tables.data_ptr(), width,
-            lens.data_ptr(), out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, 1)
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), *dtype_arg, tables.data_ptr(),
+            width, lens.data_ptr(), out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, 1)
     return call
 
 
@@ -88,15 +98,16 @@ def main() -> None:
     torch.manual_seed(0)
 
     small = (2, BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = {"4k": torch.zeros(small).normal_(), "2m": on_huge_pages(small).normal_()}
+    caches = {"4k": torch.zeros(small).normal_(), "2m": on_huge_pages(small).normal_(),
+              "4k bf16": torch.zeros(small, dtype=torch.bfloat16).normal_()}
     flush = torch.zeros(64 << 20)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"this tree": cpu_kernels.load(), args.against: earlier_kernel(args.against, Path(tmp))}
-        variants = [(name, pages) for name in libs for pages in caches]
+        libs = {"this tree": (cpu_kernels.load(), True), args.against: earlier_kernel(args.against, Path(tmp))}
+        variants = [(name, pages) for name in libs for pages in caches if libs[name][1] or "bf16" not in pages]
         rows = []
         for context in map(int, args.contexts.split(",")):
             for batch in map(int, args.batches.split(",")):
-                kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+                kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 4  # fp32; bf16 reads half
                 line = caches["4k"].view(-1)[:kv_bytes // 4]
                 times = {key: [] for key in [*variants, "sum"]}
                 for _ in range(args.repeats):
@@ -105,7 +116,7 @@ def main() -> None:
                             call = lambda: line.sum()  # noqa: E731
                         else:
                             cache = caches[key[1]]
-                            call = attention_call(libs[key[0]], cache[0], cache[1], batch, context)
+                            call = attention_call(*libs[key[0]], cache[0], cache[1], batch, context)
                         flush.add_(1.0)
                         t = time.perf_counter()
                         call()
@@ -122,7 +133,8 @@ def main() -> None:
     print("| context | batch | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for r in rows:
-        cells = [f"{r['ms'][n]:.3f} ms ({r['kv_bytes'] / r['ms'][n] / 1e6:.1f} GB/s)" for n in names]
+        cells = [f"{r['ms'][n]:.3f} ms ({r['kv_bytes'] / (2 if 'bf16' in n else 1) / r['ms'][n] / 1e6:.1f} GB/s)"
+                 for n in names]
         print(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " |")
     print()
     print(json.dumps({"bench": "cpu_attention", "against": args.against, "results": rows}))
