@@ -12,7 +12,8 @@ from pdserve.engine.parallel import usable_cpus
 def machine_line() -> str:
     """Host, CPU model, cores (and how many of them this process may use, when fewer), memory, Python."""
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                     if line.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
     cores, usable = os.cpu_count() or 1, usable_cpus()

@@ -88,7 +88,8 @@ def offline_run(model: str, requests, concurrency: int, num_threads: int, kv_cac
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.engine import LLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads, kv_cache_dtype=kv_cache_dtype)))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads,
+                                                   kv_cache_dtype=kv_cache_dtype)))
 
     async def open_stream(i, r, params):
         return await engine.generate(f"b{i}", r.prompt_token_ids, params)

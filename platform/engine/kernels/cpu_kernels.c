@@ -149,7 +149,7 @@ static inline const char *row(const char *cache, const int64_t *table, int64_t t
 typedef struct {
     const char *k, *v;
     const int64_t *table;
-    int64_t len, block_size, block_stride, token_stride, lo, hi;  /* [lo, hi): bytes of a row read */
+    int64_t len, block_size, block_stride, token_stride, lo, hi;  /* strides in bytes; [lo, hi): bytes of a row read */
     int64_t t, off;                                                /* next line: token t (V's from len on) */
     const char *base;                                              /* token t's row */
 } kv_lines;
@@ -361,8 +361,8 @@ int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, i
                                        int64_t block_size, float scale, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    failed = attention_part(q, q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16, block_tables, table_width, seq_lens,
-                            out, batch, num_heads, num_kv_heads, head_dim, block_size, scale);
+    failed = attention_part(q, q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16, block_tables, table_width,
+                            seq_lens, out, batch, num_heads, num_kv_heads, head_dim, block_size, scale);
     return failed;
 }
 

@@ -156,8 +156,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
     failed = load().pdserve_paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.dtype == torch.bfloat16, tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads())
+        k_cache.dtype == torch.bfloat16, tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), batch,
+        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
