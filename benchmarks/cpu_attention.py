@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import json
 import mmap
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from machine import machine_line  # this folder's scripts run with it on sys.path
 from pdserve.engine.kernels import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
@@ -129,7 +129,7 @@ def main() -> None:
     names = list(rows[0]["ms"])
     print(f"command: python benchmarks/cpu_attention.py --against {args.against} --contexts {args.contexts} "
           f"--batches {args.batches} --repeats {args.repeats}")
-    print(f"machine: {platform.machine()}, torch {torch.__version__}, one thread\n")
+    print(f"machine: {machine_line()}, torch {torch.__version__}, one thread\n")
     print("| context | batch | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for r in rows:

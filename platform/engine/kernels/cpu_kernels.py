@@ -126,22 +126,21 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: fp32 on CPU, last dimension dense (each kernel's
-    own layout needs are checked by its caller), and the library built. (Called several times
-    per layer and step: kept to plain checks.)"""
+def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether the kernels take these tensors: of `dtypes` (fp32) on CPU, last dimension dense
+    (each kernel's own layout needs are checked by its caller), and the library built. (Called
+    several times per layer and step: kept to plain checks.)"""
     if not enabled():
         return False
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+        if t.dtype not in dtypes or t.device.type != "cpu" or t.stride(-1) != 1:
             return False
     return load() is not None
 
 
 def usable_cache(cache: torch.Tensor) -> bool:
-    """Whether the kernels read this KV cache: dense, on CPU, fp32 or bf16, and the library built."""
-    return (cache.dtype in (torch.float32, torch.bfloat16) and cache.device.type == "cpu" and cache.is_contiguous()
-            and enabled() and load() is not None)
+    """Whether the kernels read this KV cache: dense, fp32 or bf16 (`usable`'s other checks)."""
+    return cache.is_contiguous() and usable(cache, dtypes=(torch.float32, torch.bfloat16))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
