@@ -1,7 +1,8 @@
-"""The linear layers' matmul on CPU: pdserve's packed kernel (`cpu_kernels.linear`) against
-oneDNN's packed matmul (what the engine used before) and MKL's `F.linear` on the plain weight, on
-the benchmark model's shapes, at the row counts a decode step (1-64) and a prefill chunk (256-2048)
-bring. All three in the same run, interleaved per shape.
+"""The linear layers' matmul on CPU: pdserve's packed kernel (`cpu_kernels.linear`), on fp32 panels
+and on bf16 ones (`weight_dtype: bfloat16`), against oneDNN's packed matmul (what the engine used
+before) and MKL's `F.linear` on the plain weight, on the benchmark model's shapes, at the row
+counts a decode step (1-64) and a prefill chunk (256-2048) bring. All four in the same run,
+interleaved per shape.
 
     python benchmarks/cpu_linear.py [--rows 1,4,16,64,256,2048]
 
@@ -39,12 +40,13 @@ def median_seconds(f, repeats: int) -> float:
 
 
 def measure(rows: int, repeats: int) -> dict:
-    step = {"pdserve": 0.0, "onednn": 0.0, "mkl": 0.0}
+    step = {"pdserve": 0.0, "pdserve bf16": 0.0, "onednn": 0.0, "mkl": 0.0}
     per_shape = []
     for (n, k), count in SHAPES:
-        copies = max(1, 64_000_000 // (n * k * 4)) if rows <= 16 else 1  # > L3 (32 MiB) when streaming
+        copies = max(2, 128_000_000 // (n * k * 4)) if rows <= 16 else 1  # > L3 (32 MiB) in bf16 too
         ws = [torch.randn(n, k) for _ in range(copies)]
         packed = [cpu_kernels.pack_linear(w) for w in ws]
+        packed_bf16 = [cpu_kernels.pack_linear(w, dtype=torch.bfloat16) for w in ws]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws]
         x = torch.randn(rows, k)
         torch.testing.assert_close(cpu_kernels.linear(x, packed[0], n, None), F.linear(x, ws[0]),
@@ -59,6 +61,7 @@ def measure(rows: int, repeats: int) -> dict:
 
         times = {
             "pdserve": median_seconds(cycling(lambda p: cpu_kernels.linear(x, p, n, None), packed), repeats),
+            "pdserve bf16": median_seconds(cycling(lambda p: cpu_kernels.linear(x, p, n, None), packed_bf16), repeats),
             "onednn": median_seconds(cycling(lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
                                         onednn), repeats),
             "mkl": median_seconds(cycling(lambda w: F.linear(x, w), ws), repeats),
@@ -78,11 +81,12 @@ def main() -> None:
         raise SystemExit("needs pdserve's C kernels (a C compiler) and torch with oneDNN")
     results = [measure(int(r), args.repeats) for r in args.rows.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    print("| rows | pdserve ms/step | oneDNN ms/step | MKL ms/step | oneDNN / pdserve |\n|---|---|---|---|---|")
+    print("| rows | pdserve ms/step | pdserve bf16 ms/step | oneDNN ms/step | MKL ms/step | oneDNN / pdserve | "
+          "fp32 / bf16 panels |\n|---|---|---|---|---|---|---|")
     for r in results:
         t = r["step_ms"]
-        print(f"| {r['rows']} | {t['pdserve']:.2f} | {t['onednn']:.2f} | {t['mkl']:.2f} | "
-              f"{t['onednn'] / t['pdserve']:.2f}x |")
+        print(f"| {r['rows']} | {t['pdserve']:.2f} | {t['pdserve bf16']:.2f} | {t['onednn']:.2f} | {t['mkl']:.2f} | "
+              f"{t['onednn'] / t['pdserve']:.2f}x | {t['pdserve'] / t['pdserve bf16']:.2f}x |")
     print(json.dumps({"bench": "cpu_linear", "results": results}))
 
 

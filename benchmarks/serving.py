@@ -79,17 +79,16 @@ async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, fl
     return records, time.perf_counter() - start
 
 
-def offline_run(model: str, requests, concurrency: int, num_threads: int, kv_cache_dtype: str, warmup) -> dict:
+def offline_run(model: str, requests, concurrency: int, num_threads: int, dtypes: dict, warmup) -> dict:
     """The baseline: the same requests as engine streams in this process (after `warmup`, as the
-    served setups)."""
+    served setups). `dtypes`: the engine's kv_cache_dtype and weight_dtype."""
     from pdserve.bench.metrics import compute_metrics
     from pdserve.bench.runner import run_on_client_loop
     from pdserve.config import EngineConfig
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.engine import LLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads,
-                                                   kv_cache_dtype=kv_cache_dtype)))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads, **dtypes)))
 
     async def open_stream(i, r, params):
         return await engine.generate(f"b{i}", r.prompt_token_ids, params)
@@ -181,6 +180,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default="auto",
                     help="every setup's KV cache: the model's dtype (fp32), or bf16 (half the bytes attention "
                          "reads and pulls move)")
+    ap.add_argument("--weight-dtype", choices=("auto", "bfloat16"), default="auto",
+                    help="every setup's weight matrices: the model's dtype (fp32), or weight-only bf16 (half the "
+                         "bytes a decode step streams)")
     args = ap.parse_args()
     warn_if_pinned()
     setups = args.setups.split(",")
@@ -218,7 +220,8 @@ def main() -> None:
                     "model": PRESET, "hops": {}, "interference": {}}
     try:
         # -- part 1: hops ------------------------------------------------------------------------
-        engine = {"num_threads": 2, "max_num_seqs": 64, "kv_cache_dtype": args.kv_cache_dtype}
+        dtypes = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype}
+        engine = {"num_threads": 2, "max_num_seqs": 64, **dtypes}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
 
         def colocated_app(threads: int) -> ServeConfig:  # one replica on both cores, `threads` engine threads
@@ -228,7 +231,7 @@ def main() -> None:
         colocated, colocated_hops = colocated_app(2), colocated_app(args.engine_threads)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
-        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, args.kv_cache_dtype, warmup)
+        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, dtypes, warmup)
                                     for c, reqs in requests_by_c.items()},
                 "handle": lambda: {c: handle_run(colocated_hops, reqs, c, warmup) for c, reqs in requests_by_c.items()},
                 "colocated": lambda: served_runs(colocated_hops, requests_by_c, builder, warmup),

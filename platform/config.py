@@ -29,6 +29,10 @@ class EngineConfig(BaseModel):
         "auto", description="dtype the KV cache holds; 'auto' takes the model's. bfloat16 under an fp32 model "
                             "halves the bytes attention reads and KV transfers move (K and V rounded once, when "
                             "written); prefill and decode pools must agree.")
+    weight_dtype: Literal["auto", "bfloat16"] = Field(
+        "auto", description="dtype the weight matrices are stored in; 'auto' keeps the model's. bfloat16 under an "
+                            "fp32 model is weight-only bf16: the matrices are rounded once at load, activations "
+                            "and sums stay fp32; on the CPU kernels it halves the bytes a decode step streams.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV-cache blocks to allocate; overrides kv_cache_memory_bytes when set.")
     kv_cache_memory_bytes: int = Field(

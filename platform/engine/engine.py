@@ -72,7 +72,8 @@ def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[t
     """This rank's model shard and KV cache (its KV heads; the same number of blocks on every rank)."""
     torch.set_num_threads(torch_threads_per_rank(config))
     dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-    model, arch = load_model(config.model, dtype, config.device, config.max_model_len, parallel)
+    weight_dtype = None if config.weight_dtype == "auto" else parse_dtype(config.weight_dtype)
+    model, arch = load_model(config.model, dtype, config.device, config.max_model_len, parallel, weight_dtype)
     if (config.max_model_len or arch.context_len) > arch.context_len:
         raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's context length "
                              f"{arch.context_len}")

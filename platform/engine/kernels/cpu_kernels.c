@@ -14,7 +14,8 @@
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim]   dense (one layer's K half)
  *   v_cache      same as k_cache
  * The caches hold fp32, or bf16 (`kv_bf16`: the upper half of an fp32, rounded to nearest even as
- * torch rounds), which halves the bytes attention reads; everything else is fp32.
+ * torch rounds), which halves the bytes attention reads. A packed weight's panels likewise hold
+ * fp32 or bf16 (`wbf16`, weight-only bf16); activations and sums are fp32 throughout.
  *   block_tables [batch, table_width] int64, dense
  *   seq_lens     [batch] int64
  *   out          [batch, num_heads, head_dim]       dense
@@ -461,6 +462,8 @@ void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_di
 
 #define PANEL 16
 
+
+
 /* Ask the kernel for 2 MiB pages under `bytes` at p (the whole 2 MiB pages inside it), before
  * anything touches them. With 4 KiB pages a GEMV takes a TLB miss every 4 KiB and the hardware
  * prefetcher restarts at each page boundary; this machine class has transparent huge pages only
@@ -476,15 +479,23 @@ void pdserve_want_huge_pages(void *p, int64_t bytes) {
 #endif
 }
 
-void pdserve_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed, int num_threads) {
+/* Pack an fp32 [n, k] weight into column panels [ceil(n / 16), k, 16], zero-padded: fp32, or with
+ * `bf16` rounded to bf16 (nearest even, as torch rounds), which halves the bytes a matmul streams. */
+void pdserve_pack_linear_f32(const float *w, int64_t n, int64_t k, void *packed, int bf16, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    pdserve_want_huge_pages(packed, sizeof(float) * panels * PANEL * k);
+    pdserve_want_huge_pages(packed, (bf16 ? 2 : 4) * panels * PANEL * k);
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t p = 0; p < panels; ++p) {
-        float *dst = packed + p * k * PANEL;
         for (int64_t j = 0; j < PANEL; ++j) {
             const int64_t col = p * PANEL + j;
-            for (int64_t i = 0; i < k; ++i) dst[i * PANEL + j] = col < n ? w[col * k + i] : 0.0f;
+            for (int64_t i = 0; i < k; ++i) {
+                const float v = col < n ? w[col * k + i] : 0.0f;
+                const int64_t at = p * k * PANEL + i * PANEL + j;
+                if (bf16)
+                    ((uint16_t *)packed)[at] = float_to_bf16(v);
+                else
+                    ((float *)packed)[at] = v;
+            }
         }
     }
 }
@@ -494,7 +505,28 @@ static inline void store_row(float *out, const float *vals, int64_t cols, const 
     for (int64_t j = 0; j < cols; ++j) out[j] = vals[j] + (bias != NULL ? bias[j] : 0.0f);
 }
 
+/* A packed panel's row i (16 columns) holds fp32, or bf16 with `wbf16` (widened exactly to fp32,
+ * so a bf16 panel's product is the fp32 product over the rounded weights, bit for bit). Every
+ * function taking `wbf16` is inlined into callers that pass a constant, so each kind of panel
+ * gets its own loops. */
+/* Ask for the panel's bytes PANEL_AHEAD_BYTES ahead of row i (into the next panels: a matmul reads
+ * its panels in order). The hardware prefetcher alone kept a tile of 8 rows waiting on its weights
+ * (a one-thread decode step of 8 sequences took 1.5x as long; 12 KiB ahead measured best of
+ * 1.5-24 KiB, fp32 and bf16 alike; benchmarks/RESULTS.md). */
+#define PANEL_AHEAD_BYTES 12288
+static inline __attribute__((always_inline)) void panel_prefetch(const void *panel, int64_t i, int wbf16) {
+    __builtin_prefetch((const char *)panel + i * PANEL * (wbf16 ? 2 : 4) + PANEL_AHEAD_BYTES, 0, 3);
+}
+
+static inline __attribute__((always_inline)) float panel_at(const void *panel, int64_t i, int wbf16) {
+    return wbf16 ? bf16_to_float(((const uint16_t *)panel)[i]) : ((const float *)panel)[i];
+}
+
 #ifdef HAVE_AVX2
+static inline __attribute__((always_inline)) __m256 panel_load8(const void *panel, int64_t i, int wbf16) {
+    return kv_load8((const char *)panel + i * (wbf16 ? 2 : 4), wbf16);
+}
+
 /* store_row for a result row held in two registers; whole panels store straight from them. */
 static inline void store_16(float *out, __m256 lo, __m256 hi, int64_t cols, const float *bias) {
     if (cols < PANEL) {
@@ -515,7 +547,7 @@ static inline void store_16(float *out, __m256 lo, __m256 hi, int64_t cols, cons
 /* Rows [0, MR) of x (row stride ldx) times one panel -> out rows (stride ldo), `cols` columns. */
 #define LINEAR_TILE(MR)                                                                               \
     static inline __attribute__((always_inline)) void linear_tile_##MR(                             \
-        const float *x, int64_t ldx, const float *panel, int64_t k, float *out, int64_t ldo,         \
+        const float *x, int64_t ldx, const void *panel, int wbf16, int64_t k, float *out, int64_t ldo, \
         int64_t cols, const float *bias) {                                                           \
         /* Every loop over r is unrolled, so the accumulators live in registers (a loop left     \
          * rolled makes GCC keep them in memory and store them on every k: half the speed). */  \
@@ -525,7 +557,8 @@ static inline void store_16(float *out, __m256 lo, __m256 hi, int64_t cols, cons
             hi[r] = _mm256_setzero_ps();                                                             \
         }                                                                                            \
         for (int64_t i = 0; i < k; ++i) {                                                            \
-            const __m256 w0 = _mm256_loadu_ps(panel + i * PANEL), w1 = _mm256_loadu_ps(panel + i * PANEL + 8); \
+            panel_prefetch(panel, i, wbf16);                                                         \
+            const __m256 w0 = panel_load8(panel, i * PANEL, wbf16), w1 = panel_load8(panel, i * PANEL + 8, wbf16); \
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {                                  \
                 const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);                              \
                 lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);                                              \
@@ -545,6 +578,12 @@ LINEAR_TILE(1)
 #define HAVE_AVX512 1
 /* The same tiles with a whole panel in one 512-bit register: one FMA per row and k instead of
  * two, and 32 registers, so a tile takes up to 12 rows (16 measured slower). */
+static inline __attribute__((always_inline)) __m512 panel_load16(const void *panel, int64_t i, int wbf16) {
+    if (!wbf16) return _mm512_loadu_ps((const float *)panel + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 static inline void store_16z(float *out, __m512 v, int64_t cols, const float *bias) {
     const __mmask16 mask = cols < PANEL ? (__mmask16)((1u << cols) - 1) : (__mmask16)0xffff;
     if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
@@ -553,12 +592,13 @@ static inline void store_16z(float *out, __m512 v, int64_t cols, const float *bi
 
 #define LINEAR_ZTILE(MR)                                                                              \
     static inline __attribute__((always_inline)) void linear_ztile_##MR(                            \
-        const float *x, int64_t ldx, const float *panel, int64_t k, float *out, int64_t ldo,         \
+        const float *x, int64_t ldx, const void *panel, int wbf16, int64_t k, float *out, int64_t ldo, \
         int64_t cols, const float *bias) {                                                           \
         __m512 acc[MR];                                                                              \
         _Pragma("GCC unroll 12") for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();         \
         for (int64_t i = 0; i < k; ++i) {                                                            \
-            const __m512 w = _mm512_loadu_ps(panel + i * PANEL);                                     \
+            panel_prefetch(panel, i, wbf16);                                                         \
+            const __m512 w = panel_load16(panel, i * PANEL, wbf16);                                  \
             _Pragma("GCC unroll 12") for (int r = 0; r < MR; ++r)                                   \
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), w, acc[r]);                 \
         }                                                                                            \
@@ -569,22 +609,23 @@ LINEAR_ZTILE(6) LINEAR_ZTILE(5) LINEAR_ZTILE(4) LINEAR_ZTILE(3) LINEAR_ZTILE(2) 
 #endif
 
 /* One row of x: two k at a time, four independent FMA chains (memory-bound: keep loads in flight). */
-static void linear_row(const float *x, const float *panel, int64_t k, float *out, int64_t cols,
-                       const float *bias) {
+static inline __attribute__((always_inline)) void linear_row(const float *x, const void *panel, int wbf16,
+                                                           int64_t k, float *out, int64_t cols, const float *bias) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     int64_t i = 0;
     for (; i + 2 <= k; i += 2) {
         const __m256 x0 = _mm256_broadcast_ss(x + i), x1 = _mm256_broadcast_ss(x + i + 1);
-        const float *w = panel + i * PANEL;
-        a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w), a0);
-        a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + 8), a1);
-        b0 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + 16), b0);
-        b1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + 24), b1);
+        panel_prefetch(panel, i, wbf16);
+        if (!wbf16) panel_prefetch(panel, i + 1, wbf16);  /* two rows: two lines of fp32, one of bf16 */
+        a0 = _mm256_fmadd_ps(x0, panel_load8(panel, i * PANEL, wbf16), a0);
+        a1 = _mm256_fmadd_ps(x0, panel_load8(panel, i * PANEL + 8, wbf16), a1);
+        b0 = _mm256_fmadd_ps(x1, panel_load8(panel, i * PANEL + 16, wbf16), b0);
+        b1 = _mm256_fmadd_ps(x1, panel_load8(panel, i * PANEL + 24, wbf16), b1);
     }
     if (i < k) {
         const __m256 x0 = _mm256_broadcast_ss(x + i);
-        a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + i * PANEL), a0);
-        a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + i * PANEL + 8), a1);
+        a0 = _mm256_fmadd_ps(x0, panel_load8(panel, i * PANEL, wbf16), a0);
+        a1 = _mm256_fmadd_ps(x0, panel_load8(panel, i * PANEL + 8, wbf16), a1);
     }
     store_16(out, _mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), cols, bias);
 }
@@ -592,14 +633,15 @@ static void linear_row(const float *x, const float *panel, int64_t k, float *out
 
 #ifndef HAVE_AVX2
 /* Plain C for CPUs without AVX2/FMA (the compiler vectorises the inner loop). */
-static void linear_rows_portable(const float *x, int64_t rows, int64_t k, const float *panel, float *out,
-                                 int64_t ldo, int64_t cols, const float *bias) {
+static inline __attribute__((always_inline)) void linear_rows_portable(const float *x, int64_t rows, int64_t k,
+                                                                      const void *panel, int wbf16, float *out,
+                                                                      int64_t ldo, int64_t cols, const float *bias) {
     for (int64_t r = 0; r < rows; ++r) {
         float vals[PANEL] = {0};
         for (int64_t i = 0; i < k; ++i) {
             const float xv = x[r * k + i];
 #pragma omp simd
-            for (int j = 0; j < PANEL; ++j) vals[j] += xv * panel[i * PANEL + j];
+            for (int j = 0; j < PANEL; ++j) vals[j] += xv * panel_at(panel, i * PANEL + j, wbf16);
         }
         store_row(out + r * ldo, vals, cols, bias);
     }
@@ -611,8 +653,9 @@ static void linear_rows_portable(const float *x, int64_t rows, int64_t k, const 
  * tiles as fit the registers (with AVX-512 a decode batch of up to 12 rows is one tile; with AVX2,
  * 3 or 5 rows no longer run as 2 + 1 or 4 + 1). Every tile adds a row's products in the same
  * order, so how a batch is tiled does not change a row's result. */
-static void linear_tiles(const float *x, int64_t m, int64_t k, const float *panel, float *out, int64_t ldo,
-                         int64_t cols, const float *bias) {
+static inline __attribute__((always_inline)) void linear_tiles(const float *x, int64_t m, int64_t k,
+                                                              const void *panel, int wbf16, float *out, int64_t ldo,
+                                                              int64_t cols, const float *bias) {
 #if defined(HAVE_AVX512)
     /* ceil(m / 12) tiles, as even as they can be: a tile of 2 to 6 rows measured as slow as one
      * of 6 (the FMAs' latency), and from 8 rows on a tile runs at the FMAs' rate. */
@@ -620,10 +663,10 @@ static void linear_tiles(const float *x, int64_t m, int64_t k, const float *pane
         const int64_t left = m - r, tiles = (left + 11) / 12, rows = (left + tiles - 1) / tiles;
         const float *xr = x + r * k;
         float *o = out + r * ldo;
-#define ZTILE(MR) case MR: linear_ztile_##MR(xr, k, panel, k, o, ldo, cols, bias); break;
+#define ZTILE(MR) case MR: linear_ztile_##MR(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
         switch (rows) {
         ZTILE(12) ZTILE(11) ZTILE(10) ZTILE(9) ZTILE(8) ZTILE(7) ZTILE(6) ZTILE(5) ZTILE(4) ZTILE(3) ZTILE(2)
-        default: linear_ztile_1(xr, k, panel, k, o, ldo, cols, bias); break;
+        default: linear_ztile_1(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
         }
 #undef ZTILE
         r += rows;
@@ -634,16 +677,16 @@ static void linear_tiles(const float *x, int64_t m, int64_t k, const float *pane
         const float *xr = x + r * k;
         float *o = out + r * ldo;
         switch (m - r < 6 ? m - r : 6) {
-        case 6: linear_tile_6(xr, k, panel, k, o, ldo, cols, bias); break;
-        case 5: linear_tile_5(xr, k, panel, k, o, ldo, cols, bias); break;
-        case 4: linear_tile_4(xr, k, panel, k, o, ldo, cols, bias); break;
-        case 3: linear_tile_3(xr, k, panel, k, o, ldo, cols, bias); break;
-        case 2: linear_tile_2(xr, k, panel, k, o, ldo, cols, bias); break;
-        default: linear_tile_1(xr, k, panel, k, o, ldo, cols, bias); break;
+        case 6: linear_tile_6(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
+        case 5: linear_tile_5(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
+        case 4: linear_tile_4(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
+        case 3: linear_tile_3(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
+        case 2: linear_tile_2(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
+        default: linear_tile_1(xr, k, panel, wbf16, k, o, ldo, cols, bias); break;
         }
     }
 #else
-    linear_rows_portable(x, m, k, panel, out, ldo, cols, bias);
+    linear_rows_portable(x, m, k, panel, wbf16, out, ldo, cols, bias);
 #endif
 }
 
@@ -660,9 +703,42 @@ static void part_panels(int64_t m, int64_t k, int64_t n, int t, int nt, int64_t 
     *p1 = panels * (t + 1) / nt;
 }
 
+/* Rows [0, m) of x (row stride k) times panels [p0, p1) of a packed weight of n columns -> out
+ * (row stride ldo) from panel p0's columns on, + bias (from column 0). One row alone goes through
+ * linear_row; `whole_m` is the product's row count (a block of one row of a larger product stays in
+ * a tile, so a row's result does not depend on its batch). */
+static inline __attribute__((always_inline)) void panels_product(const float *x, int64_t m, int64_t whole_m,
+                                                                int64_t k, const void *packed, int wbf16,
+                                                                int64_t p0, int64_t p1, int64_t n,
+                                                                const float *bias, float *out, int64_t ldo) {
+    for (int64_t q = p0; q < p1; ++q) {
+        const void *panel = (const char *)packed + q * k * PANEL * (wbf16 ? 2 : 4);
+        const int64_t c = q * PANEL, cols = n - c < PANEL ? n - c : PANEL;
+        const float *b = bias != NULL ? bias + c : NULL;
+        float *o = out + (q - p0) * PANEL;
+#ifdef HAVE_AVX2
+        if (whole_m == 1) {
+            linear_row(x, panel, wbf16, k, o, cols, b);
+            continue;
+        }
+#endif
+        (void)whole_m;
+        linear_tiles(x, m, k, panel, wbf16, o, ldo, cols, b);
+    }
+}
+
+/* panels_product for each kind of panel. */
+static void panels_product_any(const float *x, int64_t m, int64_t whole_m, int64_t k, const void *packed, int wbf16,
+                               int64_t p0, int64_t p1, int64_t n, const float *bias, float *out, int64_t ldo) {
+    if (wbf16)
+        panels_product(x, m, whole_m, k, packed, 1, p0, p1, n, bias, out, ldo);
+    else
+        panels_product(x, m, whole_m, k, packed, 0, p0, p1, n, bias, out, ldo);
+}
+
 /* Thread t of nt's part of out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]): its share of the panels. */
-static void linear_part(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                        float *out, int t, int nt) {
+static void linear_part(const float *x, int64_t m, int64_t k, const void *packed, int wbf16, int64_t n,
+                        const float *bias, float *out, int t, int nt) {
     /* Rows per block: x's block (block * k floats) takes half of a 512 KiB L2; a multiple of 12
      * (whole tiles of 6 or 12 rows). */
     int64_t block = (64 * 1024) / (k > 0 ? k : 1);
@@ -671,34 +747,25 @@ static void linear_part(const float *x, int64_t m, int64_t k, const float *packe
     part_panels(m, k, n, t, nt, &p0, &p1);
     for (int64_t m0 = 0; m0 < m; m0 += block) {
         const int64_t m1 = m0 + block < m ? m0 + block : m;
-        for (int64_t p = p0; p < p1; ++p) {
-            const float *panel = packed + p * k * PANEL;
-            const int64_t c = p * PANEL, cols = n - c < PANEL ? n - c : PANEL;
-            const float *b = bias != NULL ? bias + c : NULL;
-#ifdef HAVE_AVX2
-            if (m == 1) {
-                linear_row(x, panel, k, out + c, cols, b);
-                continue;
-            }
-#endif
-            linear_tiles(x + m0 * k, m1 - m0, k, panel, out + m0 * n + c, n, cols, b);
-        }
+        panels_product_any(x + m0 * k, m1 - m0, m, k, packed, wbf16, p0, p1, n, bias, out + m0 * n + p0 * PANEL, n);
     }
 }
 
-/* out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]), W packed by pdserve_pack_linear_f32. */
-void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                        float *out, int num_threads) {
+/* out [m, n] = x [m, k] (dense) @ W^T (+ bias [n]), W packed by pdserve_pack_linear_f32 (bf16
+ * panels with `wbf16`). */
+void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const void *packed, int wbf16, int64_t n,
+                        const float *bias, float *out, int num_threads) {
     if (m * n * k < (1 << 16)) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
-    linear_part(x, m, k, packed, n, bias, out, omp_get_thread_num(), omp_get_num_threads());
+    linear_part(x, m, k, packed, wbf16, n, bias, out, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* -- A whole decode step in one call, on threads that never wait for a descheduled one ------------
  * Called one by one from Python, a layer's eleven kernels pay for module calls, views, checks and
  * ctypes between them. For a dense Llama-family model in fp32 with every linear packed for
- * pdserve_linear_f32, a decode-only step (one new token per sequence, every row sampled) runs
- * here from token ids to logits, with the same row functions and matmul tiles as those kernels:
+ * pdserve_linear_f32 (fp32 or bf16 panels, all alike), a decode-only step (one new token per
+ * sequence, every row sampled) runs here from token ids to logits, with the same row functions and
+ * matmul tiles as those kernels:
  *   h = embedding[id]; per layer:
  *     x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
  *     h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
@@ -730,7 +797,9 @@ void pdserve_linear_f32(const float *x, int64_t m, int64_t k, const float *packe
 
 typedef struct {
     const float *input_norm, *post_norm;                  /* [hidden] */
-    const float *qkv, *qkv_bias, *o, *gate_up, *down;     /* packed (pdserve_pack_linear_f32); bias may be NULL */
+    const void *qkv;                                      /* packed (pdserve_pack_linear_f32), as o to down */
+    const float *qkv_bias;                                /* may be NULL */
+    const void *o, *gate_up, *down;
     void *k_cache, *v_cache;                              /* [num_blocks, block_size, kv_heads, head_dim], dense */
 } pdserve_decoder_layer;
 
@@ -738,6 +807,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, vocab;
     int64_t num_blocks, max_position;  /* the KV cache's blocks; the rotary table's rows */
     int64_t kv_bf16;                   /* the cache holds bf16 (else fp32) */
+    int64_t weight_bf16;               /* the packed weights hold bf16 (else fp32) */
     float eps, scale;
 } pdserve_decoder_shape;
 
@@ -747,7 +817,7 @@ typedef struct {
     const float *embedding;   /* [vocab rows, hidden], dense */
     const float *cos_sin;     /* [max_position, 2, head_dim / 2]: the rotary table */
     const float *final_norm;  /* [hidden] */
-    const float *lm_head;     /* packed, `vocab` output columns */
+    const void *lm_head;      /* packed, `vocab` output columns */
 } pdserve_decoder_model;
 
 #define SPIN_NS 50000                  /* a helper spins this long after a step before it sleeps */
@@ -849,7 +919,7 @@ static void stat_add(pdserve_decoder *d, int which) { atomic_fetch_add_explicit(
 
 /* -- Shapes of the work ----------------------------------------------------------------------- */
 static int64_t panels_per_item(const pdserve_decoder *d, int64_t k) {
-    const int64_t p = d->item_bytes / (k * PANEL * (int64_t)sizeof(float));
+    const int64_t p = d->item_bytes / (k * PANEL * (d->s.weight_bf16 ? 2 : 4));
     return p > 0 ? p : 1;
 }
 
@@ -858,7 +928,7 @@ static int64_t matmul_items(const pdserve_decoder *d, int64_t n, int64_t k) {
     return (panels + per - 1) / per;
 }
 
-typedef struct { const float *x; int64_t k; const float *w; int64_t n; const float *bias; float *out; } matmul;
+typedef struct { const float *x; int64_t k; const void *w; int64_t n; const float *bias; float *out; } matmul;
 
 static matmul matmul_of(const pdserve_decoder *d, const step_params *p, int kind, int64_t layer) {
     const pdserve_decoder_shape *s = &d->s;
@@ -959,19 +1029,7 @@ static void compute_item(const pdserve_decoder *d, worker *w, const step_params 
         const matmul mm = matmul_of(d, p, f->kind, f->layer);
         const int64_t per = panels_per_item(d, mm.k), ld = per * PANEL, panels = (mm.n + PANEL - 1) / PANEL;
         const int64_t p0 = i * per, p1 = p0 + per < panels ? p0 + per : panels, m = p->m;
-        for (int64_t q = p0; q < p1; ++q) {
-            const float *panel = mm.w + q * mm.k * PANEL;
-            const int64_t c = q * PANEL, cols = mm.n - c < PANEL ? mm.n - c : PANEL;
-            const float *bias = mm.bias != NULL ? mm.bias + c : NULL;
-            float *out = t->tile + (q - p0) * PANEL;
-#ifdef HAVE_AVX2
-            if (m == 1) {
-                linear_row(mm.x, panel, mm.k, out, cols, bias);
-                continue;
-            }
-#endif
-            linear_tiles(mm.x, m, mm.k, panel, out, ld, cols, bias);
-        }
+        panels_product_any(mm.x, m, m, mm.k, mm.w, (int)s->weight_bf16, p0, p1, mm.n, mm.bias, t->tile, ld);
         if (f->kind == K_LM_HEAD && p->greedy != NULL) {
             const int64_t c0 = p0 * PANEL, cols = (p1 * PANEL < mm.n ? p1 * PANEL : mm.n) - c0;
             for (int64_t r = 0; r < m; ++r) {

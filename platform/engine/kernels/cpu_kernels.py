@@ -3,6 +3,8 @@
 - `paged_decode_attention`: one pass over each sequence's KV blocks (no gather, no padding).
 - `pack_linear` / `linear`: the linear layers' matmul over weights packed in column panels; at
   decode batch sizes it streams the weights faster than oneDNN's or MKL's matmul on these shapes.
+  Panels hold fp32, or bf16 (weight-only bf16: rounded once when packed, widened exactly in
+  registers, products and sums in fp32), which halves the bytes a decode step streams.
 - `DecoderModel.decode_step`: a decode-only step of a dense Llama-family model in one call, token
   ids to logits, over the same kernels (at batch 1 the Python between them had cost ~3 ms of a
   ~12 ms step), on threads of its own that share the work without waiting for one another, so a
@@ -189,23 +191,31 @@ def rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def packed_floats(out_features: int, in_features: int) -> int:
-    """Floats `pack_linear` writes for an `[out, in]` weight."""
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what a packed weight's panels may hold
+
+
+def packed_elements(out_features: int, in_features: int) -> int:
+    """Elements `pack_linear` writes for an `[out, in]` weight."""
     return -(-out_features // PANEL) * PANEL * in_features
 
 
-def pack_linear(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_linear(weight: torch.Tensor, out: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A dense fp32 `[out, in]` weight in `linear`'s layout: column panels `[ceil(out / 16), in, 16]`,
-    zero-padded (flat), on transparent huge pages where the kernel grants them. Written into `out`
-    (flat, `packed_floats` long) when given, else into a buffer of its own."""
+    zero-padded (flat), in `dtype` (fp32, or bf16 rounded to nearest even as torch rounds), on
+    transparent huge pages where the kernel grants them. Written into `out` (flat,
+    `packed_elements` long; its dtype wins) when given, else into a buffer of its own."""
     n, k = weight.shape
     weight = weight.contiguous()
-    packed = torch.empty(packed_floats(n, k), dtype=torch.float32) if out is None else out
-    load().pdserve_pack_linear_f32(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    packed = torch.empty(packed_elements(n, k), dtype=dtype) if out is None else out
+    if packed.dtype not in PACKED_DTYPES:
+        raise ValueError(f"packed weights hold one of {PACKED_DTYPES}, not {packed.dtype}")
+    load().pdserve_pack_linear_f32(weight.data_ptr(), n, k, packed.data_ptr(), packed.dtype == torch.bfloat16,
+                                   torch.get_num_threads())
     return packed
 
 
-def packed_arena(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+def packed_arena(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Buffers for `pack_linear(w, out=...)`, one per `[out, in]` shape, back to back in one
     allocation that starts on a 2 MiB boundary and asks for 2 MiB pages as a whole.
 
@@ -213,22 +223,24 @@ def packed_arena(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
     grants cover only the whole 2 MiB pages inside each (56 of the benchmark model's 152 MiB stayed
     on 4 KiB pages). In one arena, in the order a decode step reads them, its 33 matrices take
     ~1.01x the time of one GEMV over the same bytes, down from ~1.055x (benchmarks/RESULTS.md)."""
-    sizes = [packed_floats(n, k) for n, k in shapes]
-    page = (2 << 20) // 4  # floats in 2 MiB
-    raw = torch.empty(sum(sizes) + page, dtype=torch.float32)
-    start = -(raw.data_ptr() // 4) % page
+    sizes = [packed_elements(n, k) for n, k in shapes]
+    size = torch.empty(0, dtype=dtype).element_size()
+    page = (2 << 20) // size  # elements in 2 MiB
+    raw = torch.empty(sum(sizes) + page, dtype=dtype)
+    start = -(raw.data_ptr() // size) % page
     arena = raw[start:start + sum(sizes)]
-    load().pdserve_want_huge_pages(arena.data_ptr(), arena.numel() * 4)
+    load().pdserve_want_huge_pages(arena.data_ptr(), arena.numel() * size)
     return list(torch.split(arena, sizes))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W^T + bias` for x `[..., in]` and W packed by `pack_linear` -> `[..., out_features]`."""
+    """`x @ W^T + bias` for fp32 x `[..., in]` and W packed by `pack_linear` -> fp32 `[..., out_features]`."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0]:
-        load().pdserve_linear_f32(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), out_features,
+        load().pdserve_linear_f32(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(),
+                                  packed.dtype == torch.bfloat16, out_features,
                                   None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
                                   torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
@@ -242,9 +254,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayerPointers(ctypes.Structure):
-    """`pdserve_decoder_layer`: one layer's weights (norms; linears packed by `pack_linear`) and its
-    K and V caches `[num_blocks, block_size, kv_heads, head_dim]` (fp32, or bf16 where the shape's
-    `kv_bf16` says so), by address."""
+    """`pdserve_decoder_layer`: one layer's weights (norms; linears packed by `pack_linear`, in bf16
+    where the shape's `weight_bf16` says so) and its K and V caches `[num_blocks, block_size,
+    kv_heads, head_dim]` (fp32, or bf16 where the shape's `kv_bf16` says so), by address."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up",
                                                      "down", "k_cache", "v_cache")]
 
@@ -252,7 +264,8 @@ class DecoderLayerPointers(ctypes.Structure):
 class DecoderShape(ctypes.Structure):
     """`pdserve_decoder_shape`."""
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                                    "block_size", "vocab", "num_blocks", "max_position", "kv_bf16")] + [
+                                                    "block_size", "vocab", "num_blocks", "max_position", "kv_bf16",
+                                                    "weight_bf16")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -327,9 +340,9 @@ _SIGNATURES = {
     "pdserve_rms_norm_f32": (None, [_P, _P, _P, _P, _I, _I, _F, _T]),
     "pdserve_silu_mul_f32": (None, [_P, _P, _I, _I, _T]),
     "pdserve_rotary_f32": (None, [_P, _I, _I, _I, _I, _P, _T]),
-    "pdserve_pack_linear_f32": (None, [_P, _I, _I, _P, _T]),
+    "pdserve_pack_linear_f32": (None, [_P, _I, _I, _P, _T, _T]),
     "pdserve_want_huge_pages": (None, [_P, _I]),
-    "pdserve_linear_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _T]),
+    "pdserve_linear_f32": (None, [_P, _I, _I, _P, _T, _I, _P, _P, _T]),
     "pdserve_decoder_new": (_P, [_P, _P, _I]),
     "pdserve_decoder_free": (None, [_P]),
     "pdserve_decoder_step": (ctypes.c_int, [_P, _P, _I, _I, _P, _P, _T]),

@@ -6,7 +6,8 @@ shard_id)` narrows the checkpoint tensor to this rank's part), so tensor paralle
 shapes and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
 Parameters are created empty in the checkpoint's `[out, in]` layout and the loader fills them; then
 `finalize()` packs each weight once for the CPU: for pdserve's C matmul (`cpu_kernels.linear`,
-column panels) in fp32 where the kernels are built, else for oneDNN's matmul. The C matmul is
+column panels, fp32 or, with `weight_dtype: bfloat16`, bf16) for fp32 models where the kernels
+are built, else for oneDNN's matmul. The C matmul is
 faster than oneDNN at batch-1 decode, where a step streams its weights (the whole decode step
 runs in C there), level with it at a few rows, and behind it on prefill chunks: 0.83x at
 16-2048 rows with AVX-512 on the Zen 5 machines of the 2026-11-24 runs (benchmarks/cpu_linear.py;
@@ -92,6 +93,7 @@ class _Linear(nn.Module):
         self.out_features = self.weight.shape[0]
         if self.packs_for_pdserve:
             self.packed, self.packed_for = cpu_kernels.pack_linear(self.weight.data, packed_out), "pdserve"
+            self.num_weight_bytes = self.weight.numel() * self.packed.element_size()
         else:
             self.packed = _onednn_pack(self.weight.data)
             self.packed_for = "onednn" if self.packed is not None else None

@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _runs_in_c(self) -> bool:
         """Whether `DecoderModel` can run this model: dense MLPs, one rank, fp32 weights with every
-        linear packed for pdserve's C matmul (decided once, after `finalize`)."""
+        linear packed for pdserve's C matmul, all in one dtype (decided once, after `finalize`)."""
         if not hasattr(self, "_all_in_c"):
             def plain(layer: DecoderLayer) -> bool:
                 a, mlp = layer.self_attn, layer.mlp
@@ -166,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
                         and all(lin.packed_for == "pdserve" for lin in linears)
                         and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
             m = self.model
-            self._all_in_c = (self.parallel.size == 1 and self.lm_head.packed_for == "pdserve"
+            packed = {lin.packed.dtype for lin in self.modules()
+                      if isinstance(lin, _Linear) and lin.packed_for == "pdserve"}
+            self._all_in_c = (self.parallel.size == 1 and self.lm_head.packed_for == "pdserve" and len(packed) == 1
                               and cpu_kernels.usable(m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight)
                               and m.embed_tokens.weight.is_contiguous() and m.rotary.cos_sin.is_contiguous()
                               and all(plain(layer) for layer in m.layers))
@@ -191,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
         shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
                                          attn.head_dim, first.mlp.intermediate_size, kv.block_size,
                                          self.lm_head.out_features, kv.num_blocks, m.rotary.cos_sin.shape[0],
-                                         kv.dtype == torch.bfloat16, first.input_layernorm.eps, attn.scale)
+                                         kv.dtype == torch.bfloat16, self.lm_head.packed.dtype == torch.bfloat16,
+                                         first.input_layernorm.eps, attn.scale)
         return cpu_kernels.DecoderModel(pointers, shape, m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight,
                                         self.lm_head.packed, tensors)
 
@@ -202,14 +205,14 @@ class LlamaForCausalLM(nn.Module):
         return total + sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                            if "embed_tokens" not in n)
 
-    def finalize(self) -> None:
+    def finalize(self, packed_dtype: torch.dtype = torch.float32) -> None:
         """After loading: lay weights out for inference (see layers.py). The linears that pack for
-        pdserve's matmul go back to back into one buffer, in the order a decode step reads them
-        (the layers', then the LM head)."""
+        pdserve's matmul go back to back into one buffer of `packed_dtype` (fp32, or bf16 for
+        weight-only bf16), in the order a decode step reads them (the layers', then the LM head)."""
         source = self.model.embed_tokens if self.lm_head is None else self.lm_head
         self.lm_head = LMHead(source.weight.data, self.arch.vocab_size, self.parallel.rank, self.parallel.size)
         packing = [m for m in self.modules() if isinstance(m, _Linear) and m.packs_for_pdserve]
-        arena = cpu_kernels.packed_arena([tuple(m.weight.shape) for m in packing]) if packing else []
+        arena = cpu_kernels.packed_arena([tuple(m.weight.shape) for m in packing], packed_dtype) if packing else []
         for module, buffer in zip(packing, arena):
             module.finalize(buffer)
         in_arena = {id(m) for m in packing}

@@ -52,9 +52,24 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from e
 
 
+def round_weight_matrices(model: torch.nn.Module, dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    """Round every weight matrix (linears, experts, embeddings; not norms or biases) to
+    `weight_dtype`'s precision, kept in `dtype`. Only bf16 under fp32 is supported: every bf16
+    number is an fp32 one, so the CPU kernels can store the matrices in bf16 and widen them
+    exactly, and every other path (torch, another device) computes the same products."""
+    if (dtype, weight_dtype) != (torch.float32, torch.bfloat16):
+        raise ModelLoadError(f"weight_dtype {weight_dtype} applies to float32 models; this one loads as {dtype} "
+                             f"(set dtype: float32, or weight_dtype: auto)")
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.data = p.data.to(weight_dtype).to(dtype)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               max_position: int | None = None, parallel: ParallelState = SINGLE) -> tuple[torch.nn.Module, ModelArch]:
-    """The checkpoint as a model in eval mode; under tensor parallelism, this rank's shard of it."""
+               max_position: int | None = None, parallel: ParallelState = SINGLE,
+               weight_dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, ModelArch]:
+    """The checkpoint as a model in eval mode; under tensor parallelism, this rank's shard of it.
+    `weight_dtype` bf16 under an fp32 model: weight-only bf16 (see `round_weight_matrices`)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory; pass a local checkpoint directory")
@@ -66,5 +81,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
         p.data = p.data.to(dtype=dtype, device=device)
     model.to(device)
     model.load_weights(iter_weights(files))
-    model.finalize()
+    if weight_dtype not in (None, dtype):
+        round_weight_matrices(model, dtype, weight_dtype)
+    model.finalize(packed_dtype=weight_dtype or torch.float32)
     return model.eval(), arch

@@ -115,18 +115,26 @@ def test_rotary_matches_torch_in_place_on_a_strided_view(tokens, heads, head_dim
     (3, 1),      # narrower than one panel, inner dimension 1
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_torch(rows, out_features, in_features, with_bias):
+@pytest.mark.parametrize("packed_dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_torch(rows, out_features, in_features, with_bias, packed_dtype):
     w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     bias = torch.randn(out_features) if with_bias else None
-    got = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), out_features, bias)
-    torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+    packed = cpu_kernels.pack_linear(w, dtype=packed_dtype)
+    assert packed.dtype == packed_dtype
+    got = cpu_kernels.linear(x, packed, out_features, bias)
+    # bf16 panels: the weights rounded as torch rounds, then fp32 products and sums.
+    torch.testing.assert_close(got, F.linear(x, w.to(packed_dtype).float(), bias), atol=1e-4, rtol=1e-4)
+    if packed_dtype == torch.bfloat16:  # widened exactly: the fp32 kernel over the rounded weights, bit for bit
+        rounded = cpu_kernels.pack_linear(w.bfloat16().float())
+        assert torch.equal(got, cpu_kernels.linear(x, rounded, out_features, bias))
 
 
-def test_linear_gives_a_row_the_same_result_in_any_batch():
+@pytest.mark.parametrize("packed_dtype", [torch.float32, torch.bfloat16])
+def test_linear_gives_a_row_the_same_result_in_any_batch(packed_dtype):
     # How a batch's rows are tiled depends on its size; a request's output must not (greedy
     # decoding gives the same text whatever else is in the batch). One row alone is another path.
     w, x, bias = torch.randn(37, 40), torch.randn(30, 40), torch.randn(37)
-    packed = cpu_kernels.pack_linear(w)
+    packed = cpu_kernels.pack_linear(w, dtype=packed_dtype)
     whole = cpu_kernels.linear(x, packed, 37, bias)
     for m in range(2, 30):
         assert torch.equal(cpu_kernels.linear(x[:m], packed, 37, bias), whole[:m]), m
@@ -164,27 +172,36 @@ def test_linear_takes_a_strided_input_and_keeps_leading_dimensions():
     assert cpu_kernels.linear(torch.randn(0, 16), cpu_kernels.pack_linear(w), 24, None).shape == (0, 24)
 
 
-def test_weights_packed_into_one_arena_lie_back_to_back_from_a_2mib_boundary(checkpoints):
+@pytest.mark.parametrize("packed_dtype", [torch.float32, torch.bfloat16])
+def test_weights_packed_into_one_arena_lie_back_to_back_from_a_2mib_boundary(checkpoints, packed_dtype):
     shapes = [(24, 16), (40, 24), (7, 33)]
-    buffers = cpu_kernels.packed_arena(shapes)
-    assert buffers[0].data_ptr() % (2 << 20) == 0
+    buffers = cpu_kernels.packed_arena(shapes, packed_dtype)
+    size = buffers[0].element_size()
+    assert buffers[0].data_ptr() % (2 << 20) == 0 and buffers[0].dtype == packed_dtype
     for (n, k), buf, nxt in zip(shapes, buffers, buffers[1:] + [None]):
-        assert buf.numel() == cpu_kernels.packed_floats(n, k)
+        assert buf.numel() == cpu_kernels.packed_elements(n, k)
         if nxt is not None:
-            assert buf.data_ptr() + 4 * buf.numel() == nxt.data_ptr()
+            assert buf.data_ptr() + size * buf.numel() == nxt.data_ptr()
     for (n, k), buf in zip(shapes, buffers):
         w, x = torch.randn(n, k), torch.randn(3, k)
         assert cpu_kernels.pack_linear(w, buf) is buf
-        torch.testing.assert_close(cpu_kernels.linear(x, buf, n, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu_kernels.linear(x, buf, n, None), F.linear(x, w.to(packed_dtype).float()),
+                                   atol=1e-5, rtol=1e-5)
     # A loaded model's linears: one arena, in the order a decode step reads them.
     from pdserve.engine.models.loader import load_model
 
     for preset in ("tiny-llama", "tiny-qwen2"):  # qwen2: the LM head packs the tied embedding
-        model, _ = load_model(checkpoints[preset])
+        model, _ = load_model(checkpoints[preset], weight_dtype=packed_dtype)
         packed = [lin.packed for layer in model.model.layers for lin in
                   (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         packed.append(model.lm_head.packed)
-        assert all(a.data_ptr() + 4 * a.numel() == b.data_ptr() for a, b in zip(packed, packed[1:]))
+        assert all(a.dtype == packed_dtype for a in packed)
+        assert all(a.data_ptr() + size * a.numel() == b.data_ptr() for a, b in zip(packed, packed[1:]))
+
+
+def test_pack_linear_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="packed weights hold"):
+        cpu_kernels.pack_linear(torch.randn(4, 4), dtype=torch.float16)
 
 
 def test_linear_layer_packs_for_the_kernel_or_for_onednn(monkeypatch):
@@ -244,9 +261,11 @@ def test_without_a_compiler_attention_falls_back_with_a_warning(monkeypatch, cap
     assert not cpu_kernels.usable(q, k_cache)
 
 
-@pytest.mark.parametrize("preset,kv_cache_dtype", [("tiny-llama", "auto"), ("tiny-qwen2", "auto"),
-                                                   ("tiny-llama", "bfloat16")])  # qwen2: qkv bias, tied embeddings
-def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, kv_cache_dtype, monkeypatch):
+@pytest.mark.parametrize("preset,kv_cache_dtype,weight_dtype", [
+    ("tiny-llama", "auto", "auto"), ("tiny-qwen2", "auto", "auto"),  # qwen2: qkv bias, tied embeddings
+    ("tiny-llama", "bfloat16", "auto"), ("tiny-llama", "auto", "bfloat16"), ("tiny-qwen2", "bfloat16", "bfloat16")])
+def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, kv_cache_dtype, weight_dtype,
+                                                                monkeypatch):
     """A decode-only step runs in one C call from token ids to logits (`DecoderModel`); the same
     requests through the Python layers give the same tokens and logprobs, and leave the same bits
     in the KV cache (bf16: the C side rounds as torch does). Sequences of different lengths decode
@@ -257,12 +276,13 @@ def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, pre
     calls = []
     step = cpu_kernels.DecoderModel.decode_step
     monkeypatch.setattr(cpu_kernels.DecoderModel, "decode_step",
-                        lambda self, *a, **kw: calls.append(1) or step(self, *a, **kw))
+                        lambda self, *a, **kw: calls.append(1) or shapes.append(self.shape) or step(self, *a, **kw))
+    shapes = []
     prompts = [list(range(5, 5 + n)) for n in (1, 9, 16, 17, 40)]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
 
     def generate(in_c: bool):
-        llm = LLM(checkpoints[preset], block_size=4, kv_cache_dtype=kv_cache_dtype)
+        llm = LLM(checkpoints[preset], block_size=4, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
         llm.engine.model._all_in_c = in_c
         outputs = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
         return outputs, llm.engine.kv_cache.kv
@@ -273,6 +293,7 @@ def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, pre
     layered, layered_kv = generate(False)
     assert not calls
     assert fused_kv.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
+    assert (shapes[0].weight_bf16, shapes[0].kv_bf16) == (weight_dtype == "bfloat16", kv_cache_dtype == "bfloat16")
     assert torch.equal(fused_kv, layered_kv)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, layered):
         assert tokens == ref_tokens
