@@ -19,7 +19,8 @@ def machine_line() -> str:
     cores, usable = os.cpu_count() or 1, usable_cpus()
     cpus = f"{cores} cores" if usable == cores else f"{cores} cores, {usable} usable by this process"
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{platform.node()} {platform.machine()}, {model}, {cpus}, {mem_gib:.0f} GiB, Python {platform.python_version()}"
+    return (f"{platform.node()} {platform.machine()}, {model}, {cpus}, {mem_gib:.0f} GiB, "
+            f"Python {platform.python_version()}")
 
 
 def warn_if_pinned() -> None:

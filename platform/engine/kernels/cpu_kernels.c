@@ -189,7 +189,6 @@ static void attend(const float *q, int64_t q_head_stride, const void *k_cache, c
     /* Lines of a token's row this call reads, and how many to ask for per row of work so that
      * the prefetches keep pace with the reads (8 tokens per row in pass 1, a block in pass 2). */
     const int64_t row_lines = ((h1 - h0) * head_dim * es + 63) / 64;
-    const int64_t per_row_8 = (8 * row_lines + rows - 1) / rows;
     kv_lines ahead = {k_cache, v_cache, table, len, block_size, block_stride, token_bytes,
                       h0 * head_dim * es, h0 * head_dim * es + row_lines * 64, 0, h0 * head_dim * es, NULL};
     kv_lines_seek(&ahead);
@@ -199,6 +198,7 @@ static void attend(const float *q, int64_t q_head_stride, const void *k_cache, c
     int64_t t = 0;
 #ifdef HAVE_AVX2
     if (head_dim % 8 == 0) {
+        const int64_t per_row_8 = (8 * row_lines + rows - 1) / rows;
         for (; t + 8 <= len; t += 8) {  /* eight tokens at a time: eight independent FMA chains */
             const char *k[8];
             for (int j = 0; j < 8; ++j) k[j] = row(k_cache, table, t + j, block_size, block_stride, token_bytes);
@@ -456,13 +456,11 @@ void pdserve_rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_di
  * - several rows use register tiles: with AVX2 up to 6 x 16 (per k, two weight vectors and six
  *   broadcasts of x feed twelve FMAs), with AVX-512 up to 12 x 16 (one weight vector, twelve
  *   FMAs of twice the width: 2x the rows per cycle), so from a few rows on the loop runs at the
- *   cores' FMA rate, not the memory's; a panel (16 x K floats) stays in cache while every row
+ *   cores' FMA rate, not the memory's; a panel (16 x K weights) stays in cache while every row
  *   block passes over it.
  * Threads split the panels; rows are taken in blocks whose x fits in L2 (prefill chunks). */
 
 #define PANEL 16
-
-
 
 /* Ask the kernel for 2 MiB pages under `bytes` at p (the whole 2 MiB pages inside it), before
  * anything touches them. With 4 KiB pages a GEMV takes a TLB miss every 4 KiB and the hardware
@@ -509,17 +507,17 @@ static inline void store_row(float *out, const float *vals, int64_t cols, const 
  * so a bf16 panel's product is the fp32 product over the rounded weights, bit for bit). Every
  * function taking `wbf16` is inlined into callers that pass a constant, so each kind of panel
  * gets its own loops. */
+static inline __attribute__((always_inline)) float panel_at(const void *panel, int64_t i, int wbf16) {
+    return wbf16 ? bf16_to_float(((const uint16_t *)panel)[i]) : ((const float *)panel)[i];
+}
+
 /* Ask for the panel's bytes PANEL_AHEAD_BYTES ahead of row i (into the next panels: a matmul reads
  * its panels in order). The hardware prefetcher alone kept a tile of 8 rows waiting on its weights
  * (a one-thread decode step of 8 sequences took 1.5x as long; 12 KiB ahead measured best of
- * 1.5-24 KiB, fp32 and bf16 alike; benchmarks/RESULTS.md). */
+ * 0.75-24 KiB, fp32 and bf16 alike; benchmarks/RESULTS.md). */
 #define PANEL_AHEAD_BYTES 12288
 static inline __attribute__((always_inline)) void panel_prefetch(const void *panel, int64_t i, int wbf16) {
     __builtin_prefetch((const char *)panel + i * PANEL * (wbf16 ? 2 : 4) + PANEL_AHEAD_BYTES, 0, 3);
-}
-
-static inline __attribute__((always_inline)) float panel_at(const void *panel, int64_t i, int wbf16) {
-    return wbf16 ? bf16_to_float(((const uint16_t *)panel)[i]) : ((const float *)panel)[i];
 }
 
 #ifdef HAVE_AVX2
@@ -721,8 +719,9 @@ static inline __attribute__((always_inline)) void panels_product(const float *x,
             linear_row(x, panel, wbf16, k, o, cols, b);
             continue;
         }
-#endif
+#else
         (void)whole_m;
+#endif
         linear_tiles(x, m, k, panel, wbf16, o, ldo, cols, b);
     }
 }

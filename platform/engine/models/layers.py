@@ -89,14 +89,14 @@ class _Linear(nn.Module):
     def finalize(self, packed_out: torch.Tensor | None = None) -> None:
         """packed_out: where to pack for pdserve's matmul (from `cpu_kernels.packed_arena`), when
         `packs_for_pdserve`; else a buffer of its own."""
-        self.num_weight_bytes = self.weight.numel() * self.weight.element_size()
         self.out_features = self.weight.shape[0]
         if self.packs_for_pdserve:
             self.packed, self.packed_for = cpu_kernels.pack_linear(self.weight.data, packed_out), "pdserve"
-            self.num_weight_bytes = self.weight.numel() * self.packed.element_size()
         else:
             self.packed = _onednn_pack(self.weight.data)
             self.packed_for = "onednn" if self.packed is not None else None
+        stored = self.packed if self.packed_for == "pdserve" else self.weight  # pdserve's may hold bf16
+        self.num_weight_bytes = self.weight.numel() * stored.element_size()
         if self.packed is not None:
             self.weight = None  # the packed copy is the weight now
 
