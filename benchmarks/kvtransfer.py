@@ -1,13 +1,17 @@
 """KV transfer benchmark: pdserve's UCX pull against raw ucxx send/recv and a plain TCP socket,
-between the same two processes, in one run, timed in turns.
+and pdserve's local pull (the exporter's cache in shared memory, copied out by the importer)
+against one memcpy of the same bytes, between the same two processes, in one run, timed in turns.
 
     python benchmarks/kvtransfer.py [--repeats 10]
 
 Payloads: the KV of a 2,048-token prompt of the ~56M benchmark model (8 layers, 4 KV heads, head
 dim 64, fp32, block size 16: 32 MiB) and a 64 MiB one (4,096 tokens), each in blocks that are one
 run on both sides (sent and received in place), and the 2,048-token KV again in scattered blocks
-on both sides (every other block: gathered and scattered chunk by chunk). Every transfer opens its
-own connection, as a pull does; raw ucxx and the socket move the same number of bytes. Prints a
+on both sides (every other block: gathered and scattered chunk by chunk). Raw ucxx and the socket
+open a connection per transfer and move the same number of bytes; pdserve's pulls keep theirs, as a
+decode replica does (the local pull sends only its READ and ACK over it); the memcpy
+copies the bytes between two buffers of the importer's process. Besides the time, each path's CPU
+time in the importer's process (what a pull takes from the decode replica's engine). Prints a
 markdown table and one JSON line.
 """
 
@@ -43,15 +47,19 @@ def _server(replies, repeats: int) -> None:
 
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
-    from pdserve.kvtransfer.ucx_backend import UCXExporter
+    from pdserve.kvtransfer.ucx_backend import UCXExporter, ucx_loop
+    from pdserve.shared_memory import shared_zeros
 
     kv = torch.randn(8, 2, NUM_BLOCKS, 16, 4, 64)
     pool = BlockPool(NUM_BLOCKS, 16)
-    exporter = UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600)
+    exporters = {"ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600),
+                 "local": UCXExporter("bench-shared", shared_zeros(kv.shape, kv.dtype).copy_(kv), KVLayout(**LAYOUT),
+                                      pool.incref, pool.free, lease_s=600)}
     handles = {}
     for name, (tokens, stride) in PAYLOADS.items():
         blocks = _block_ids(tokens, stride)
-        handles[name] = [exporter.export(f"{name}-{i}", blocks, tokens).to_dict() for i in range(repeats + 2)]
+        handles[name] = {path: [e.export(f"{name}-{i}", blocks, tokens).to_dict() for i in range(repeats + 2)]
+                         for path, e in exporters.items()}
     payload = np.random.bytes(64 << 20)
     buf = np.frombuffer(payload, dtype=np.uint8)
 
@@ -70,20 +78,21 @@ def _server(replies, repeats: int) -> None:
 
     threading.Thread(target=tcp_loop, daemon=True).start()
 
-    async def main():
-        async def handler(ep):
-            size = np.empty(1, dtype=np.uint64)
-            await ep.recv(size)
-            await ep.send(buf[: int(size[0])])
-            await ep.recv(np.empty(1, dtype=np.uint8))  # closing before the peer has it resets the link
-            await ep.close()
+    async def handler(ep):
+        size = np.empty(1, dtype=np.uint64)
+        await ep.recv(size)
+        await ep.send(buf[: int(size[0])])
+        await ep.recv(np.empty(1, dtype=np.uint8))  # closing before the peer has it resets the link
+        await ep.close()
 
-        listener = ucxx.create_listener(handler, port=0)
-        replies.put((exporter.address, handles, listener.port, tcp.getsockname()[1]))
-        while True:
-            await asyncio.sleep(3600)
+    async def listen():
+        return ucxx.create_listener(handler, port=0)
 
-    asyncio.run(main())
+    # On the loop UCX started on (the exporter's): ucxx completes its requests there.
+    listener = ucx_loop().run(listen(), 30)
+    replies.put((handles, listener.port, tcp.getsockname()[1]))
+    while True:
+        time.sleep(3600)
 
 
 def _measure(fns: dict, nbytes: int, repeats: int) -> dict:
@@ -91,17 +100,19 @@ def _measure(fns: dict, nbytes: int, repeats: int) -> dict:
     machine's load during the run falls on all of them alike."""
     for fn in fns.values():
         fn()
-    times = {name: [] for name in fns}
+    times, cpu = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
     out = {}
     for name, ts in times.items():
         p50 = statistics.median(ts)
         p99 = sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))]
-        out[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "gb_s": nbytes / p50 / 1e9}
+        out[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "gb_s": nbytes / p50 / 1e9,
+                     "cpu_p50_ms": statistics.median(cpu[name]) * 1e3}
     return out
 
 
@@ -115,20 +126,21 @@ def main() -> None:
     import ucxx
 
     from pdserve.kvtransfer.protocol import KVHandle, KVLayout
-    from pdserve.kvtransfer.ucx_backend import UCXImporter
+    from pdserve.kvtransfer.ucx_backend import UCXImporter, ucx_loop
 
     ctx = mp.get_context("spawn")
     replies = ctx.Queue()
     server = ctx.Process(target=_server, args=(replies, args.repeats), daemon=True)
     server.start()
-    address, handles, ucx_port, tcp_port = replies.get(timeout=120)
+    handles, ucx_port, tcp_port = replies.get(timeout=120)
     kv = torch.zeros(8, 2, NUM_BLOCKS, 16, 4, 64)
     importer = UCXImporter(kv, KVLayout(**LAYOUT))
-    raw_loop = asyncio.new_event_loop()
 
     # The baselines receive into one reused buffer, as the importer receives into its cache (or a
     # reused staging buffer): a fresh one would cost them page faults on every transfer.
     raw_out, tcp_out = np.ones(64 << 20, dtype=np.uint8), bytearray(b"\1" * (64 << 20))
+    copy_src = np.random.bytes(64 << 20)
+    copy_src = np.frombuffer(copy_src, dtype=np.uint8)
 
     def raw_ucxx(nbytes: int):
         async def go():
@@ -137,7 +149,7 @@ def main() -> None:
             await ep.recv(raw_out[:nbytes])
             await ep.send(np.ones(1, dtype=np.uint8))
             await ep.close()
-        raw_loop.run_until_complete(go())
+        ucx_loop().run(go())  # the importer's loop: one UCX loop per process
 
     def plain_tcp(nbytes: int):
         with socket.create_connection(("127.0.0.1", tcp_port)) as s:
@@ -149,19 +161,26 @@ def main() -> None:
     rows, record = [], {}
     for name, (tokens, stride) in PAYLOADS.items():
         nbytes = tokens * 8 * 2 * 4 * 64 * 4
-        queue = [KVHandle.from_dict(h) for h in handles[name]]
+        queues = {path: [KVHandle.from_dict(h) for h in hs] for path, hs in handles[name].items()}
         dst = _block_ids(tokens, stride)
-        timed = _measure({"pdserve_ucx": lambda: importer.pull(queue.pop(), dst), "raw_ucxx": lambda: raw_ucxx(nbytes),
-                          "plain_tcp": lambda: plain_tcp(nbytes)}, nbytes, args.repeats)
-        ours, raw, tcp = timed["pdserve_ucx"], timed["raw_ucxx"], timed["plain_tcp"]
+        timed = _measure({"pdserve_ucx": lambda: importer.pull(queues["ucx"].pop(), dst),
+                          "raw_ucxx": lambda: raw_ucxx(nbytes), "plain_tcp": lambda: plain_tcp(nbytes),
+                          "pdserve_local": lambda: importer.pull(queues["local"].pop(), dst),
+                          "memcpy": lambda: np.copyto(raw_out[:nbytes], copy_src[:nbytes])}, nbytes, args.repeats)
         record[name] = {"bytes": nbytes, **timed}
-        for label, r in (("pdserve UCX pull", ours), ("raw ucxx send/recv", raw), ("plain TCP socket", tcp)):
-            rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
-        rows.append(f"| {name} | pdserve / raw ucxx | {ours['gb_s'] / raw['gb_s']:.0%} | | |")
+        for label, key in (("pdserve UCX pull", "pdserve_ucx"), ("raw ucxx send/recv", "raw_ucxx"),
+                           ("plain TCP socket", "plain_tcp"), ("pdserve local pull", "pdserve_local"),
+                           ("memcpy in the importer", "memcpy")):
+            r = timed[key]
+            rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
+                        f"| {r['cpu_p50_ms']:.1f} |")
+        for ours, base in (("pdserve_ucx", "raw_ucxx"), ("pdserve_local", "memcpy")):
+            rows.append(f"| {name} | {ours} / {base} | {timed[ours]['gb_s'] / timed[base]['gb_s']:.0%} | | | |")
+    assert importer.num_shared_memory_pulls == len(PAYLOADS) * (args.repeats + 1), "a local pull went over UCX"
     importer.close()
     server.kill()
     print(f"command: python benchmarks/kvtransfer.py --repeats {args.repeats}; UCX_TLS={os.environ['UCX_TLS']}\n")
-    print("| payload | path | GB/s (p50) | p50 ms | p99 ms |\n|---|---|---|---|---|")
+    print("| payload | path | GB/s (p50) | p50 ms | p99 ms | importer CPU ms (p50) |\n|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(json.dumps({"bench": "kvtransfer", "results": record}))
 

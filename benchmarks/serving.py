@@ -23,8 +23,10 @@ proxy`: Ray Serve's Python proxy).
 
 Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats, some long
 prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
-core each, every prompt prefilled remotely), the same with `early_first_token` (the first token
-streamed before the KV pull) and colocated serving (one replica, both cores): p99 ITL, TTFT and
+core each, every prompt prefilled remotely; the decode replica copies the KV blocks out of the
+prefill replica's cache in shared memory), the same with the blocks sent over UCX instead
+(`transfer.shared_memory: false`, as between hosts), the same with `early_first_token` (the first
+token streamed before the KV pull) and colocated serving (one replica, both cores): p99 ITL, TTFT and
 goodput, at each of `--rates`. At light load few decodes run while a long prompt prefills, so
 colocated serving's stalls stay under its 1% tail; disaggregation shows from the load where they
 do not.
@@ -248,7 +250,10 @@ def main() -> None:
         seeds = [int(x) for x in args.seeds.split(",")]
         slo = {"ttft": 4000.0, "tpot": 150.0}
         remote_always = disagg.model_copy(update={"remote_prefill_min_tokens": 0})
+        over_ucx = remote_always.model_copy(
+            update={"transfer": remote_always.transfer.model_copy(update={"shared_memory": False})})
         setups_2 = {"disaggregated": remote_always,
+                    "disaggregated, blocks over UCX": over_ucx,
                     "disaggregated, early first token": remote_always.model_copy(update={"early_first_token": True}),
                     "colocated": colocated}
         for seed in seeds:

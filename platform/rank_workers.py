@@ -47,7 +47,7 @@ class RankWorker:
         """This rank's KV exporter (a prefill rank) or importer (a decode rank), opened on first
         use. It serves or pulls its own heads; the driver owns the leases' pins (block ids are the
         same on every rank), so this exporter pins nothing."""
-        from pdserve.kvtransfer import BACKENDS, layout_of
+        from pdserve.kvtransfer import BACKENDS, exporter_options, layout_of
 
         self._ready.wait()
         with self._lock:
@@ -59,7 +59,7 @@ class RankWorker:
                     self._endpoints[kind] = importer_cls(kv, layout)
                 else:
                     # A little shorter than the driver's lease, so a read never outlives the driver's pin.
-                    options = {"host": self.host} if self.transfer.backend == "ucx" else {}
+                    options = exporter_options(self.transfer.backend, self.host, self.transfer.shared_memory)
                     self._endpoints[kind] = exporter_cls(
                         f"{self.init_method}#rank{self.rank}", kv, layout, lambda ids: None, lambda ids: None,
                         lease_s=max(1.0, self.transfer.lease_s - 2.0), **options)

@@ -186,7 +186,8 @@ class DecodeServer:
         return {**engine_stats(self.engine), "num_remote_prefills": self.num_remote_prefills,
                 "num_local_prefills": self.num_local_prefills, "num_pulled_blocks": self.num_pulled_blocks,
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,
-                "num_failed_pulls": self.num_failed_pulls}
+                "num_failed_pulls": self.num_failed_pulls,
+                "num_shared_memory_pulls": self.importer.num_shared_memory_pulls if self.importer else 0}
 
     def shutdown(self) -> None:
         if self.importer is not None:

@@ -22,6 +22,8 @@ from typing import Iterable, Sequence
 import torch
 
 from pdserve.router.block_hash import ROOT_BLOCK_HASH, block_hashes  # noqa: F401 - re-exported
+from pdserve.shared_memory import shared_zeros
+
 
 class KVCache:
     """The KV tensors of all layers, allocated once."""
@@ -34,8 +36,10 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # On CPU in shared memory: a decode replica on this host copies exported blocks straight out.
+        self.kv = (shared_zeros(shape, dtype) if torch.device(device).type == "cpu"
+                   else torch.zeros(shape, dtype=dtype, device=device))
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""

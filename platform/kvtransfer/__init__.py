@@ -7,7 +7,7 @@ from pdserve.kvtransfer.local_backend import LocalImporter
 from pdserve.kvtransfer.protocol import KVHandle, KVLayout, KVTransferError
 
 __all__ = ["BACKENDS", "KVExporter", "KVHandle", "KVImporter", "KVLayout", "KVTransferError", "LocalImporter",
-           "layout_of"]
+           "exporter_options", "layout_of"]
 
 
 def _ucx():
@@ -28,6 +28,12 @@ def _local():
 
 # backend name -> () -> (exporter class, importer class); ucxx / ray are imported only when chosen.
 BACKENDS = {"ucx": _ucx, "ray": _ray, "local": _local}
+
+
+def exporter_options(backend: str, host: str, shared_memory: bool) -> dict:
+    """What only the UCX exporter takes: the address it listens on, and whether importers on this
+    host may copy straight out of its cache."""
+    return {"host": host, "shared_memory": shared_memory} if backend == "ucx" else {}
 
 
 def layout_of(kv: torch.Tensor, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:

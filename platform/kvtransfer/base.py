@@ -26,11 +26,14 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, gather_blocks, scatter_blocks,
                                        slab_view)
+from pdserve.shared_memory import SharedRegion
 
 log = logging.getLogger(__name__)
 
 
 class KVExporter:
+    cache_region: SharedRegion | None = None  # set where importers on this host may copy out of `kv`
+
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None], lease_s: float = 30.0):
         self.exporter_id, self.kv, self.layout = exporter_id, kv, layout
@@ -53,7 +56,7 @@ class KVExporter:
         """Pin a finished prefill's blocks under a lease and describe them for the importer."""
         self.leases.add(request_id, block_ids)
         return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
-                          time.time() + self.leases.lease_s)
+                          time.time() + self.leases.lease_s, self.cache_region)
 
     def open_read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> "BlockRead":
         """A read of the leased blocks from `first_block` on (the importer caches the ones before),
@@ -134,6 +137,8 @@ class BlockRead:
 
 
 class KVImporter(ABC):
+    num_shared_memory_pulls = 0  # pulls copied out of the exporter's cache on this host (no bytes on the wire)
+
     def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
         self.kv, self.layout = kv, layout
         self.buffers = BufferPool()

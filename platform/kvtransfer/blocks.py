@@ -57,11 +57,40 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
+def cache_bits(buffer, element_size: int, block_shape: tuple[int, int, int, int]) -> np.ndarray | None:
+    """Another cache's memory (mapped from another process) as `_bits` views a cache tensor:
+    `[layers, 2, blocks, block_size, heads, head_dim]` for `block_shape` `(layers, block_size,
+    heads, head_dim)`; None when the size is not a whole number of blocks."""
+    layers, block_size, heads, head_dim = block_shape
+    bits = np.frombuffer(buffer, dtype=_bits(torch.empty(0, dtype=_BITS[element_size])).dtype)
+    per_block = 2 * layers * block_size * heads * head_dim
+    if bits.size % per_block:
+        return None
+    return bits.reshape(layers, 2, bits.size // per_block, block_size, heads, head_dim)
+
+
 def _block_index(block_ids: list[int], num_blocks: int) -> np.ndarray:
     idx = np.asarray(block_ids, dtype=np.intp)
     if idx.size and (idx.min() < 0 or idx.max() >= num_blocks):
         raise IndexError(f"block ids outside the cache's {num_blocks} blocks")
     return idx
+
+
+def copy_blocks(src: np.ndarray, src_ids: list[int], heads: tuple[int, int], kv: torch.Tensor,
+                dst_ids: list[int]) -> None:
+    """Blocks `src_ids` of another cache (`src`: its bits, `[layers, 2, blocks, block_size, heads,
+    head_dim]`; heads `heads` of it) into blocks `dst_ids` of `kv`: one copy, a slice per run of
+    blocks consecutive on both sides, so no staging buffer and no index arrays."""
+    src_index, dst_index = _block_index(src_ids, src.shape[2]), _block_index(dst_ids, kv.shape[2])
+    dst = _bits(kv)
+    if dst.dtype.itemsize != src.dtype.itemsize or len(src_index) != len(dst_index):
+        raise ValueError("copy_blocks: element sizes or block counts differ")
+    if not len(src_index):
+        return
+    breaks = np.flatnonzero((np.diff(src_index) != 1) | (np.diff(dst_index) != 1)) + 1
+    for start, end in zip(np.r_[0, breaks], np.r_[breaks, len(src_index)]):
+        s, d, n = int(src_index[start]), int(dst_index[start]), int(end - start)
+        dst[:, :, d:d + n] = src[:, :, s:s + n, :, heads[0]:heads[1]]
 
 
 def slab_view(kv: torch.Tensor) -> torch.Tensor:

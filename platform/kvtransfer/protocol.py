@@ -5,7 +5,10 @@ made before any KV byte moves.
   head dim, dtype, TP size and rank). `check_compatible` raises `LayoutMismatchError` when two
   sides cannot exchange blocks, and `head_slice` says which of the exporter's heads a decode rank
   pulls when decode runs k times prefill's TP degree.
-- `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack).
+- `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack). With a
+  `cache_region` (the exporter's cache is in shared memory), an importer on the same host that can
+  map that region asks for a *local* read: the exporter answers DATA with `local` and no chunks,
+  holds the blocks while the importer copies them out of its cache, and releases them on ACK/DONE.
 - Control frames: one message each, a 16-byte header `magic, version, kind, payload length`
   (struct) followed by a msgpack map, at most `CONTROL_FRAME_BYTES` in all (a receiver posts one
   buffer of that size, so a frame costs one message, not two). Nothing from the network is unpickled.
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass
 import msgpack
 
 from pdserve.errors import PdserveError
+from pdserve.shared_memory import SharedRegion
 
 MAGIC = b"PDKV"
 VERSION = 2  # 2: one message per control frame; block data in chunks (`chunk_bounds`)
@@ -97,6 +101,7 @@ class KVHandle:
     num_tokens: int
     layout: KVLayout
     lease_expiry_unix_s: float
+    cache_region: SharedRegion | None = None  # the exporter's cache, when other processes may map it
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -106,7 +111,9 @@ class KVHandle:
     @classmethod
     def from_dict(cls, d: dict) -> "KVHandle":
         try:
-            return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]), "layout": KVLayout(**d["layout"])})
+            region = d.get("cache_region")
+            return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]), "layout": KVLayout(**d["layout"]),
+                          "cache_region": SharedRegion.from_dict(region) if region is not None else None})
         except (TypeError, KeyError, ValueError) as e:
             raise ProtocolError(f"malformed KV handle: {e}") from e
 

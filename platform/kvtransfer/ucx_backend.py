@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Callable
 
@@ -47,13 +48,15 @@ import torch
 
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter
-from pdserve.kvtransfer.blocks import block_run, scatter_blocks, slab_view
+from pdserve.kvtransfer.blocks import block_run, cache_bits, copy_blocks, scatter_blocks, slab_view
+from pdserve.shared_memory import SharedRegion, locate, map_region
 
 log = logging.getLogger(__name__)
 
 _ERRORS = {"unknown": p.UnknownRequestError, "expired": p.LeaseExpiredError, "layout": p.LayoutMismatchError,
            "protocol": p.ProtocolError}
 _MAX_SEND_S = 3600.0  # the most an importer may ask the exporter to keep sending
+_MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
 
 
 class _LoopThread:
@@ -133,11 +136,13 @@ class UCXExporter(KVExporter):
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
                  lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 300.0):
+                 idle_timeout_s: float = 300.0, shared_memory: bool = True):
         import ucxx
 
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
+        self.cache_region = locate(kv) if shared_memory else None
+        self.num_shared_memory_reads = 0  # served by an importer on this host copying from the cache itself
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
         self._loop = ucx_loop()
@@ -210,11 +215,23 @@ class UCXExporter(KVExporter):
                 send_s = min(max(float(req.get("timeout_s", self.ack_timeout_s)), 0.0), _MAX_SEND_S)
             except (TypeError, KeyError, ValueError) as e:
                 raise p.ProtocolError(f"malformed READ: {e!r}") from e
+            is_local = bool(req.get("local"))
+            if is_local and self.cache_region is None:
+                raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
             read = self.open_read(rid, importer, req.get("first_block", 0))
-            await asyncio.wait_for(self._send_blocks(ep, read), send_s)
-            read.close()  # every send completed: the blocks may go back once acked
+            if is_local:
+                # The importer copies the blocks out of the cache itself: they stay held until its
+                # ACK/DONE, or until its own deadline has passed (it then discards what it copied).
+                await asyncio.wait_for(_send_frame(ep, p.DATA, {"shape": list(read.shape), "num_chunks": 0,
+                                                                "local": True}), send_s)
+                kind, _ = await asyncio.wait_for(_recv_frame(ep), send_s)
+                self.num_shared_memory_reads += 1
+            else:
+                await asyncio.wait_for(self._send_blocks(ep, read), send_s)
+            read.close()  # the blocks are sent, or copied: they may go back once acked
             read = None
-            kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
+            if not is_local:
+                kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
             if kind == p.ACK:
                 self.ack(rid)
             is_reusable = kind in (p.ACK, p.DONE)
@@ -261,7 +278,10 @@ class UCXImporter(KVImporter):
         super().__init__(kv, layout)
         self.idle_s, self.max_idle_per_exporter = idle_s, max_idle_per_exporter
         self._idle: dict[str, list[tuple[object, float]]] = {}  # address -> [(endpoint, idle since)]; loop thread only
+        # Exporters' caches mapped from shared memory (None: not mappable from here); loop thread only.
+        self._sources: OrderedDict[SharedRegion, np.ndarray | None] = OrderedDict()
         self.num_endpoints_created = 0
+        self.num_shared_memory_pulls = 0  # copied out of the exporter's cache on this host
         self._loop = ucx_loop()
 
     def close(self) -> None:
@@ -272,6 +292,7 @@ class UCXImporter(KVImporter):
             self._idle.clear()
 
         self._loop.run(close_idle(), 5)
+        self._sources.clear()
 
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
                first_block: int, ack: bool) -> None:
@@ -308,13 +329,34 @@ class UCXImporter(KVImporter):
                 ep, is_kept = await self._endpoint(handle.address, left, kept=False)
                 await self._read(ep, is_kept, handle, dst, heads, first_block, ack, left)
         except asyncio.TimeoutError:
+            self._sources.pop(handle.cache_region, None)  # the exporter may be gone: unmap its cache
             raise p.ExporterUnreachableError(
                 f"KV pull of {handle.request_id} from {handle.address}: no answer within {timeout_s:.1f}s") from None
         except p.KVTransferError:
             raise
         except Exception as e:  # UCX errors: connection refused or reset
+            self._sources.pop(handle.cache_region, None)
             raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
         self._keep(handle.address, ep)
+
+    def _source(self, handle: p.KVHandle) -> np.ndarray | None:
+        """The exporter's whole cache, read-only (its bits, `[layers, 2, blocks, block_size, heads,
+        head_dim]`), when it is in shared memory on this host and this process can map it."""
+        region = handle.cache_region
+        if region is None or self.kv.is_cuda:
+            return None
+        if region in self._sources:
+            self._sources.move_to_end(region)
+            return self._sources[region]
+        mapping, source, layout = map_region(region), None, handle.layout
+        if mapping is not None:
+            heads = layout.local_heads[1] - layout.local_heads[0]
+            source = cache_bits(mapping, self.kv.element_size(),
+                                (layout.num_layers, layout.block_size, heads, layout.head_dim))
+        self._sources[region] = source
+        while len(self._sources) > _MAX_SOURCES:
+            self._sources.popitem(last=False)
+        return source
 
     async def _endpoint(self, address: str, left: Callable[[], float], kept: bool = True) -> tuple[object, bool]:
         """An endpoint to `address`: a kept one (True) when `kept` and one is fresh enough, else a new one."""
@@ -343,9 +385,10 @@ class UCXImporter(KVImporter):
         """One READ on `ep`, the blocks scattered into `dst`, then ACK/DONE; `ep` stays open on
         success and is aborted on any failure. On a kept endpoint, a UCX error before the
         exporter's reply raises `_StaleEndpoint` (nothing was written into `dst`)."""
+        source = self._source(handle)
         shape = self.expected_shape(len(dst), heads)
         slab_bytes = len(dst) * shape[3] * shape[4] * shape[5] * self.kv.element_size()
-        chunks = p.chunk_bounds(shape[0] * 2, slab_bytes)
+        chunks = p.chunk_bounds(shape[0] * 2, slab_bytes) if source is None else []  # local: no chunks
         run = block_run(dst)
         slabs, staging, targets = slab_view(self.kv), None, []
         for s0, s1 in chunks:  # where each chunk lands: in place, or staging to scatter from
@@ -361,7 +404,7 @@ class UCXImporter(KVImporter):
             # Every receive is posted now, in the order the exporter sends, so no chunk waits on us.
             tasks.append(asyncio.ensure_future(_send_frame(ep, p.READ, {
                 "request_id": handle.request_id, "layout": asdict(self.layout), "first_block": first_block,
-                "timeout_s": left()})))
+                "timeout_s": left(), "local": source is not None})))
             tasks.append(asyncio.ensure_future(_recv_frame(ep)))
             tasks.extend(asyncio.ensure_future(ep.recv(_buffer(t))) for t, _ in targets)
             try:
@@ -377,9 +420,14 @@ class UCXImporter(KVImporter):
                 raise _ERRORS.get(reply.get("code"), p.ProtocolError)(reply.get("message", "exporter error"))
             if kind != p.DATA:
                 raise p.ProtocolError(f"expected a DATA frame, got kind {kind}")
-            if tuple(reply.get("shape", ())) != shape or reply.get("num_chunks") != len(chunks):
+            if (tuple(reply.get("shape", ())) != shape or reply.get("num_chunks") != len(chunks)
+                    or bool(reply.get("local")) != (source is not None)):
                 raise p.ProtocolError(f"exporter sends blocks of shape {reply.get('shape')} in "
                                       f"{reply.get('num_chunks')} chunks, expected {shape} in {len(chunks)}")
+            if source is not None:  # the exporter holds the blocks until our ACK/DONE, or our deadline
+                copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
+                left()  # past it, they may have gone back to its pool meanwhile: the copy is void
+                self.num_shared_memory_pulls += 1
             for (s0, s1), (target, is_staged), recv in zip(chunks, targets, tasks[2:]):
                 await asyncio.wait_for(asyncio.shield(recv), left())
                 if is_staged:  # while the next chunks arrive

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.kvtransfer import BACKENDS, KVHandle, layout_of
+from pdserve.kvtransfer import BACKENDS, KVHandle, exporter_options, layout_of
 from pdserve.messages import GenerateRequest, PrefillResult
 from pdserve.telemetry.tracing import span
 
@@ -37,7 +37,7 @@ class PrefillServer:
         self.layout = layout_of(kv, Path(engine_config.model).name, engine_config.tensor_parallel_size)
         pool = self.engine.engine.block_pool
         exporter_cls, _ = BACKENDS[transfer.backend]()
-        options = {"host": host} if transfer.backend == "ucx" else {}
+        options = exporter_options(transfer.backend, host, transfer.shared_memory)
         # The lease table pins/unpins from the exporter's threads: take the engine lock for it.
         self.exporter = exporter_cls(exporter_id, kv, self.layout,
                                      lambda ids: self.engine.locked(pool.incref, ids),

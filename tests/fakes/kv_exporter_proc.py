@@ -5,7 +5,8 @@ Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
 gathers chunk by chunk); ("free",) -> the pool's free block count; ("connections",) -> connections
 accepted so far and open now; ("cpu",) -> the process's CPU seconds so far; ("stop",). The cache is
 `make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
-`stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
+With `shared`, the cache is in shared memory (`shared_zeros`), as an engine's is: importers on this
+host copy out of it (the local path). `stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ def make_cache(num_blocks: int = NUM_BLOCKS):
                        LAYOUT["head_dim"], generator=g)
 
 
-def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0) -> None:
+def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shared: bool = False) -> None:
     os.environ.setdefault("UCX_TLS", "tcp")
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
     from pdserve.kvtransfer.ucx_backend import UCXExporter
+    from pdserve.shared_memory import shared_zeros
 
     kv = make_cache()
+    if shared:
+        kv = shared_zeros(kv.shape, kv.dtype).copy_(kv)
     pool = BlockPool(NUM_BLOCKS, LAYOUT["block_size"])
     exporter = UCXExporter("prefill-0", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=lease_s,
                            idle_timeout_s=idle_timeout_s)

@@ -1,5 +1,7 @@
 """KV blocks between two real processes over UCX (TCP on loopback): exact bytes, head slicing,
-concurrency, and every failure path freeing what it holds."""
+concurrency, and every failure path freeing what it holds; each against an exporter whose cache is
+private (the blocks go through UCX) and one whose cache is in shared memory (the importer copies
+them out of it: the local path)."""
 
 import asyncio
 import multiprocessing as mp
@@ -7,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,10 +24,10 @@ from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, 
 
 
 class Exporter:
-    def __init__(self, lease_s: float = 30.0, idle_timeout_s: float = 300.0):
+    def __init__(self, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False):
         ctx = mp.get_context("spawn")
-        self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s),
+        self.commands, self.replies, self.shared = ctx.Queue(), ctx.Queue(), shared
+        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s, shared),
                                 daemon=True)
         self.proc.start()
         kind, self.address = self.replies.get(timeout=60)
@@ -58,9 +61,9 @@ class Exporter:
             self.proc.kill()
 
 
-@pytest.fixture(scope="module")
-def exporter():
-    e = Exporter(lease_s=2.0)
+@pytest.fixture(scope="module", params=["ucx", "shared-memory"])
+def exporter(request):
+    e = Exporter(lease_s=2.0, shared=request.param == "shared-memory")
     yield e
     e.stop()
 
@@ -89,6 +92,8 @@ def test_blocks_arrive_bit_identical(exporter, src, importer, num_tokens):
     dst = _dst(len(handle.block_ids))
     importer.pull(handle, dst)
     assert torch.equal(gather_blocks(importer.kv, dst), gather_blocks(src, list(handle.block_ids)))
+    assert (handle.cache_region is not None) == exporter.shared
+    assert importer.num_shared_memory_pulls == exporter.shared  # the local path wherever it is offered
     deadline = time.time() + 5  # the ack released the lease
     while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
         time.sleep(0.05)
@@ -299,6 +304,11 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     # A control frame larger than any control frame may be.
     kind, reply = _raw_peer(exporter.address, bytes(p.CONTROL_FRAME_BYTES + 1))
     assert kind == p.ERROR and reply["code"] == "protocol"
+    if not exporter.shared:  # a local read where the cache is private
+        exporter.export("local-refused", 16)
+        kind, reply = _raw_peer(exporter.address, p.encode_frame(p.READ, {
+            "request_id": "local-refused", "layout": LAYOUT, "local": True}))
+        assert kind == p.ERROR and reply["code"] == "protocol" and "shared memory" in reply["message"]
     # An importer that asks for blocks and vanishes before reading them: the lease stays until it
     # expires (2 s here), then the blocks go back to the pool.
     handle = exporter.export("vanishing", 64)
@@ -355,6 +365,79 @@ def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(expo
     h = exporter.export_scattered("after-stall", 1000)
     importer.pull(h, _dst(63))
     assert torch.equal(gather_blocks(importer.kv, _dst(63)), gather_blocks(src, list(h.block_ids)))
+
+
+@pytest.fixture(scope="module")
+def shared_exporter():
+    e = Exporter(lease_s=2.0, shared=True)
+    yield e
+    e.stop()
+
+
+def _wait_all_free(exporter, timeout_s: float = 10.0) -> int:
+    deadline = time.time() + timeout_s
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.1)
+    return exporter.free_blocks()
+
+
+def test_a_local_read_holds_its_blocks_until_the_importers_deadline(shared_exporter):
+    """A peer that asks for a local read and never acks: the exporter answers DATA with no chunks,
+    holds the blocks for the peer's time, then lets go, and the lease's expiry frees them."""
+    handle = shared_exporter.export("local-abandoned", 10 * 16)
+    read = p.encode_frame(p.READ, {"request_id": "local-abandoned", "layout": LAYOUT, "timeout_s": 1.0,
+                                   "local": True})
+    kind, reply = _raw_peer(shared_exporter.address, read)
+    assert kind == p.DATA and reply["local"] and reply["num_chunks"] == 0
+    assert shared_exporter.free_blocks() == NUM_BLOCKS - 10
+    assert _wait_all_free(shared_exporter) == NUM_BLOCKS
+
+
+def test_a_region_this_process_cannot_map_goes_through_ucx(shared_exporter, src, importer):
+    """Another host's cache, or a file that is not the exporter's (its process gone, the fd number
+    reused): the blocks come over UCX instead, as exact."""
+    for i, change in enumerate(({"file_id": (0, 0)}, {"host": "elsewhere/0"})):
+        handle = shared_exporter.export(f"unmappable-{i}", 100)
+        handle = replace(handle, cache_region=replace(handle.cache_region, **change))
+        importer.pull(handle, _dst(7))
+        assert torch.equal(gather_blocks(importer.kv, _dst(7)), gather_blocks(src, list(handle.block_ids)))
+    assert importer.num_shared_memory_pulls == 0
+    assert _wait_all_free(shared_exporter) == NUM_BLOCKS
+
+
+def test_a_local_copy_that_ends_past_the_deadline_is_void(shared_exporter, importer, monkeypatch):
+    """The exporter holds the blocks only until the importer's deadline: a copy that ends after it
+    may hold blocks reused meanwhile, so the pull fails (retryable) and hands its blocks back."""
+    from pdserve.kvtransfer import ucx_backend
+
+    def slow_copy(*args):
+        time.sleep(1.2)
+        ucx_backend.copy_blocks(*args)
+
+    monkeypatch.setattr(ucx_backend, "copy_blocks", slow_copy)
+    handle, freed = shared_exporter.export("slow-copy", 100), []
+    with pytest.raises(p.ExporterUnreachableError) as e:
+        importer.pull(handle, _dst(7), timeout_s=1.0, on_failure=freed.extend)
+    assert e.value.retryable and freed == _dst(7) and importer.num_shared_memory_pulls == 0
+    assert _wait_all_free(shared_exporter) == NUM_BLOCKS
+
+
+def test_a_dead_exporters_cache_is_unmapped(importer):
+    """Pulls map the exporter's cache once; when its process dies, the next pull from it fails
+    (retryable) and the importer lets go of the mapping, so the dead replica's memory is freed."""
+    victim = Exporter(shared=True)
+    try:
+        first, second = victim.export("before-death", 40), victim.export("after-death", 40)
+        importer.pull(first, _dst(3))
+        assert importer.num_shared_memory_pulls == 1 and first.cache_region in importer._sources
+        victim.proc.kill()
+        victim.proc.join(10)
+        freed = []
+        with pytest.raises(p.ExporterUnreachableError):
+            importer.pull(second, _dst(3), timeout_s=2.0, on_failure=freed.extend)
+        assert freed == _dst(3) and second.cache_region not in importer._sources
+    finally:
+        victim.stop()
 
 
 def test_ucx_exporter_reports_healthy_until_closed():

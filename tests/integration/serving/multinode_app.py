@@ -26,7 +26,10 @@ def main(model: str, port: int) -> None:
     try:
         engine = {"num_threads": 1, "num_kv_blocks": 64, "block_size": 8, "max_model_len": 256}
         config = ServeConfig(
-            model=model, engine=engine, remote_prefill_min_tokens=8, transfer={"host": "127.0.0.1"},
+            # Blocks over UCX, as between hosts (these nodes share one, where the decode replica
+            # would otherwise copy them out of the prefill replica's shared memory).
+            model=model, engine=engine, remote_prefill_min_tokens=8,
+            transfer={"host": "127.0.0.1", "shared_memory": False},
             prefill={"ray_actor_options": {"num_cpus": 0.5, "resources": {"prefill_node": 0.5}}},
             decode={"ray_actor_options": {"num_cpus": 0.5, "resources": {"decode_node": 0.5}}},
             gateway={"port": port})

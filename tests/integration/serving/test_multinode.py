@@ -24,6 +24,7 @@ def test_pools_land_on_their_node_types_and_kv_crosses_raylets(tiny_llama):
     assert prefill["node_id"] == report["prefill_node"]
     assert decode["node_id"] == report["decode_node"]
     assert decode["num_remote_prefills"] == 1 and decode["num_pulled_blocks"] > 0
+    assert decode["num_shared_memory_pulls"] == 0
     assert report["completion"]["usage"]["completion_tokens"] == 8
     # A dead prefill replica costs no request: the next one still completes on the same decode replica.
     assert report["after_kill_status"] == 200, report["after_kill"]

@@ -1,12 +1,15 @@
 """Transfer protocol and block bookkeeping, without sockets."""
 
+from dataclasses import replace
+
 import msgpack
 import pytest
 import torch
 
 from pdserve.engine.kv_cache import BlockPool
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.blocks import LeaseTable, gather_blocks, scatter_blocks
+from pdserve.kvtransfer.blocks import LeaseTable, cache_bits, copy_blocks, gather_blocks, scatter_blocks
+from pdserve.shared_memory import SharedRegion
 
 LAYOUT = p.KVLayout("m", num_layers=2, block_size=16, num_kv_heads=8, head_dim=64, dtype="float32")
 
@@ -52,6 +55,8 @@ def test_handle_round_trips_through_plain_data():
     h = p.KVHandle("prefill-0", "127.0.0.1:1234", "r", (3, 4, 5), 40, LAYOUT, 123.5)
     wire = msgpack.unpackb(msgpack.packb(h.to_dict()))
     assert p.KVHandle.from_dict(wire) == h
+    shared = replace(h, cache_region=SharedRegion("host/boot", 77, 11, (1, 6157), 1 << 20))
+    assert p.KVHandle.from_dict(msgpack.unpackb(msgpack.packb(shared.to_dict()))) == shared
     with pytest.raises(p.ProtocolError):
         p.KVHandle.from_dict({"request_id": "r"})
 
@@ -103,6 +108,27 @@ def test_gather_and_scatter_copy_bits_of_any_dtype_and_check_ids():
             gather_blocks(kv, bad)
         with pytest.raises(IndexError):
             scatter_blocks(out, bad, gather_blocks(kv, [0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks_moves_another_caches_blocks_by_runs(dtype):
+    """From another cache's bits (as mapped from another process) into this one's blocks: one run,
+    runs broken on either side, a head slice; exact bits; ids outside either cache refused."""
+    src = torch.randn(2, 2, 10, 4, 8, 3).to(dtype)
+    src_bits = cache_bits(src.view(torch.uint8).numpy().tobytes(), src.element_size(), (2, 4, 8, 3))
+    assert src_bits.shape == (2, 2, 10, 4, 8, 3) and not src_bits.flags.writeable
+    for src_ids, dst_ids, heads in (([3, 4, 5], [0, 1, 2], (0, 8)), ([3, 4, 5, 9], [6, 7, 1, 2], (2, 6)),
+                                    ([1], [9], (7, 8)), ([], [], (0, 8))):
+        out = torch.zeros(2, 2, 10, 4, heads[1] - heads[0], 3, dtype=dtype)
+        copy_blocks(src_bits, src_ids, heads, out, dst_ids)
+        assert torch.equal(out[:, :, dst_ids], src[:, :, src_ids, :, heads[0]:heads[1]])
+        untouched = [b for b in range(10) if b not in dst_ids]
+        assert not out[:, :, untouched].any()
+    with pytest.raises(IndexError):
+        copy_blocks(src_bits, [10], (0, 8), torch.zeros(2, 2, 10, 4, 8, 3, dtype=dtype), [0])
+    with pytest.raises(IndexError):
+        copy_blocks(src_bits, [0], (0, 8), torch.zeros(2, 2, 10, 4, 8, 3, dtype=dtype), [10])
+    assert cache_bits(bytes(100), 4, (2, 4, 8, 3)) is None  # not a whole number of blocks
 
 
 def test_leases_pin_release_and_expire():

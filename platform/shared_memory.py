@@ -1,0 +1,117 @@
+"""Tensors another process on this host can map: a CPU KV cache lives in one, so a decode replica on
+the same host copies a prefill replica's blocks straight out of its cache (the KV transfer's local
+path) instead of receiving them through a socket.
+
+`shared_zeros(shape, dtype)` allocates a zero-filled tensor in a memfd: anonymous shared memory,
+returned to the system with its last mapping, so a process that dies leaves no file behind.
+`locate(tensor)` describes the region holding a tensor so another process can find it
+(`SharedRegion`: host, pid, fd, file identity, size); `map_region` maps it read-only there through
+`/proc/<pid>/fd/<fd>`, or returns None where that cannot work: another host or container, the
+process gone (its fd number then names nothing, or another file), no permission.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    host: str  # host_id() of the owner: a region is only looked for on the same host
+    pid: int
+    fd: int
+    file_id: tuple[int, int]  # (st_dev, st_ino) of the memfd: a reused pid or fd number names another file
+    nbytes: int
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SharedRegion":
+        return cls(str(d["host"]), int(d["pid"]), int(d["fd"]), tuple(int(x) for x in d["file_id"]), int(d["nbytes"]))
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    """This host (or container): its hostname and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+_regions: dict[int, SharedRegion] = {}  # address of a shared tensor's first byte -> its region
+_regions_lock = threading.Lock()
+
+
+def shared_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":  # noqa: F821
+    """A zero-filled CPU tensor in shared memory (`locate` finds it); a private one where memfds are
+    missing or fail (not Linux, a full /dev/shm does not matter: memfds are not on it)."""
+    import torch
+
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(os, "memfd_create"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+    except OSError as e:
+        log.warning("no shared memory for the KV cache (%s): KV transfers on this host go through UCX", e)
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        os.ftruncate(fd, nbytes)  # reads as zeros; pages are taken on first write
+        mapping = mmap.mmap(fd, nbytes)
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        log.warning("no shared memory for the KV cache (%s): KV transfers on this host go through UCX", e)
+        return torch.zeros(shape, dtype=dtype)
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)  # keeps `mapping` alive
+    address = tensor.data_ptr()
+    with _regions_lock:
+        _regions[address] = SharedRegion(host_id(), os.getpid(), fd, (st.st_dev, st.st_ino), nbytes)
+    weakref.finalize(mapping, _forget, address, fd)  # when the last view of the tensor is gone
+    return tensor
+
+
+def _forget(address: int, fd: int) -> None:
+    with _regions_lock:
+        _regions.pop(address, None)
+    os.close(fd)
+
+
+def locate(tensor) -> SharedRegion | None:
+    """The region `tensor` is, when `shared_zeros` made it (the whole tensor, not a view into it)."""
+    with _regions_lock:
+        region = _regions.get(tensor.data_ptr())
+    if region is None or tensor.numel() * tensor.element_size() != region.nbytes:
+        return None
+    return region
+
+
+def map_region(region: SharedRegion) -> mmap.mmap | None:
+    """`region` mapped read-only into this process, or None where it cannot be (see the module)."""
+    if region.host != host_id():
+        return None
+    try:
+        fd = os.open(f"/proc/{region.pid}/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        log.info("cannot open the shared KV cache of process %d (%s): its pulls go through UCX", region.pid, e)
+        return None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != region.file_id or st.st_size != region.nbytes:
+            return None  # the process is gone and its pid, or fd number, went to another
+        return mmap.mmap(fd, region.nbytes, prot=mmap.PROT_READ)
+    except OSError as e:
+        log.info("cannot map the shared KV cache of process %d (%s): its pulls go through UCX", region.pid, e)
+        return None
+    finally:
+        os.close(fd)

@@ -1,0 +1,58 @@
+"""Shared-memory tensors: what a KV cache lives in so another process on this host can map it."""
+
+import gc
+import multiprocessing as mp
+import os
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from pdserve.engine.kv_cache import KVCache
+from pdserve.shared_memory import host_id, locate, map_region, shared_zeros
+
+
+def _read_in_child(region, replies) -> None:
+    mapping = map_region(region)
+    replies.put(None if mapping is None else np.frombuffer(mapping, dtype=np.float32)[:4].tolist())
+
+
+def test_a_shared_tensor_is_zeros_and_found_by_its_region():
+    t = shared_zeros((3, 5, 7), torch.bfloat16)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and not t.any()
+    region = locate(t)
+    assert region is not None and region.pid == os.getpid() and region.host == host_id()
+    assert region.nbytes == 3 * 5 * 7 * 2
+    assert locate(t[1]) is None and locate(torch.zeros(3)) is None  # a view, a private tensor
+
+
+def test_another_process_maps_it_and_sees_the_writes():
+    t = shared_zeros((4, 1024), torch.float32)
+    t[0, :4] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    for region, expected in ((locate(t), [1.0, 2.0, 3.0, 4.0]),
+                             (replace(locate(t), file_id=(0, 0)), None),  # the fd names another file
+                             (replace(locate(t), host="elsewhere/0"), None),  # another host
+                             (replace(locate(t), pid=2 ** 22 + 1), None)):  # no such process
+        proc = ctx.Process(target=_read_in_child, args=(region, replies))
+        proc.start()
+        assert replies.get(timeout=60) == expected
+        proc.join(10)
+
+
+def test_its_memory_and_fd_go_with_the_last_view():
+    t = shared_zeros((1024,), torch.float32)
+    region = locate(t)
+    view = t[10:]
+    del t
+    gc.collect()
+    assert os.path.exists(f"/proc/self/fd/{region.fd}")  # the view keeps the memory
+    del view
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{region.fd}") or map_region(region) is None
+
+
+def test_a_cpu_kv_cache_is_in_shared_memory():
+    cache = KVCache(2, 8, 16, 4, 64, torch.bfloat16)
+    assert locate(cache.kv) is not None and not cache.kv.any()
