@@ -16,6 +16,13 @@ One pull, one connection, in UCX tag messages (protocol version 2, protocol.py):
     scatters chunk i while i+1 arrives          gathers chunk i+1 while chunk i is on the wire
     ACK {request_id} (or DONE: keep lease)  ->  releases the lease on ACK
 
+On one host, where the handle names the exporter's cache in shared memory and this process can
+map it (`pdserve.shared_memory`), the READ asks for a local read: DATA comes with `local` and no
+chunks, the importer copies the blocks straight out of the exporter's cache (`copy_blocks`) and
+sends ACK/DONE. The exporter holds the blocks until then, or past the importer's deadline; a copy
+that ends after the deadline is void. UCX's own shared-memory transports were not used: they only
+run on endpoints without error handling, where a peer dying mid-transfer can abort this process.
+
 Each control frame is one message. A chunk is sent from and received into the cache itself when
 that side's blocks are one run (and, for the exporter, the importer takes every head); otherwise it
 goes through a staging buffer. The exporter bounds its sends by the importer's `timeout_s` and its
@@ -281,7 +288,6 @@ class UCXImporter(KVImporter):
         # Exporters' caches mapped from shared memory (None: not mappable from here); loop thread only.
         self._sources: OrderedDict[SharedRegion, np.ndarray | None] = OrderedDict()
         self.num_endpoints_created = 0
-        self.num_shared_memory_pulls = 0  # copied out of the exporter's cache on this host
         self._loop = ucx_loop()
 
     def close(self) -> None:
@@ -290,9 +296,9 @@ class UCXImporter(KVImporter):
                 for ep, _ in eps:
                     ep.abort()
             self._idle.clear()
+            self._sources.clear()
 
         self._loop.run(close_idle(), 5)
-        self._sources.clear()
 
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
                first_block: int, ack: bool) -> None:
