@@ -18,7 +18,6 @@ markdown table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -139,8 +138,7 @@ def main() -> None:
     # The baselines receive into one reused buffer, as the importer receives into its cache (or a
     # reused staging buffer): a fresh one would cost them page faults on every transfer.
     raw_out, tcp_out = np.ones(64 << 20, dtype=np.uint8), bytearray(b"\1" * (64 << 20))
-    copy_src = np.random.bytes(64 << 20)
-    copy_src = np.frombuffer(copy_src, dtype=np.uint8)
+    copy_src = np.frombuffer(np.random.bytes(64 << 20), dtype=np.uint8)
 
     def raw_ucxx(nbytes: int):
         async def go():

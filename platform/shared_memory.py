@@ -54,23 +54,21 @@ _regions_lock = threading.Lock()
 
 def shared_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":  # noqa: F821
     """A zero-filled CPU tensor in shared memory (`locate` finds it); a private one where memfds are
-    missing or fail (not Linux, a full /dev/shm does not matter: memfds are not on it)."""
+    missing (not Linux) or fail. Memfds do not live in /dev/shm, so its size does not limit them."""
     import torch
 
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0 or not hasattr(os, "memfd_create"):
         return torch.zeros(shape, dtype=dtype)
+    fd = -1
     try:
         fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
-    except OSError as e:
-        log.warning("no shared memory for the KV cache (%s): KV transfers on this host go through UCX", e)
-        return torch.zeros(shape, dtype=dtype)
-    try:
         os.ftruncate(fd, nbytes)  # reads as zeros; pages are taken on first write
         mapping = mmap.mmap(fd, nbytes)
         st = os.fstat(fd)
     except OSError as e:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         log.warning("no shared memory for the KV cache (%s): KV transfers on this host go through UCX", e)
         return torch.zeros(shape, dtype=dtype)
     tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)  # keeps `mapping` alive

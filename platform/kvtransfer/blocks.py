@@ -62,7 +62,7 @@ def cache_bits(buffer, element_size: int, block_shape: tuple[int, int, int, int]
     `[layers, 2, blocks, block_size, heads, head_dim]` for `block_shape` `(layers, block_size,
     heads, head_dim)`; None when the size is not a whole number of blocks."""
     layers, block_size, heads, head_dim = block_shape
-    bits = np.frombuffer(buffer, dtype=_bits(torch.empty(0, dtype=_BITS[element_size])).dtype)
+    bits = np.frombuffer(buffer, dtype=torch.empty(0, dtype=_BITS[element_size]).numpy().dtype)
     per_block = 2 * layers * block_size * heads * head_dim
     if bits.size % per_block:
         return None

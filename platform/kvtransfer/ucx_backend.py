@@ -149,7 +149,6 @@ class UCXExporter(KVExporter):
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
         self.cache_region = locate(kv) if shared_memory else None
-        self.num_shared_memory_reads = 0  # served by an importer on this host copying from the cache itself
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
         self._loop = ucx_loop()
@@ -232,12 +231,12 @@ class UCXExporter(KVExporter):
                 await asyncio.wait_for(_send_frame(ep, p.DATA, {"shape": list(read.shape), "num_chunks": 0,
                                                                 "local": True}), send_s)
                 kind, _ = await asyncio.wait_for(_recv_frame(ep), send_s)
-                self.num_shared_memory_reads += 1
+                read.close()
+                read = None
             else:
                 await asyncio.wait_for(self._send_blocks(ep, read), send_s)
-            read.close()  # the blocks are sent, or copied: they may go back once acked
-            read = None
-            if not is_local:
+                read.close()  # every send completed: the blocks may go back once acked
+                read = None
                 kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
             if kind == p.ACK:
                 self.ack(rid)

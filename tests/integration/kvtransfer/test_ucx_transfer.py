@@ -81,6 +81,13 @@ def importer():
     imp.close()
 
 
+def _wait_all_free(exporter, timeout_s: float = 10.0) -> int:
+    deadline = time.time() + timeout_s
+    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
+        time.sleep(0.1)
+    return exporter.free_blocks()
+
+
 def _dst(n, offset=7):
     return [offset + 3 * i for i in range(n)]  # a scattered mapping, unlike the exporter's ids
 
@@ -94,10 +101,7 @@ def test_blocks_arrive_bit_identical(exporter, src, importer, num_tokens):
     assert torch.equal(gather_blocks(importer.kv, dst), gather_blocks(src, list(handle.block_ids)))
     assert (handle.cache_region is not None) == exporter.shared
     assert importer.num_shared_memory_pulls == exporter.shared  # the local path wherever it is offered
-    deadline = time.time() + 5  # the ack released the lease
-    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
-        time.sleep(0.05)
-    assert exporter.free_blocks() == NUM_BLOCKS
+    assert _wait_all_free(exporter, 5) == NUM_BLOCKS  # the ack released the lease
 
 
 def test_bf16_blocks_arrive_bit_identical():
@@ -177,10 +181,7 @@ def test_pipelined_pulls_of_scattered_blocks_land_exact_bytes(exporter, src, num
             imp.close()
         expected = gather_blocks(src, list(handle.block_ids))[:, :, :, :, heads * rank:heads * (rank + 1)]
         assert torch.equal(gather_blocks(kv, dst), expected)
-    deadline = time.time() + 5
-    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
-        time.sleep(0.05)
-    assert exporter.free_blocks() == NUM_BLOCKS
+    assert _wait_all_free(exporter, 5) == NUM_BLOCKS
 
 
 def test_two_ranks_read_one_lease_then_release_it(exporter, src):
@@ -200,10 +201,7 @@ def test_two_ranks_read_one_lease_then_release_it(exporter, src):
                 imp.release(handle)
         finally:
             imp.close()
-    deadline = time.time() + 5
-    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
-        time.sleep(0.05)
-    assert exporter.free_blocks() == NUM_BLOCKS
+    assert _wait_all_free(exporter, 5) == NUM_BLOCKS
 
 
 def test_unknown_request_and_expired_lease(exporter, importer):
@@ -314,10 +312,7 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     handle = exporter.export("vanishing", 64)
     read = p.encode_frame(p.READ, {"request_id": "vanishing", "layout": LAYOUT})
     assert _raw_peer(exporter.address, read, read_reply=False) is None
-    deadline = time.time() + 6
-    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
-        time.sleep(0.1)
-    assert exporter.free_blocks() == NUM_BLOCKS
+    assert _wait_all_free(exporter, 6) == NUM_BLOCKS
     with pytest.raises(p.LeaseExpiredError):
         importer.pull(handle, _dst(4))
     # The exporter still serves a well-formed pull.
@@ -333,10 +328,7 @@ def test_importer_gone_mid_pipeline_the_blocks_return_at_lease_expiry(exporter, 
     read = p.encode_frame(p.READ, {"request_id": "abandoned", "layout": LAYOUT, "timeout_s": 1.0})
     kind, reply = _raw_peer(exporter.address, read)
     assert kind == p.DATA and reply["num_chunks"] == 2 * LAYOUT["num_layers"]
-    deadline = time.time() + 10
-    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
-        time.sleep(0.1)
-    assert exporter.free_blocks() == NUM_BLOCKS
+    assert _wait_all_free(exporter, 10) == NUM_BLOCKS
     with pytest.raises(p.LeaseExpiredError):
         importer.pull(handle, list(range(500)))
     h = exporter.export_scattered("after-abandoned", 1000)
@@ -372,13 +364,6 @@ def shared_exporter():
     e = Exporter(lease_s=2.0, shared=True)
     yield e
     e.stop()
-
-
-def _wait_all_free(exporter, timeout_s: float = 10.0) -> int:
-    deadline = time.time() + timeout_s
-    while exporter.free_blocks() != NUM_BLOCKS and time.time() < deadline:
-        time.sleep(0.1)
-    return exporter.free_blocks()
 
 
 def test_a_local_read_holds_its_blocks_until_the_importers_deadline(shared_exporter):
