@@ -61,6 +61,7 @@ def with_env(ray_actor_options: dict[str, Any], env: dict[str, str]) -> dict[str
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"  # Ray Serve's HAProxy mode (gateway.ingress: haproxy)
 HA_PROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 PREFIX_AWARE_ROUTER = "pdserve.router.request_router:PrefixAwareRouter"
 KV_HEADROOM_ROUTER = "pdserve.router.request_router:KVHeadroomRouter"
@@ -230,14 +231,22 @@ def serve_forever(config: ServeConfig, address: str | None = None) -> None:
 
 def ray_env(config: ServeConfig, address: str | None, cpus: int | None = None) -> dict[str, str]:
     """What `pdserve serve` adds to the environment when it starts Ray itself (a cluster it joins
-    has its own settings; variables already set win): `gateway.ingress`'s HAProxy mode, and on a
-    machine of fewer than 8 cores Serve's control loop every 0.5 s instead of 0.1 s. That loop
-    asks the GCS for every node's info on each turn: 2.4% of a core idle, and 24 us of CPU per
-    streamed token under load on 2 cores against 8 at 0.5 s (RESULTS.md). What it costs: Serve
-    notices a replica's state change up to 0.4 s later (a deploy, a failure, a scaling decision)."""
+    has its own settings; variables already set win):
+    - Ray's workers at nice 0, as its own daemons, instead of 15: the replicas are what serves
+      here. At 15, a burst of the dashboard agent's, the raylet's or a local client's work takes a
+      shared core from a decode step almost entirely (weights 1024 against 36), and on 2 cores
+      decode's p99 ITL was 7-21% higher (RESULTS.md, #5 part 2).
+    - `gateway.ingress`'s HAProxy mode.
+    - On a machine of fewer than 8 cores, Serve's control loop every 0.5 s instead of 0.1 s. That
+      loop asks the GCS for every node's info on each turn: 2.4% of a core idle, and 24 us of CPU
+      per streamed token under load on 2 cores against 8 at 0.5 s (RESULTS.md). What it costs:
+      Serve notices a replica's state change up to 0.4 s later (a deploy, a failure, a scaling
+      decision)."""
     if address is not None:
         return {}
-    env = {CONTROL_LOOP_ENV: "0.5"} if (cpus or os.cpu_count() or 1) < 8 else {}
+    env = {WORKER_NICENESS_ENV: "0"}
+    if (cpus or os.cpu_count() or 1) < 8:
+        env[CONTROL_LOOP_ENV] = "0.5"
     if config.gateway.ingress != "haproxy":
         return env
     if not has_haproxy():

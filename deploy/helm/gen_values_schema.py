@@ -192,6 +192,7 @@ def values_schema() -> Schema:
             "memoryPerGpuGi": {"type": "integer", "minimum": 1},
             "extraWorkerGroups": {"type": "array", "items": {"$ref": "#/definitions/extraGroup"}},
             "env": named_items("name"),
+            "rayWorkerNiceness": {"type": ["integer", "null"], "minimum": 0, "maximum": 19},
             "volumes": named_items("name"),
             "volumeMounts": named_items("name", "mountPath"),
             "sharedMemorySize": string,

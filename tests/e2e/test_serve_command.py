@@ -18,6 +18,26 @@ import yaml
 from ..conftest import free_port
 
 
+def _descendants(pid: int) -> list[tuple[str, int]]:
+    """(command name, nice value) of every process under `pid`, from /proc."""
+    children: dict[int, list[tuple[int, str, int]]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read() if entry.isdigit() else ""
+        except OSError:  # gone meanwhile
+            continue
+        if stat:
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ... priority, nice
+            children.setdefault(int(fields[1]), []).append(
+                (int(entry), stat[stat.index("(") + 1:stat.rindex(")")], int(fields[16])))
+    found, todo = [], [pid]
+    while todo:
+        for child, comm, nice in children.get(todo.pop(), []):
+            found.append((comm, nice))
+            todo.append(child)
+    return found
+
+
 def test_pdserve_serve_answers_and_stops(tiny_llama, tmp_path):
     port = free_port()
     config = {"model": tiny_llama, "mode": "colocated",
@@ -41,6 +61,9 @@ def test_pdserve_serve_answers_and_stops(tiny_llama, tmp_path):
         [model] = client.models.list().data
         r = client.completions.create(model=model.id, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
+        # Its Ray runs the replicas at nice 0, as its daemons, not at Ray's default of 15.
+        replicas = [(comm, nice) for comm, nice in _descendants(proc.pid) if comm.startswith("ray::ServeRepl")]
+        assert replicas and all(nice == 0 for _, nice in replicas), replicas
         # The banner's metrics line points at Ray's Prometheus export, where the request shows up.
         [metrics_url] = re.findall(r"metrics: +(http://\S+/metrics)", "".join(lines))
         deadline = time.monotonic() + 90

@@ -165,3 +165,15 @@ def test_pod_templates_carry_no_release_specific_labels(render):
         labels = template["metadata"]["labels"]
         assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
         assert "checksum" not in str(template["metadata"].get("annotations", {}))
+
+
+def test_ray_starts_its_workers_at_nice_0_unless_told_otherwise(render):
+    def niceness(values: dict) -> list:
+        spec = render(values).rayservice["spec"]["rayClusterConfig"]
+        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        return [{e["name"]: e.get("value") for e in _container(g).get("env", [])}.get("RAY_worker_niceness")
+                for g in groups]
+
+    assert niceness({}) == ["0", "0", "0"]  # head, prefill, decode: replicas as Ray's daemons, not at 15
+    assert niceness({"rayWorkerNiceness": 5, "env": [{"name": "HF_HOME", "value": "/m"}]}) == ["5", "5", "5"]
+    assert niceness({"rayWorkerNiceness": None}) == [None, None, None]  # Ray's own default

@@ -106,7 +106,8 @@ def test_replicas_run_on_serves_own_loop_and_engines_spin_briefly_unless_configu
 def test_serve_starts_ray_with_haproxy_ingress_unless_configured(monkeypatch):
     from pdserve import app
 
-    small, large = {app.CONTROL_LOOP_ENV: "0.5"}, {}  # Serve's control loop: slower on small machines
+    # Ray's workers at nice 0 like its daemons; Serve's control loop slower on small machines.
+    small, large = {app.WORKER_NICENESS_ENV: "0", app.CONTROL_LOOP_ENV: "0.5"}, {app.WORKER_NICENESS_ENV: "0"}
     for cpus, loop in ((2, small), (16, large)):
         haproxy = {**loop, app.HA_PROXY_ENV: "1", app.HA_PROXY_THREADS_ENV: str(app.haproxy_threads(cpus))}
         cases = [("haproxy", None, True, haproxy), ("proxy", None, True, loop),

@@ -236,6 +236,10 @@ annotations: {{- $spec.annotations | default dict | toYaml | nindent 2 }}
 
 {{/* Environment of every Ray container: the API keys (when set) and the values' env. */}}
 {{- define "pdserve.rayEnv" -}}
+{{- if not (kindIs "invalid" .Values.rayWorkerNiceness) }}
+- name: RAY_worker_niceness
+  value: {{ .Values.rayWorkerNiceness | quote }}
+{{- end }}
 {{- if or .Values.apiKeys.keys .Values.apiKeys.existingSecret }}
 - name: PDSERVE_API_KEYS
   valueFrom:
