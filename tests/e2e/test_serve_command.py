@@ -77,6 +77,10 @@ def test_pdserve_serve_answers_and_stops(tiny_llama, tmp_path):
         assert proc.returncode == 0, "".join(lines) + out
         assert "shutting down" in out
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed check: stop it as a user would, so its Ray and HAProxy go too
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
