@@ -234,7 +234,8 @@ annotations: {{- $spec.annotations | default dict | toYaml | nindent 2 }}
 {{- toYaml (dict "groups" $groups) -}}
 {{- end -}}
 
-{{/* Environment of every Ray container: the API keys (when set) and the values' env. */}}
+{{/* Environment of every Ray container: Ray's worker niceness (unless null), the API keys (when set)
+   and the values' env (last: a variable set there wins). */}}
 {{- define "pdserve.rayEnv" -}}
 {{- if not (kindIs "invalid" .Values.rayWorkerNiceness) }}
 - name: RAY_worker_niceness
