@@ -36,7 +36,8 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV-cache blocks to allocate; overrides kv_cache_memory_bytes when set.")
     kv_cache_memory_bytes: int = Field(
-        512 * 2**20, ge=1, description="Memory for the KV cache when num_kv_blocks is not set.")
+        512 * 2**20, ge=1, description="Memory for the KV cache when num_kv_blocks is not set; "
+                                       "held from startup.")
     max_model_len: int | None = Field(
         None, ge=2, description="Longest prompt + output in tokens; default: the model's context length.")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch.")

@@ -56,3 +56,16 @@ def test_its_memory_and_fd_go_with_the_last_view():
 def test_a_cpu_kv_cache_is_in_shared_memory():
     cache = KVCache(2, 8, 16, 4, 64, torch.bfloat16)
     assert locate(cache.kv) is not None and not cache.kv.any()
+
+
+def _resident_shared_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
+
+
+def test_its_pages_are_taken_at_allocation_not_on_first_write():
+    # Left to fault in on first write, each page cost a kernel zeroing in whatever wrote it first:
+    # an engine step, a prefill, a KV pull.
+    before = _resident_shared_bytes()
+    t = shared_zeros((16, 1 << 20), torch.float32)  # 64 MiB
+    assert _resident_shared_bytes() - before >= 0.95 * t.numel() * t.element_size()
