@@ -3,9 +3,9 @@
 Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
 ("export_scattered", request_id, num_tokens) -> the same over every other block (the exporter then
 gathers chunk by chunk); ("free",) -> the pool's free block count; ("connections",) -> connections
-accepted so far and open now; ("cpu",) -> the process's CPU seconds so far; ("wakeups",) -> how many
-times its threads have gone to sleep and woken so far (voluntary context switches); ("stop",). The cache is
-`make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
+accepted so far and open now; ("cpu",) -> the process's CPU seconds so far; ("wakeups",) -> how
+many times its threads have slept and woken so far (voluntary context switches); ("stop",). The
+cache is `make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
 With `shared`, the cache is in shared memory (`shared_zeros`), as an engine's is: importers on this
 host copy out of it (the local path). `stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
 """
