@@ -64,7 +64,7 @@ _ERRORS = {"unknown": p.UnknownRequestError, "expired": p.LeaseExpiredError, "la
            "protocol": p.ProtocolError}
 _MAX_SEND_S = 3600.0  # the most an importer may ask the exporter to keep sending
 _MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
-PROGRESS_WAIT_MS = 100  # the longest UCX's progress thread sleeps with nothing to do (see _start_progress_thread)
+_PROGRESS_WAIT_MS = 100  # the longest UCX's progress thread sleeps with nothing to do (_start_progress_thread)
 
 
 class _LoopThread:
@@ -114,21 +114,27 @@ async def _init_ucx() -> None:
 
 def _start_progress_thread(ucxx) -> None:
     """Restart the UCX worker's progress thread, which `ucxx.init` starts, with a wait of
-    PROGRESS_WAIT_MS for the worker's events instead of ucxx's 1 ms.
+    _PROGRESS_WAIT_MS for the worker's events instead of ucxx's 1 ms.
 
     At 1 ms the thread woke ~920 times a second in every process with UCX, busy or idle: in a
     replica, a thread that takes the core from the engine step (or the way to the client) almost
     every step. Everything that needs the thread wakes it at once: a message (the worker's event
     fd), a send or receive posted from another thread (ucxx signals the worker). The bound only
-    paces UCX's own housekeeping. ucxx has no setting for it: this reaches into its context, and
-    leaves ucxx's thread as it is on a version where that fails."""
+    paces UCX's own housekeeping. ucxx has no setting for it: this reaches into its context; on a
+    version where that fails, UCX keeps a progress thread with ucxx's own wait."""
     try:
         worker = ucxx.core._get_ctx().worker
-        worker.stop_progress_thread()  # nothing is connected yet; the thread keeps its start callback
-        worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_WAIT_MS)
-    except (AttributeError, TypeError) as e:
+    except AttributeError as e:
         log.warning("UCX's progress thread wakes every millisecond (%r): this ucxx version is not the one "
                     "pdserve knows", e)
+        return
+    worker.stop_progress_thread()  # nothing is connected yet; the thread keeps its start callback
+    try:
+        worker.start_progress_thread(polling_mode=False, epoll_timeout=_PROGRESS_WAIT_MS)
+    except TypeError as e:  # another signature: never leave UCX without its progress thread
+        log.warning("UCX's progress thread keeps ucxx's defaults (%r): this ucxx version is not the one "
+                    "pdserve knows", e)
+        worker.start_progress_thread()
 
 
 def _buffer(t: torch.Tensor):

@@ -7,7 +7,8 @@ accepted so far and open now; ("cpu",) -> the process's CPU seconds so far; ("wa
 many times its threads have slept and woken so far (voluntary context switches); ("stop",). The
 cache is `make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
 With `shared`, the cache is in shared memory (`shared_zeros`), as an engine's is: importers on this
-host copy out of it (the local path). `stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
+host copy out of it (the local path). `stall` is an exporter that sends the DATA frame and a few
+chunks of a pull, then nothing.
 """
 
 from __future__ import annotations
