@@ -23,7 +23,8 @@
  * Built by cpu_kernels.py with the system C compiler (-O3 -march=native -fopenmp -pthread); loaded
  * after torch, so `libgomp.so.1` resolves to the OpenMP runtime torch already runs (one thread
  * pool). Linux only: the decode step's helpers sleep on a futex.
- * AVX2/FMA code paths where the CPU has them, plain C (vectorised by the compiler) elsewhere.
+ * AVX2/FMA code paths where the CPU has them, plain C (vectorised by the compiler) elsewhere; AVX-512
+ * for the matmul's tiles and decode attention's usual head shapes where it has that.
  */
 
 #define _GNU_SOURCE /* madvise, syscall, pthread_setname_np */
@@ -173,6 +174,106 @@ static inline void kv_lines_fetch(kv_lines *s, int64_t lines) {
     }
 }
 
+#ifdef __AVX512F__
+/* Sixteen cache elements from p as fp32. */
+static inline __m512 kv_load16(const char *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Lane i: the sum of a[i]'s lanes (a transpose by halves: 15 adds for 16 sums). */
+static inline __m512 hsum16(const __m512 *a) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int i = 0; i < 8; ++i)
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* attend()'s pass 1 in 512-bit registers for G query heads per KV head (a constant: each G
+ * compiles to its own loop), 16 / G tokens at a time: each K row is loaded and widened once for
+ * all G heads (the 256-bit loop widens it once per head), 16 independent FMA chains summed
+ * together. Returns how many tokens it scored. */
+static inline __attribute__((always_inline)) int64_t scores_z(
+    const float *q, int64_t q_head_stride, const void *k_cache, int kv_bf16, const int64_t *table, int64_t len,
+    int64_t h0, int64_t h1, const int G, int64_t head_dim, int64_t block_size, int64_t block_stride,
+    int64_t token_bytes, float scale, float *scores, kv_lines *ahead, int64_t row_lines) {
+    const int T = 16 / G;
+    const int64_t es = kv_bf16 ? 2 : 4, per_head = (T * row_lines + (h1 - h0) - 1) / (h1 - h0);
+    int64_t t = 0;
+    for (; t + T <= len; t += T) {
+        const char *k[16];
+        for (int j = 0; j < T; ++j) k[j] = row(k_cache, table, t + j, block_size, block_stride, token_bytes);
+        for (int64_t h = h0; h < h1; ++h) {
+            kv_lines_fetch(ahead, per_head);
+            const float *qh = q + h * G * q_head_stride;
+            __m512 acc[16];
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                __m512 qv[4];
+                _Pragma("GCC unroll 4") for (int g = 0; g < G; ++g) qv[g] = _mm512_loadu_ps(qh + g * q_head_stride + d);
+                _Pragma("GCC unroll 16") for (int j = 0; j < T; ++j) {
+                    const __m512 kv = kv_load16(k[j] + (h * head_dim + d) * es, kv_bf16);
+                    _Pragma("GCC unroll 4") for (int g = 0; g < G; ++g)
+                        acc[g * T + j] = _mm512_fmadd_ps(qv[g], kv, acc[g * T + j]);
+                }
+            }
+            float sums[16];  /* [g * T + j]: query head g, token t + j */
+            _mm512_storeu_ps(sums, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+            for (int g = 0; g < G; ++g)
+                memcpy(scores + ((h - h0) * G + g) * len + t, sums + g * T, sizeof(float) * T);
+        }
+    }
+    return t;
+}
+
+/* attend()'s pass 2 for one KV head's G query rows over one block's n tokens, on C * 16 of its
+ * dims from d0 (G and C constants): each V row is loaded and widened once for all G rows. */
+static inline __attribute__((always_inline)) void values_z(const char *vh, int kv_bf16, int64_t n,
+                                                           int64_t token_bytes, const float *p, int64_t len,
+                                                           float *ah, int64_t head_dim, const int G, const int C,
+                                                           int64_t d0) {
+    const int64_t es = kv_bf16 ? 2 : 4;
+    __m512 a[4][4];  /* [g][c] */
+    _Pragma("GCC unroll 4") for (int g = 0; g < G; ++g)
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(ah + g * head_dim + d0 + 16 * c);
+    for (int64_t i = 0; i < n; ++i) {
+        const char *vr = vh + i * token_bytes + d0 * es;
+        __m512 v[4];
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) v[c] = kv_load16(vr + 16 * c * es, kv_bf16);
+        _Pragma("GCC unroll 4") for (int g = 0; g < G; ++g) {
+            const __m512 pv = _mm512_set1_ps(p[g * len + i]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pv, v[c], a[g][c]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int g = 0; g < G; ++g)
+        _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + g * head_dim + d0 + 16 * c, a[g][c]);
+}
+
+/* Pass 2 over one block for KV heads [h0, h1), G query heads each. */
+static inline __attribute__((always_inline)) void block_values_z(
+    const char *vb, int kv_bf16, int64_t n, int64_t t0, int64_t len, int64_t h0, int64_t h1, const int G,
+    int64_t head_dim, int64_t token_bytes, const float *scores, float *acc, kv_lines *ahead, int64_t row_lines) {
+    const int64_t es = kv_bf16 ? 2 : 4;
+    for (int64_t h = h0; h < h1; ++h) {
+        kv_lines_fetch(ahead, (n * row_lines + (h1 - h0) - 1) / (h1 - h0));
+        const char *vh = vb + h * head_dim * es;
+        const float *p = scores + (h - h0) * G * len + t0;
+        float *ah = acc + (h - h0) * G * head_dim;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= head_dim; d0 += 64) values_z(vh, kv_bf16, n, token_bytes, p, len, ah, head_dim, G, 4, d0);
+        for (; d0 < head_dim; d0 += 16) values_z(vh, kv_bf16, n, token_bytes, p, len, ah, head_dim, G, 1, d0);
+    }
+}
+#endif
+
 /* One sequence's KV heads [h0, h1) against its `len` tokens; each KV head serves `group` query
  * heads (q row h * group + g, stride q_head_stride; out rows likewise, dense). Rows of all the
  * heads of a token are adjacent in the cache, so reading them together streams whole blocks.
@@ -194,8 +295,25 @@ static void attend(const float *q, int64_t q_head_stride, const void *k_cache, c
     kv_lines_seek(&ahead);
     kv_lines_fetch(&ahead, ATTN_AHEAD * row_lines);
 
+    /* 512-bit loops for the usual head shapes: head_dim a multiple of 16, 1, 2 or 4 query heads
+     * per KV head; the 256-bit ones for the rest, and for the tokens they leave. */
+#ifdef __AVX512F__
+    const int zg = head_dim % 16 == 0 && (group == 1 || group == 2 || group == 4) ? (int)group : 0;
+#endif
+
     /* Pass 1: scores, reading each K row once for all the query heads it serves. */
     int64_t t = 0;
+#ifdef __AVX512F__
+    if (zg == 1)
+        t = scores_z(q, q_head_stride, k_cache, kv_bf16, table, len, h0, h1, 1, head_dim, block_size, block_stride,
+                     token_bytes, scale, scores, &ahead, row_lines);
+    else if (zg == 2)
+        t = scores_z(q, q_head_stride, k_cache, kv_bf16, table, len, h0, h1, 2, head_dim, block_size, block_stride,
+                     token_bytes, scale, scores, &ahead, row_lines);
+    else if (zg == 4)
+        t = scores_z(q, q_head_stride, k_cache, kv_bf16, table, len, h0, h1, 4, head_dim, block_size, block_stride,
+                     token_bytes, scale, scores, &ahead, row_lines);
+#endif
 #ifdef HAVE_AVX2
     if (head_dim % 8 == 0) {
         const int64_t per_row_8 = (8 * row_lines + rows - 1) / rows;
@@ -266,6 +384,18 @@ static void attend(const float *q, int64_t q_head_stride, const void *k_cache, c
     for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
         const char *vb = (const char *)v_cache + table[blk] * block_stride;
         const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+#ifdef __AVX512F__
+        if (zg == 1) {
+            block_values_z(vb, kv_bf16, n, t0, len, h0, h1, 1, head_dim, token_bytes, scores, acc, &ahead, row_lines);
+            continue;
+        } else if (zg == 2) {
+            block_values_z(vb, kv_bf16, n, t0, len, h0, h1, 2, head_dim, token_bytes, scores, acc, &ahead, row_lines);
+            continue;
+        } else if (zg == 4) {
+            block_values_z(vb, kv_bf16, n, t0, len, h0, h1, 4, head_dim, token_bytes, scores, acc, &ahead, row_lines);
+            continue;
+        }
+#endif
         for (int64_t r = 0; r < rows; ++r) {
             kv_lines_fetch(&ahead, (n * row_lines + rows - 1) / rows);
             float *ar = acc + r * head_dim;

@@ -41,6 +41,8 @@ def test_the_kernel_builds_on_this_machine():
     (8, 4, 64, 16, 300),   # the benchmark model's shape (GQA 2)
     (4, 4, 32, 16, 40),    # MHA
     (8, 1, 128, 16, 70),   # MQA, wide heads
+    (8, 2, 32, 16, 50),    # GQA 4 (Llama 3 8B's grouping), head dim under 64
+    (4, 2, 80, 8, 37),     # head dim 64 + 16 (AVX-512's loops take it in two widths)
     (6, 2, 24, 5, 33),     # odd sizes everywhere
     (2, 2, 16, 1, 9),      # one token per block
 ])
@@ -141,11 +143,12 @@ def test_linear_gives_a_row_the_same_result_in_any_batch(packed_dtype):
 
 
 @pytest.mark.parametrize("cflags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma"])
-def test_linear_on_the_kernels_for_older_cpus(cflags, tmp_path):
-    # This machine may have AVX-512: the AVX2 and plain C builds run this file's build and linear
-    # tests as well, in a process of their own (the library is loaded once per process).
+def test_the_kernels_for_older_cpus(cflags, tmp_path):
+    # This machine may have AVX-512: the AVX2 and plain C builds run this file's build, attention
+    # and linear tests as well, in a process of their own (the library is loaded once per process).
     env = {**os.environ, cpu_kernels.CFLAGS_ENV: cflags, "PDSERVE_CACHE_DIR": str(tmp_path)}
-    tests = "builds_on_this_machine or linear_matches_torch or same_result_in_any_batch"
+    tests = ("builds_on_this_machine or kernel_matches_torch or linear_matches_torch or same_result_in_any_batch"
+             " or large_scores")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
