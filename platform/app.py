@@ -7,11 +7,13 @@ pulls the KV). Colocated: Gateway -> Unified. `build_app` is the `import_path` t
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from pdserve.config import AutoscalingSpec, PoolConfig, ServeConfig
+from pdserve.errors import AddressUnavailableError
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -190,13 +193,52 @@ def load_config(path: str | None, **overrides: Any) -> ServeConfig:
     return ServeConfig.model_validate({**data, "gateway": gateway})
 
 
+def check_address(host: str, port: int) -> None:
+    """Raise `AddressUnavailableError` when this process could not listen on host:port (another
+    listens there, or it is not an address of this machine). Checked before Ray starts:
+    otherwise HAProxy fails to bind deep inside Ray Serve, after a minute and with a 50-line
+    traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As HAProxy binds: a past run's connections in TIME_WAIT are no obstacle, a listener is.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise AddressUnavailableError(f"{host}:{port} is already in use{_listener(port)}; stop it, or "
+                                              "serve on another port with --port") from None
+            raise AddressUnavailableError(f"cannot listen on {host}:{port} ({e.strerror}); serve on another "
+                                          "address with --host and --port") from None
+
+
+def _listener(port: int) -> str:
+    """' (by NAME, pid N...)' for the process listening on `port`, when this user may see it."""
+    import psutil
+
+    try:
+        pids = {c.pid for c in psutil.net_connections("inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+        names = {pid: psutil.Process(pid).name() for pid in pids}
+    except (psutil.Error, OSError):
+        return ""
+    if not names:
+        return ""
+    pid, name = sorted(names.items())[0]
+    if "haproxy" in name:  # Ray Serve starts it; a `pdserve serve` killed with SIGKILL leaves it running
+        return f" (by HAProxy, pid {pid}, likely left by a killed `pdserve serve` or Ray Serve: `kill {pid}`)"
+    return f" (by {name}, pid {pid})"
+
+
 def serve_forever(config: ServeConfig, address: str | None = None) -> None:
     """`pdserve serve`: start (or join) Ray, deploy, print where things are, run until Ctrl-C."""
     import ray
     from ray import serve
 
-    config = resolve_model(config)
     gw = config.gateway
+    if address is None:  # a cluster we join may serve this port already, through its own proxies
+        check_address(gw.host, gw.port)
+    config = resolve_model(config)
     # A private redis on loopback serves one machine only: joining a cluster needs router.redis_url.
     config, redis_server = _with_router_redis(config) if address is None else (config, None)
     for name, value in ray_env(config, address).items():  # read by every Serve process: set before Ray

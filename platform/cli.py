@@ -75,8 +75,13 @@ def _config_validate(args) -> int:
 
 def _serve(args) -> int:
     from pdserve.app import load_config, serve_forever
+    from pdserve.errors import AddressUnavailableError
 
-    serve_forever(load_config(args.config, host=args.host, port=args.port), args.address)
+    try:
+        serve_forever(load_config(args.config, host=args.host, port=args.port), args.address)
+    except AddressUnavailableError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -40,3 +40,8 @@ class ModelLoadError(PdserveError):
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint's architecture or one of its options is not implemented."""
+
+
+class AddressUnavailableError(PdserveError):
+    """`pdserve serve` cannot listen on its HTTP address: another process holds it, or the host
+    is not this machine's, or the port is privileged."""
