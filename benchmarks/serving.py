@@ -32,7 +32,9 @@ colocated serving's stalls stay under its 1% tail; disaggregation shows from the
 do not.
 
 Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
-tokenizer's, so every token streams text; fp32), generated into the pdserve cache on first use.
+tokenizer's; fp32), generated into the pdserve cache on first use. About a sixth of its greedy
+tokens have no text of their own (byte pieces of an unfinished character, `<unk>`, `</s>`): each
+still streams as a chunk, and every chunk is timed.
 Prints markdown tables and one JSON line with every figure.
 """
 

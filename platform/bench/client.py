@@ -41,8 +41,8 @@ def build_payload(endpoint: str, model: str, req: BenchRequest, ignore_eos: bool
 
 
 class _Stream:
-    """One response's SSE lines into its record: content pieces stamped with when they arrived,
-    the server's usage figure, errors in the stream."""
+    """One response's SSE lines into its record: each token's chunk stamped with when it arrived,
+    the text, the server's usage figure, errors in the stream."""
 
     def __init__(self, rec: RequestRecord, chat: bool):
         self.rec, self.chat = rec, chat
@@ -82,9 +82,17 @@ class _Stream:
         if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
             self.usage_tokens = int(usage["completion_tokens"])
         for choice in choices:
-            piece = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+            if not isinstance(choice, dict):
+                rec.error, rec.error_detail = "invalid_response", data[:200].decode("utf-8", "replace")
+                return False
+            delta = choice.get("delta") or {}
+            if self.chat and "role" in delta:
+                continue  # the stream's opening chunk, not a token
+            # A chunk is a token's arrival even with no text (a special token, text held back), as
+            # vLLM's bench counts it: skipping it would time the next token's gap over two steps.
+            rec.chunk_times_s.append(now)
+            piece = delta.get("content") if self.chat else choice.get("text")
             if piece:
-                rec.chunk_times_s.append(now)
                 self.text_parts.append(piece)
         return True
 

@@ -6,6 +6,11 @@ size limit, validates it (bad input -> an OpenAI-shaped 4xx), applies the chat t
 tokenizes, fans a request out into one `GenerateRequest` per prompt and choice, and assembles
 the engine's token outputs into OpenAI responses or SSE chunks. Errors before the first byte
 are HTTP errors; errors after it are sent in-stream, followed by `data: [DONE]`.
+
+A stream sends one chunk per token as it is produced, its text empty or not (a special token,
+text held back as a possible stop string's start or an unfinished character), as vLLM does: the
+clients that time chunks (`vllm bench serve`, aiperf, `pdserve bench`) then see every token when
+it comes, not a gap of two steps before the token after a silent one.
 """
 
 from __future__ import annotations
@@ -359,8 +364,7 @@ class OpenAIService:
                 text = self._echo(c) + text
             started.add(index)
             if k is None and not out.finished:
-                if text:
-                    yield plain.event(index, text)
+                yield plain.event(index, text)  # text or not: see the module's docstring
                 continue
             lps = (self._completion_logprobs(c.logprobs[before:] if out.prompt_logprobs is None else c.logprobs, k,
                                              c.prompt_ids[0]) if k is not None else None)
@@ -410,15 +414,18 @@ class OpenAIService:
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         plain = TextChunks(base, chat_choice)  # a token's chunk: only its text and index vary
-        for c in choices:
-            yield sse_event({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]})
+        announced = False
         async for index, out in self._merged(rec, reqs):
+            if not announced:  # with the first token, as vLLM: a client timing the first chunk times it
+                announced = True
+                for c in choices:
+                    yield sse_event({**base, "choices": [{"index": c.index, "delta": {"role": "assistant",
+                                                                                      "content": ""},
+                                                          "logprobs": None, "finish_reason": None}]})
             c = choices[index]
             self._absorb(c, out)
             if k is None and not out.finished:
-                if out.new_text:
-                    yield plain.event(index, out.new_text)
+                yield plain.event(index, out.new_text)
                 continue
             yield sse_event({**base, "choices": [{
                 "index": index, "delta": {"content": out.new_text} if out.new_text else {},

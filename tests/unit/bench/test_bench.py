@@ -174,12 +174,8 @@ def test_a_request_past_its_timeout_is_reported_and_the_run_goes_on():
     assert m["errors"] == {"timeout": 2} and m["completed"] == 0
 
 
-def test_sse_lines_split_across_reads_are_parsed_and_stamped_when_complete():
-    """The protocol's parser against a body whose lines arrive in pieces, one HTTP chunk each."""
-    chunks = [b'data: {"choices": [{"index": 0, "te', b'xt": " a"}]}\n\n',
-              b'data: {"choices": [{"index": 0, "text": " b"}]}\n',
-              b'\ndata: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DO', b'NE]\n\n']
-
+def _read_stream(chunks: list[bytes], path: str = "/v1/completions", gap_s: float = 0.05):
+    """`send_request`'s record of a response whose body arrives as `chunks`, one HTTP chunk each."""
     async def main():
         async def serve(reader, writer):
             await reader.readuntil(b"\r\n\r\n")
@@ -188,21 +184,47 @@ def test_sse_lines_split_across_reads_are_parsed_and_stamped_when_complete():
             for c in chunks:
                 writer.write(b"%x\r\n%s\r\n" % (len(c), c))
                 await writer.drain()
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(gap_s)
             writer.write(b"0\r\n\r\n")
             await writer.drain()
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         connections = Connections()
-        rec = await send_request(connections, f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x"}, 1, 10)
+        payload = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+        rec = await send_request(connections, f"http://127.0.0.1:{port}{path}", payload, 1, 10)
         connections.close()
         server.close()
         return rec
 
-    rec = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_sse_lines_split_across_reads_are_parsed_and_stamped_when_complete():
+    """The protocol's parser against a body whose lines arrive in pieces."""
+    rec = _read_stream([b'data: {"choices": [{"index": 0, "te', b'xt": " a"}]}\n\n',
+                        b'data: {"choices": [{"index": 0, "text": " b"}]}\n',
+                        b'\ndata: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DO', b'NE]\n\n'])
     assert rec.error is None and rec.output_tokens == 2 and rec.output_tokens_source == "usage"
     assert len(rec.chunk_times_s) == 2 and rec.chunk_times_s[1] - rec.chunk_times_s[0] >= 0.04
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_token_without_text_is_timed_as_it_arrives(path):
+    """A chunk with no text (a special token, text held back) is a token's arrival, as vLLM's bench
+    counts it; the chat stream's opening role chunk is not."""
+    if path == "/v1/completions":
+        def chunk(text):
+            return b'data: {"choices": [{"index": 0, "text": %s}]}\n\n' % json.dumps(text).encode()
+        opening = []
+    else:
+        def chunk(text):
+            return b'data: {"choices": [{"index": 0, "delta": {"content": %s}}]}\n\n' % json.dumps(text).encode()
+        opening = [b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n']
+    rec = _read_stream(opening + [chunk("a"), chunk(""), chunk("b"), b"data: [DONE]\n\n"], path)
+    assert rec.error is None and rec.output_tokens == 3 and rec.output_tokens_source == "chunks"
+    gaps = [b - a for a, b in zip(rec.chunk_times_s, rec.chunk_times_s[1:])]
+    assert len(gaps) == 2 and min(gaps) >= 0.04  # each token timed on its own, none merged into the next gap
 
 
 def test_unreachable_server_is_reported():

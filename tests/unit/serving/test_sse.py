@@ -4,6 +4,7 @@ as OpenAI's shapes in json.dumps' bytes, one finish_reason per choice, ending in
 
 import asyncio
 import json
+import time
 
 import pytest
 from starlette.requests import Request
@@ -49,8 +50,9 @@ class ScriptedClient:
         return {"unified": True}
 
 
-def _stream(service, path: str, body: dict) -> bytes:
-    """POST `body` to the service's route as an ASGI request; the whole response body."""
+def _stream(service, path: str, body: dict, arrivals: list | None = None) -> bytes:
+    """POST `body` to the service's route as an ASGI request; the whole response body (each part's
+    `perf_counter` time and bytes appended to `arrivals` as it is sent)."""
     raw = json.dumps(body).encode()
     scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json"),
                                                                          (b"content-length", str(len(raw)).encode())],
@@ -63,6 +65,8 @@ def _stream(service, path: str, body: dict) -> bytes:
 
         async def send(message):
             sent.append(message)
+            if arrivals is not None and message["type"] == "http.response.body":
+                arrivals.append((time.perf_counter(), message.get("body", b"")))
 
         route = service.completions if path == "/v1/completions" else service.chat_completions
         response = await route(Request(scope, receive))
@@ -103,7 +107,8 @@ def test_completion_stream(service):
     for index in (0, 1):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
         assert "".join(ch["text"] for ch in mine) == 'Hé "lo"\n!'
-        assert [ch["finish_reason"] for ch in mine] == [None, None, "length"]  # the empty step sends nothing
+        assert [ch["text"] for ch in mine] == ["Hé", ' "lo"', "", "\n!"]  # a token without text sends a chunk too
+        assert [ch["finish_reason"] for ch in mine] == [None, None, None, "length"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
 
 
@@ -114,6 +119,25 @@ def test_completion_stream_with_logprobs(service):
     assert all(len(c["choices"][0]["logprobs"]["tokens"]) == 1 for c in chunks)
 
 
+class SlowFirstTokenClient(ScriptedClient):
+    async def generate(self, req):
+        await asyncio.sleep(0.2)
+        async for out in super().generate(req):
+            yield out
+
+
+def test_the_chat_streams_opening_chunk_comes_with_its_first_token(tiny_llama):
+    """As vLLM's: a client that times the first chunk (vllm bench serve counts the role chunk as the
+    first token) times the first token, not the request's arrival."""
+    service = OpenAIService(SlowFirstTokenClient([(5, "a"), (6, "b")]), Tokenizer(tiny_llama), "tiny", 256,
+                            GatewayConfig())
+    arrivals, start = [], time.perf_counter()
+    _stream(service, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                              "stream": True}, arrivals)
+    opening = next(t for t, body in arrivals if b'"role"' in body)
+    assert opening - start >= 0.2
+
+
 def test_chat_stream(service):
     events = _events(_stream(service, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}))
@@ -122,6 +146,7 @@ def test_chat_stream(service):
     assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == 'Hé "lo"\n!'
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+    assert chunks[2]["choices"][0]["delta"] == {"content": ""}
     assert chunks[0]["choices"][0] == {"index": 0, "delta": {"content": "Hé"}, "logprobs": None,
                                        "finish_reason": None, "stop_reason": None}
