@@ -117,6 +117,9 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: dict[s
         "output_throughput": total_output / duration_s if duration_s > 0 else 0.0,
         "total_token_throughput": (total_input + total_output) / duration_s if duration_s > 0 else 0.0,
         "request_goodput": good / duration_s if slo and duration_s > 0 else None,
+        # The share of requests sent that completed within the SLO. Goodput divides the same count
+        # by the run's length, which a bounded run's last, slowest requests stretch.
+        "slo_attainment": good / len(records) if slo and records else None,
         "slo_ms": slo or {},
     }
     result.update(_stats("ttft", [r.ttft_s for r in done], percentiles))

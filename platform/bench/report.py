@@ -11,6 +11,7 @@ from pathlib import Path
 ROWS = [("completed", "requests completed", "{:.0f}"), ("failed", "requests failed", "{:.0f}"),
         ("duration", "duration (s)", "{:.2f}"), ("request_throughput", "requests/s", "{:.2f}"),
         ("output_throughput", "output tokens/s", "{:.1f}"), ("request_goodput", "goodput (requests/s)", "{:.2f}"),
+        ("slo_attainment", "within SLO (share)", "{:.3f}"),
         ("mean_ttft_ms", "TTFT mean (ms)", "{:.1f}"), ("median_ttft_ms", "TTFT median (ms)", "{:.1f}"),
         ("p99_ttft_ms", "TTFT p99 (ms)", "{:.1f}"), ("mean_tpot_ms", "TPOT mean (ms)", "{:.2f}"),
         ("median_itl_ms", "ITL median (ms)", "{:.2f}"), ("p99_itl_ms", "ITL p99 (ms)", "{:.2f}"),

@@ -38,6 +38,7 @@ def test_metrics_match_hand_computation():
     assert m["mean_e2el_ms"] == pytest.approx(300) and m["p90_e2el_ms"] == pytest.approx(340)
     # Only the first request meets both SLOs: 1 good request in 2 s.
     assert m["request_goodput"] == pytest.approx(0.5)
+    assert m["slo_attainment"] == pytest.approx(1 / 3)  # of the three sent, the failed one included
 
 
 def test_single_token_requests_have_no_tpot():
