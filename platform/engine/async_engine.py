@@ -99,7 +99,8 @@ class AsyncLLMEngine:
             raise
 
     def call_soon(self, fn: Callable, *args) -> None:
-        """`fn(*args)` between steps, without waiting for it (now when no step is running)."""
+        """`fn(*args)` between steps, without waiting for it (now when no step is running); from any
+        thread."""
         if not self._calls and self._lock.acquire(blocking=False):
             try:
                 fn(*args)

@@ -38,10 +38,15 @@ class PrefillServer:
         pool = self.engine.engine.block_pool
         exporter_cls, _ = BACKENDS[transfer.backend]()
         options = exporter_options(transfer.backend, host, transfer.shared_memory)
-        # The lease table pins/unpins from the exporter's threads: take the engine lock for it.
+        # The lease table pins (on this replica's event loop, at export) and unpins (on the
+        # exporter's threads, at an ack or expiry) between engine steps, never waiting for one:
+        # made mid-step, they run right after it. Waiting out a step, the event loop stopped taking
+        # and returning every other request for as long as a long prompt's prefill step lasted.
+        # A pin that waits is safe: the blocks are the engine's until its `release_kv`, which
+        # `_prefill` queues after the export.
         self.exporter = exporter_cls(exporter_id, kv, self.layout,
-                                     lambda ids: self.engine.locked(pool.incref, ids),
-                                     lambda ids: self.engine.locked(pool.free, ids),
+                                     lambda ids: self.engine.call_soon(pool.incref, ids),
+                                     lambda ids: self.engine.call_soon(pool.free, ids),
                                      lease_s=transfer.lease_s, **options)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

@@ -3,6 +3,7 @@ gives the offline engine's tokens, reuses decode's prefix cache, recovers from f
 frees every block."""
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,40 @@ def test_cancelled_stream_frees_both_pools(pools):
         asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96
     assert prefill.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_kv_leases"] == 0
+
+
+def test_leases_pin_and_unpin_without_waiting_for_a_running_step(pools):
+    """An export (on the prefill replica's event loop) and an ack (on the exporter's threads) leave
+    their pin and unpin to run after the engine's current step instead of waiting it out: a long
+    prompt's prefill step held the event loop, and every other request with it, for its length."""
+    prefill, _ = pools
+    result = asyncio.run(prefill.prefill(GenerateRequest("p", list(range(40)), GREEDY)))
+    ids = list(result.kv.block_ids)
+    pool = prefill.engine.engine.block_pool
+    refs = [pool.ref_counts[b] for b in ids]
+    step_running, step_done = threading.Event(), threading.Event()
+
+    def step():  # holds the engine's lock as a step does
+        with prefill.engine._lock:
+            step_running.set()
+            step_done.wait(10)  # a call that waits for the lock returns after this
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    step_running.wait()
+    try:
+        prefill.exporter.export("q", ids, 40)  # a second lease on the same blocks
+        assert [pool.ref_counts[b] for b in ids] == refs  # its pin waits for the step's end...
+        prefill.exporter.leases.release("p")  # the first one's ack
+        assert [pool.ref_counts[b] for b in ids] == refs  # ...and so does this unpin
+    finally:
+        step_done.set()
+        holder.join()
+    asyncio.run(prefill.engine.call(lambda: None))  # engine calls run in order: both have run
+    assert [pool.ref_counts[b] for b in ids] == refs  # one pin, one unpin
+    prefill.exporter.leases.release("q")
+    asyncio.run(prefill.engine.call(lambda: None))
+    assert prefill.stats()["num_free_kv_blocks"] == 96
 
 
 @pytest.mark.parametrize("early", [False, True])
