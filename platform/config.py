@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one engine step; longer prefills are chunked to fit.")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="Most tokens of one prompt's prefill in a step (0: no limit, as vLLM's default). "
+                             "Below the token budget, prompts that arrive while a long one is prefilled join the "
+                             "next step beside its next chunk instead of waiting for all of it (lower TTFT for "
+                             "short prompts, more steps for long ones); vLLM's long_prefill_token_threshold.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     seed: int = Field(0, description="Seed of the sampling RNG for requests without a seed of their own.")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (per rank); default: "

@@ -122,7 +122,8 @@ class LLMEngine:
         bytes_per_block = self.kv_cache.kv[:, :, 0].numel() * self.kv_cache.kv.element_size()
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(self.block_pool, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, Sampler(config.seed), config.device,
                                   self.parallel)
         self.eos_token_ids = set(self.arch.eos_token_ids)

@@ -2,11 +2,18 @@
 
 Every step gets a token budget (`max_num_batched_tokens`). Running requests are served first, in
 arrival order: a decoding request takes one token, a request still in (chunked) prefill takes
-what is left of the budget. Then waiting requests are admitted, their cached prefix taken from
-the prefix cache, while budget, `max_num_seqs` and free KV blocks allow. When a running request
-cannot get a block, the newest running request is preempted: its blocks are freed and it goes
-back to the front of the queue to be recomputed later (its full blocks usually survive in the
-prefix cache, so the recompute is mostly a cache hit).
+what is left of the budget. Then waiting requests are admitted in arrival order, their cached
+prefix taken from the prefix cache, while budget, `max_num_seqs` and free KV blocks allow. When a
+running request cannot get a block, the newest running request is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed later (its full blocks usually
+survive in the prefix cache, so the recompute is mostly a cache hit).
+
+With `long_prefill_token_threshold` T (vLLM's name; 0 turns it off), a prompt with more than T
+tokens to compute is long: a prompt's chunk is at most T tokens a step, and one long prompt is
+prefilled at a time, the first in line, while shorter prompts are admitted past the long ones
+that wait. A short prompt that arrives during a long prefill then joins the next step beside its
+next chunk, instead of waiting for it (and for every long prompt queued before it) to finish:
+what a prefill replica needs, where most requests are short and a few prompts are long.
 
 Input: `Request`s (via `add`/`abort`). Output: a tensor-free `SchedulerOutput` for the runner.
 It does not know about tensors, models or sampling.
@@ -53,11 +60,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0):
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes what budget is left
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -119,7 +128,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -133,17 +142,24 @@ class Scheduler:
                 continue
             break
 
+        is_long_running = any(self._is_long(r.num_tokens - r.num_computed_tokens) for r in self.running)
         # No admissions in a step that had to preempt: the pool is full.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[j]
             # Prompt logprobs need every prompt position's logits: no prefix-cache shortcut.
             wants_all_logits = req.params.prompt_logprobs is not None
             hit_blocks = [] if wants_all_logits else self.kv.match_prefix(req.block_hashes, req.num_tokens)
             num_hit = len(hit_blocks) * self.block_size
-            n = min(req.num_tokens - num_hit, budget)
+            is_long = self._is_long(req.num_tokens - num_hit)
+            if is_long and is_long_running:  # it waits for the long prompt before it; shorter ones go past
+                j += 1
+                continue
+            n = self._chunk(req.num_tokens - num_hit, budget)
             if not self.kv.allocate(req.request_id, num_hit + n, hit_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
+            is_long_running = is_long_running or is_long
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_preemptions == 0:
@@ -153,6 +169,13 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, num_hit, n))
             budget -= n
         return out
+
+    def _is_long(self, num_left: int) -> bool:
+        return 0 < self.long_prefill_token_threshold < num_left
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """Tokens a request with `num_left` to compute gets in this step."""
+        return min(num_left, budget, self.long_prefill_token_threshold or budget)
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts after the runner executed `out`; name newly full blocks."""

@@ -6,12 +6,12 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16):
-    return Scheduler(KVCacheManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget)
+def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, long_prefill=0):
+    return Scheduler(KVCacheManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget, long_prefill)
 
 
-def _req(rid, n, block_size=4):
-    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=100), block_size)
+def _req(rid, n, block_size=4, first=100):
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=100), block_size)
 
 
 def _run_step(s, sampled_token=7):
@@ -32,6 +32,32 @@ def test_long_prompt_is_chunked_to_the_budget_and_decodes_go_first():
     assert _run_step(s)[0] == [("long", 16, 16)]
     assert _run_step(s)[0] == [("long", 32, 8), ("short", 0, 3)]
     assert _run_step(s)[0] == [("long", 40, 1), ("short", 3, 1)]
+
+
+def test_short_prompts_go_past_long_ones_and_one_long_prompt_is_prefilled_at_a_time():
+    s = _sched(budget=16, long_prefill=8)
+    s.add(_req("long", 20))
+    s.add(_req("long2", 12, first=500))  # prompts of their own: no prefix shared
+    # At most 8 tokens of a prompt a step; the second long prompt waits for the first.
+    assert _run_step(s)[0] == [("long", 0, 8)]
+    s.add(_req("short", 3, first=900))
+    # The newcomer goes past the waiting long prompt and starts beside the running one's next chunk
+    # (without the threshold it would wait for both).
+    assert _run_step(s)[0] == [("long", 8, 8), ("short", 0, 3)]
+    # The first has 4 tokens left, no longer long: the second starts beside them.
+    assert _run_step(s)[0] == [("long", 16, 4), ("short", 3, 1), ("long2", 0, 8)]
+    assert _run_step(s)[0] == [("long", 20, 1), ("short", 4, 1), ("long2", 8, 4)]
+
+
+def test_a_long_prompt_mostly_in_the_prefix_cache_is_short():
+    s = _sched(budget=16, long_prefill=8)
+    s.add(_req("a", 12))
+    while s.requests["a"].num_computed_tokens < 12:
+        _run_step(s)
+    s.finish(s.requests["a"])  # its three full blocks stay cached
+    s.add(_req("long", 20, first=500))
+    s.add(_req("b", 20))  # a's prompt and 8 more tokens: only those to compute
+    assert _run_step(s)[0] == [("long", 0, 8), ("b", 12, 8)]
 
 
 def test_max_num_seqs_limits_admission():
