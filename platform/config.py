@@ -48,6 +48,11 @@ class EngineConfig(BaseModel):
                              "Below the token budget, prompts that arrive while a long one is prefilled join the "
                              "next step beside its next chunk instead of waiting for all of it (lower TTFT for "
                              "short prompts, more steps for long ones); vLLM's long_prefill_token_threshold.")
+    split_prompts_to_fill_steps: bool = Field(
+        True, description="Fill what is left of a step's token budget with the first chunk of the next waiting "
+                          "prompt (vLLM's chunked prefill). Off: a prompt that would not finish in a step starts "
+                          "only in one that prefills nothing else, so the prompt before it is not slowed by a "
+                          "chunk of it. Off suits CPU prefill pools, where a larger step is no more efficient.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     seed: int = Field(0, description="Seed of the sampling RNG for requests without a seed of their own.")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (per rank); default: "

@@ -123,7 +123,7 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(self.block_pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, config.split_prompts_to_fill_steps)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, Sampler(config.seed), config.device,
                                   self.parallel)
         self.eos_token_ids = set(self.arch.eos_token_ids)

@@ -15,6 +15,11 @@ that wait. A short prompt that arrives during a long prefill then joins the next
 next chunk, instead of waiting for it (and for every long prompt queued before it) to finish:
 what a prefill replica needs, where most requests are short and a few prompts are long.
 
+With `split_prompts_to_fill_steps` off, a waiting prompt that would not finish in this step is
+not started in a step that already prefills another prompt: the budget left over is not filled
+with its first chunk. Where a step's time grows with its tokens and a larger step buys no
+efficiency (a CPU), filling only delays the first prompt's first token by the second's chunk.
+
 Input: `Request`s (via `add`/`abort`). Output: a tensor-free `SchedulerOutput` for the runner.
 It does not know about tensors, models or sampling.
 """
@@ -61,12 +66,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0):
+                 long_prefill_token_threshold: int = 0, split_prompts_to_fill_steps: bool = True):
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes what budget is left
+        self.split_prompts_to_fill_steps = split_prompts_to_fill_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -156,6 +162,8 @@ class Scheduler:
                 j += 1
                 continue
             n = self._chunk(req.num_tokens - num_hit, budget)
+            if n < req.num_tokens - num_hit and not self.split_prompts_to_fill_steps and _prefills(out):
+                break  # it starts in a step of its own (see the module docstring)
             if not self.kv.allocate(req.request_id, num_hit + n, hit_blocks):
                 break
             del self.waiting[j]
@@ -194,3 +202,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _prefills(out: SchedulerOutput) -> bool:
+    """Whether the step prefills something (a chunk of more than one token; decodes take one)."""
+    return any(c.num_new_tokens > 1 for c in out.chunks)

@@ -6,8 +6,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, long_prefill=0):
-    return Scheduler(KVCacheManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget, long_prefill)
+def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, long_prefill=0, split_to_fill=True):
+    return Scheduler(KVCacheManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget, long_prefill,
+                     split_to_fill)
 
 
 def _req(rid, n, block_size=4, first=100):
@@ -47,6 +48,24 @@ def test_short_prompts_go_past_long_ones_and_one_long_prompt_is_prefilled_at_a_t
     # The first has 4 tokens left, no longer long: the second starts beside them.
     assert _run_step(s)[0] == [("long", 16, 4), ("short", 3, 1), ("long2", 0, 8)]
     assert _run_step(s)[0] == [("long", 20, 1), ("short", 4, 1), ("long2", 8, 4)]
+
+
+def test_without_split_to_fill_a_prompt_that_would_not_finish_starts_in_a_step_of_its_own():
+    def first_step(split_to_fill):
+        s = _sched(budget=16, split_to_fill=split_to_fill)
+        s.add(_req("a", 10))
+        s.add(_req("c", 3, first=900))
+        s.add(_req("b", 12, first=500))
+        return s, _run_step(s)[0]
+
+    assert first_step(True)[1] == [("a", 0, 10), ("c", 0, 3), ("b", 0, 3)]  # the budget's rest: b's first chunk
+    s, chunks = first_step(False)
+    assert chunks == [("a", 0, 10), ("c", 0, 3)]  # whole prompts join; b would not finish, so it waits
+    # Decodes are no prefill: b starts beside them.
+    assert _run_step(s)[0] == [("a", 10, 1), ("c", 3, 1), ("b", 0, 12)]
+    # A prompt longer than the budget still starts, chunked, where nothing else is prefilled.
+    s.add(_req("long", 40, first=300))
+    assert _run_step(s)[0] == [("a", 11, 1), ("c", 4, 1), ("b", 12, 1), ("long", 0, 13)]
 
 
 def test_a_long_prompt_mostly_in_the_prefix_cache_is_short():
