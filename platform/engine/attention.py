@@ -133,10 +133,15 @@ class Attention(nn.Module):
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx)
+        kernel = cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
-            out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
-                                               p.block_table, p.context_len, self.scale)
+            if kernel:
+                cpu_kernels.paged_prefill_attention(q[s:e], k_cache, v_cache, p.block_table, p.context_len,
+                                                    self.scale, out[s:e])
+            else:
+                out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
+                                                   p.block_table, p.context_len, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

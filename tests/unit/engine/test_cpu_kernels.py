@@ -66,6 +66,53 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (8, 4, 64, 16),   # the benchmark model's shape (GQA 2)
+    (4, 4, 32, 16),   # MHA
+    (8, 1, 128, 16),  # MQA, wide heads
+    (6, 2, 24, 5),    # odd sizes everywhere
+])
+@pytest.mark.parametrize("context_len,q_len", [(1, 1), (70, 70), (300, 300), (300, 37), (53, 1)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_matches_torch(heads, kv_heads, head_dim, block_size, context_len, q_len, kv_dtype,
+                                      threads, monkeypatch):
+    # A chunk of q_len queries at the end of context_len positions (q_len < context_len: a cached
+    # prefix before it), its K/V already in the cache as the engine writes them first.
+    num_blocks = -(-context_len // block_size)
+    k_cache = torch.randn(num_blocks + 5, block_size, kv_heads, head_dim).to(kv_dtype)
+    v_cache = torch.randn(num_blocks + 5, block_size, kv_heads, head_dim).to(kv_dtype)
+    table = torch.randperm(num_blocks + 5)[:num_blocks]
+    fresh = [k_cache, v_cache]
+    for i, cache in enumerate(fresh):
+        rows = cache.index_select(0, table).view(-1, kv_heads, head_dim)[context_len - q_len:context_len]
+        fresh[i] = rows.float()
+    qkv = torch.randn(q_len, heads + 2 * kv_heads, head_dim)
+    q = qkv[:, :heads]  # a strided view, as the model passes it
+    expected = ref.paged_prefill_attention(q, *fresh, k_cache, v_cache, table, context_len, head_dim ** -0.5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    got = cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, context_len, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    # Into a slice of a larger output, as the attention layer passes it.
+    out = torch.full((q_len + 3, heads, head_dim), float("nan"))
+    cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, context_len, head_dim ** -0.5, out[2:2 + q_len])
+    torch.testing.assert_close(out[2:2 + q_len], expected, atol=2e-5, rtol=2e-5)
+    assert out[:2].isnan().all() and out[2 + q_len:].isnan().all()
+
+
+def test_prefill_kernel_with_large_scores_does_not_overflow():
+    k_cache = torch.randn(8, 16, 2, 32)
+    v_cache = torch.randn(8, 16, 2, 32)
+    table = torch.arange(8)
+    q = torch.randn(100, 4, 32) * 200
+    k = k_cache.view(-1, 2, 32)[:100]
+    v = v_cache.view(-1, 2, 32)[:100]
+    expected = ref.paged_prefill_attention(q, k, v, k_cache, v_cache, table, 100, 1.0)
+    got = cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, table, 100, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_only_fp32_cpu_tensors_with_a_dense_last_dimension_are_taken():
     q, k_cache, v_cache, _, _ = random_case(2, 4, 2, 16, 16, 20)
     assert cpu_kernels.usable(q, k_cache)
