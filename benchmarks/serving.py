@@ -228,7 +228,8 @@ def main() -> None:
     try:
         # -- part 1: hops ------------------------------------------------------------------------
         dtypes = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype}
-        engine = {"num_threads": 2, "max_num_seqs": 64, **dtypes}
+        # CPU pools: a step's leftover budget is not filled with the next prompt's first chunk (README).
+        engine = {"num_threads": 2, "max_num_seqs": 64, "split_prompts_to_fill_steps": False, **dtypes}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
 
         def colocated_app(threads: int) -> ServeConfig:  # one replica on both cores, `threads` engine threads
