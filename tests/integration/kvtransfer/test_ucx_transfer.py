@@ -298,9 +298,11 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     body = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte: corrupt
     kind, reply = _raw_peer(exporter.address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, len(body)) + body)
     assert kind == p.ERROR and reply["code"] == "protocol"
-    # A frame split over two messages (protocol version 1's way): its payload is missing.
+    # A frame split over two messages (protocol version 1's way): the first message, a header
+    # alone, lacks its payload. (Only it is sent: the exporter answers it and closes, so a second
+    # message could meet a reset connection before the reply is read.)
     split = p.encode_frame(p.READ, {"request_id": "split", "layout": LAYOUT})
-    kind, reply = _raw_peer(exporter.address, split[:p.HEADER_SIZE], split[p.HEADER_SIZE:])
+    kind, reply = _raw_peer(exporter.address, split[:p.HEADER_SIZE])
     assert kind == p.ERROR and reply["code"] == "protocol"
     # A control frame larger than any control frame may be.
     kind, reply = _raw_peer(exporter.address, bytes(p.CONTROL_FRAME_BYTES + 1))
