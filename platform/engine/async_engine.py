@@ -57,10 +57,11 @@ class AsyncLLMEngine:
         return self._error is None and self._thread.is_alive()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefill_only: bool = False, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, forward: Forward | None = None,
+                       prefill_pause_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Queue a request (raising on bad input) and return its stream of outputs."""
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
-                                       prefill_only, forward=forward)
+                                       prefill_only, prefill_pause_s, forward=forward)
 
     async def resume(self, request_id: str, recompute: bool = False, first: RequestOutput | None = None,
                      forward: Forward | None = None) -> AsyncIterator[RequestOutput]:

@@ -160,12 +160,13 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> None:
+                    prefill_only: bool = False, prefill_pause_s: float = 0.0) -> None:
         """Queue a request. With `prefill_only` it stops after its first token unless that token
         already ends it; its output then carries `kv_block_ids`, the prompt's blocks, which stay
-        allocated until `release_kv` (the prefill role exports them in between)."""
+        allocated until `release_kv` (the prefill role exports them in between). With
+        `prefill_pause_s`, its prompt yields to decodes for that long (see the scheduler)."""
         req = self._new_request(request_id, prompt_token_ids, params)
-        req.prefill_only = prefill_only
+        req.prefill_only, req.prefill_pause_s = prefill_only, prefill_pause_s
         self.scheduler.add(req)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

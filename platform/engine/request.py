@@ -51,6 +51,8 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # Prefill role: stop after the first token and keep the prompt's KV blocks for export.
     prefill_only: bool = False
+    # Yield to decodes: prefill only in steps with nothing to decode until this long after arrival.
+    prefill_pause_s: float = 0.0
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

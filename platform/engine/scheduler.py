@@ -15,6 +15,11 @@ that wait. A short prompt that arrives during a long prefill then joins the next
 next chunk, instead of waiting for it (and for every long prompt queued before it) to finish:
 what a prefill replica needs, where most requests are short and a few prompts are long.
 
+A request with a `prefill_pause_s` of W yields to decodes: its prompt is not prefilled in a step
+that decodes running requests until W seconds after it arrived, only in the steps with nothing to
+decode. A decode replica that takes a prompt off a long prefill queue prefills it so, and its
+streams keep pure decode steps, whose token gaps a prefill chunk would multiply.
+
 With `split_prompts_to_fill_steps` off, a waiting prompt that would not finish in this step is
 not started in a step that already prefills another prompt: the budget left over is not filled
 with its first chunk. Where a step's time grows with its tokens and a larger step buys no
@@ -26,8 +31,10 @@ It does not know about tensors, models or sampling.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
@@ -66,13 +73,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0, split_prompts_to_fill_steps: bool = True):
+                 long_prefill_token_threshold: int = 0, split_prompts_to_fill_steps: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes what budget is left
         self.split_prompts_to_fill_steps = split_prompts_to_fill_steps
+        self.clock = clock  # arrival times, for prompts that yield to decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -84,6 +93,7 @@ class Scheduler:
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        request.arrival_s = self.clock()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -130,10 +140,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # A step that decodes (a request with one token left) is no place for prompts that yield.
+        now = self.clock() if any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) else None
+
+        def yields(req: Request) -> bool:
+            return now is not None and now - req.arrival_s < req.prefill_pause_s
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_tokens - req.num_computed_tokens > 1 and yields(req):
+                i += 1
+                continue
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -153,6 +171,9 @@ class Scheduler:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[j]
+            if yields(req):
+                j += 1
+                continue
             # Prompt logprobs need every prompt position's logits: no prefix-cache shortcut.
             wants_all_logits = req.params.prompt_logprobs is not None
             hit_blocks = [] if wants_all_logits else self.kv.match_prefix(req.block_hashes, req.num_tokens)

@@ -6,9 +6,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, long_prefill=0, split_to_fill=True):
+def _sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, long_prefill=0, split_to_fill=True,
+           clock=lambda: 0.0):
     return Scheduler(KVCacheManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget, long_prefill,
-                     split_to_fill)
+                     split_to_fill, clock)
 
 
 def _req(rid, n, block_size=4, first=100):
@@ -66,6 +67,28 @@ def test_without_split_to_fill_a_prompt_that_would_not_finish_starts_in_a_step_o
     # A prompt longer than the budget still starts, chunked, where nothing else is prefilled.
     s.add(_req("long", 40, first=300))
     assert _run_step(s)[0] == [("a", 11, 1), ("c", 4, 1), ("b", 12, 1), ("long", 0, 13)]
+
+
+def test_a_prompt_that_yields_to_decodes_prefills_while_nothing_decodes_or_after_its_pause():
+    now = [0.0]
+    s = _sched(budget=16, long_prefill=8, clock=lambda: now[0])
+    s.add(_req("a", 3))
+    assert _run_step(s)[0] == [("a", 0, 3)]
+    now[0] = 1.0
+    overflow = _req("long", 20, first=500)
+    overflow.prefill_pause_s = 2.0
+    s.add(overflow)
+    s.add(_req("c", 3, first=700))  # no pause of its own: it joins beside a's decode
+    assert _run_step(s)[0] == [("a", 3, 1), ("c", 0, 3)]  # a decodes: the yielding prompt waits
+    s.abort("a")
+    s.abort("c")
+    assert _run_step(s)[0] == [("long", 0, 8)]  # nothing decodes: it prefills
+    s.add(_req("b", 3, first=900))
+    assert _run_step(s)[0] == [("long", 8, 8), ("b", 0, 3)]
+    # b decodes now: long's next chunk waits, until 2 s after it arrived.
+    assert _run_step(s)[0] == [("b", 3, 1)]
+    now[0] = 3.0
+    assert _run_step(s)[0] == [("long", 16, 4), ("b", 4, 1)]
 
 
 def test_a_long_prompt_mostly_in_the_prefix_cache_is_short():
