@@ -235,6 +235,17 @@ class ServeConfig(BaseModel):
     remote_prefill_min_tokens: int = Field(
         256, ge=0, description="Conditional disaggregation: prompts with fewer uncached tokens than this are "
                                "prefilled on the decode replica itself.")
+    remote_prefill_max_queued_tokens: int | None = Field(
+        None, ge=1, description="Conditional disaggregation under load (Dynamo's prefill-queue limit): a prompt that "
+                                "finds at least this many uncached tokens of its decode replica's prompts still "
+                                "waiting on prefill replicas is prefilled on the decode replica instead, while that "
+                                "replica's own prefill queue is the shorter. A burst of long prompts then uses both "
+                                "pools. Each decode replica counts its own prompts. None: always remote.")
+    overflow_prefill_pause_s: float = Field(
+        2.0, ge=0, description="A prompt prefilled on the decode replica because the prefill queue is long "
+                               "(remote_prefill_max_queued_tokens) is prefilled in that replica's steps with nothing "
+                               "to decode, or beside the decodes once it has waited this long: meanwhile the "
+                               "replica's streams keep pure decode steps instead of gaps as long as a prefill chunk.")
     early_first_token: bool = Field(
         False, description="Stream a remotely prefilled request's first token as soon as the prefill returns it, "
                            "before its KV is pulled: lower TTFT, but the pull and the wait to join the decode "

@@ -5,7 +5,12 @@ local prefill of short or mostly cached prompts (conditional disaggregation).
 at least `remote_prefill_min_tokens` tokens not in this replica's prefix cache it calls
 `remote_prefill` (a prefill replica), reserves blocks for the part of the prompt it does not
 cache, pulls only those, and joins the request to its batch; the prefill's first token goes out
-as it joins (or at once, with `early_first_token`). A
+as it joins (or at once, with `early_first_token`). With `remote_prefill_max_queued_tokens`, a
+prompt that finds that many uncached tokens of this replica's prompts already waiting on prefill
+replicas is prefilled here instead, while this replica's own prefill queue is the shorter
+(Dynamo's queue-aware conditional disaggregation): a burst of long prompts is prefilled on both
+pools instead of queueing on one. Such a prompt yields to this replica's decodes for up to
+`overflow_prefill_pause_s`, so its streams keep pure decode steps. A
 prefill call that fails is retried here as a local prefill; a pull that fails recomputes the
 prompt here. Either way the client sees one uninterrupted stream. Cancelling the stream aborts
 the request on both sides: the prefill call is cancelled, or its lease released.
@@ -44,11 +49,12 @@ class DecodeServer:
                  make_importer: Callable[[LLMEngine], KVImporter] | None = None,
                  remote_prefill_min_tokens: int = 256, init_method: str | None = None,
                  pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None,
-                 early_first_token: bool = False):
+                 early_first_token: bool = False, remote_prefill_max_queued_tokens: int | None = None,
+                 overflow_prefill_pause_s: float = 2.0):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
         # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads;
         # on_pull(seconds): told the duration of every successful pull (a metric);
-        # early_first_token: see ServeConfig.early_first_token.
+        # early_first_token, remote_prefill_max_queued_tokens, overflow_prefill_pause_s: see ServeConfig.
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
@@ -58,22 +64,35 @@ class DecodeServer:
         self.transfer = transfer or TransferConfig()
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
         self.early_first_token = early_first_token
+        self.remote_prefill_max_queued_tokens = remote_prefill_max_queued_tokens
+        self.overflow_prefill_pause_s = overflow_prefill_pause_s
+        self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
+        self.num_local_prefills_for_queue = 0
 
     async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
-        if not await self._wants_remote_prefill(req):
+        where, num_uncached = await self._where_to_prefill(req)
+        if where != "remote":
             self.num_local_prefills += 1
-            async for out in self._decode(req, "local", self.engine.generate(req.request_id, req.prompt_token_ids,
-                                                                             req.params, forward=forward)):
+            overflow = where != "local"
+            self.num_local_prefills_for_queue += overflow
+            opening = self.engine.generate(req.request_id, req.prompt_token_ids, req.params, forward=forward,
+                                           prefill_pause_s=self.overflow_prefill_pause_s if overflow else 0.0)
+            async for out in self._decode(req, where, opening):
                 yield out
             return
+        self.remote_queued_tokens += num_uncached
         try:
             result = await self.remote_prefill(req)
         except InvalidRequestError:
             raise
         except Exception as e:  # noqa: BLE001 - a dead or failing prefill replica: prefill here instead
-            log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id, e)
+            result = e
+        finally:
+            self.remote_queued_tokens -= num_uncached
+        if isinstance(result, Exception):
+            log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id, result)
             self.num_local_prefills += 1
             async for out in self._decode(req, "local after a failed remote prefill",
                                           self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
@@ -172,19 +191,29 @@ class DecodeServer:
         for handle in result.kv_by_rank:
             await asyncio.to_thread(self.importer.release, handle)
 
-    async def _wants_remote_prefill(self, req: GenerateRequest) -> bool:
+    async def _where_to_prefill(self, req: GenerateRequest) -> tuple[str, int]:
+        """Where `req`'s prompt is prefilled: "remote", "local", or "local, prefill queue long"; and
+        the prompt tokens this cache lacks (the whole prompt when nothing needed the count)."""
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
-            return False  # prompt logprobs need every prompt position's logits: prefill here
-        if len(req.prompt_token_ids) < self.remote_prefill_min_tokens:
-            return False
-        if self.remote_prefill_min_tokens == 0:
-            return True  # every prompt goes: no need to look at this cache
-        uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids)
-        return uncached >= self.remote_prefill_min_tokens
+            return "local", 0  # prompt logprobs need every prompt position's logits: prefill here
+        num_uncached = len(req.prompt_token_ids)
+        if num_uncached < self.remote_prefill_min_tokens:
+            return "local", 0
+        limit = self.remote_prefill_max_queued_tokens
+        if self.remote_prefill_min_tokens or limit is not None:
+            num_uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids)
+            if num_uncached < self.remote_prefill_min_tokens:
+                return "local", 0
+        if (limit is not None and self.remote_queued_tokens >= limit
+                and self.engine.engine.scheduler.num_queued_prefill_tokens() < self.remote_queued_tokens):
+            return "local, prefill queue long", num_uncached
+        return "remote", num_uncached
 
     def stats(self) -> dict:
         return {**engine_stats(self.engine), "num_remote_prefills": self.num_remote_prefills,
-                "num_local_prefills": self.num_local_prefills, "num_pulled_blocks": self.num_pulled_blocks,
+                "num_local_prefills": self.num_local_prefills,
+                "num_local_prefills_for_queue": self.num_local_prefills_for_queue,
+                "num_pulled_blocks": self.num_pulled_blocks,
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,
                 "num_failed_pulls": self.num_failed_pulls,
                 "num_shared_memory_pulls": self.importer.num_shared_memory_pulls if self.importer else 0}

@@ -176,3 +176,56 @@ def test_first_token_leaves_after_the_pull_unless_early(pools, early):
     asyncio.run(main())
     assert events[:2] == (["output", "pulled"] if early else ["pulled", "output"])
     assert decode.stats()["num_remote_prefills"] == 1 and decode.stats()["num_pulled_blocks"] == 5
+
+
+def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama):
+    """With `remote_prefill_max_queued_tokens`, a prompt that finds that many uncached tokens of
+    this replica's prompts waiting on prefill replicas is prefilled here, while this replica's own
+    prefill queue is the shorter; once the remote queue drains, prompts go remote again."""
+    prefill, decode = pools
+    decode.remote_prefill_max_queued_tokens = 30
+    prompts = {"first": list(range(5, 45)), "second": list(range(60, 84)), "after": list(range(90, 114))}
+    expected = dict(zip(prompts, (c.token_ids for c in LLM(tiny_llama, block_size=8).generate(
+        list(prompts.values()), GREEDY))))
+    held = asyncio.Event()
+    real = decode.remote_prefill
+    seen_queue = []
+
+    async def slow_prefill(req):  # the prefill replica is busy until "second" is in
+        seen_queue.append(decode.remote_queued_tokens)
+        await held.wait()
+        return await real(req)
+
+    decode.remote_prefill = slow_prefill
+    pauses = {}  # what this engine was asked to prefill, and how long each prompt yields to decodes
+    add_request = decode.engine.engine.add_request
+
+    def recording_add_request(request_id, prompt, params, prefill_only=False, prefill_pause_s=0.0):
+        pauses[request_id] = prefill_pause_s
+        add_request(request_id, prompt, params, prefill_only, prefill_pause_s)
+
+    decode.engine.engine.add_request = recording_add_request
+
+    async def main():
+        first = asyncio.ensure_future(_collect(decode, GenerateRequest("first", prompts["first"], GREEDY)))
+        while not seen_queue:
+            await asyncio.sleep(0.01)
+        second = await _collect(decode, GenerateRequest("second", prompts["second"], GREEDY))
+        held.set()
+        return {"first": await first, "second": second,
+                "after": await _collect(decode, GenerateRequest("after", prompts["after"], GREEDY))}
+
+    outs = asyncio.run(main())
+    assert {name: _tokens(o) for name, o in outs.items()} == expected
+    assert seen_queue == [40, 24]  # each with its own uncached tokens: "after" found the queue empty
+    stats = decode.stats()
+    assert (stats["num_remote_prefills"], stats["num_local_prefills"], stats["num_local_prefills_for_queue"]) == (2, 1, 1)
+    assert decode.remote_queued_tokens == 0
+    assert pauses == {"second": decode.overflow_prefill_pause_s}  # it yields to decodes here
+    for server in (decode, prefill):
+        asyncio.run(server.engine.call(lambda: None))
+    assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
+
+
+async def _collect(decode, req):
+    return [o async for o in decode.generate(req)]
