@@ -26,8 +26,10 @@ prompts) at the same Poisson rate against disaggregated pools (prefill and decod
 core each, every prompt prefilled remotely; the decode replica copies the KV blocks out of the
 prefill replica's cache in shared memory), the same with the blocks sent over UCX instead
 (`transfer.shared_memory: false`, as between hosts), the same with `early_first_token` (the first
-token streamed before the KV pull) and colocated serving (one replica, both cores): p99 ITL, TTFT and
-goodput, at each of `--rates`. At light load few decodes run while a long prompt prefills, so
+token streamed before the KV pull), the same with local prefill under load (a prompt that finds a
+long prompt's worth queued for prefill is prefilled on the decode replica while nothing decodes:
+`remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`) and colocated serving (one
+replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At light load few decodes run while a long prompt prefills, so
 colocated serving's stalls stay under its 1% tail; disaggregation shows from the load where they
 do not.
 
@@ -51,6 +53,10 @@ from machine import machine_line, warn_if_pinned  # this folder's scripts run wi
 
 PRESET = "serve-llama-40m"
 SETUPS = ("offline", "handle", "colocated", "disaggregated")
+# Part 2's setups by short name (--mix-setups), as its tables name them; colocated is always run.
+MIX_SETUPS = {"disaggregated": "disaggregated", "ucx": "disaggregated, blocks over UCX",
+              "early": "disaggregated, early first token", "queue": "disaggregated, local prefill under load",
+              "colocated": "colocated"}
 
 
 def _free_port() -> int:
@@ -157,6 +163,11 @@ def served_runs(config, requests_by_c: dict[int, list], builder, warmup, rate: f
             run_benchmark([warmup], RunSettings(base_url=settings.base_url, concurrency=1), builder, progress=False)
             result = run_benchmark(reqs, settings, builder, progress=False)
             results[c] = {k: v for k, v in result.items() if k not in ("ttfts_ms", "e2els_ms")}
+        if config.mode == "disaggregated":  # where the prompts were prefilled (warm-ups included)
+            stats = serve.get_deployment_handle("Decode", config.name).stats.remote().result(timeout_s=30)
+            for c in results:
+                results[c]["decode_prefills"] = {k: stats[k] for k in ("num_remote_prefills", "num_local_prefills",
+                                                                        "num_local_prefills_for_queue")}
         return results
     finally:
         serve.shutdown()
@@ -175,6 +186,8 @@ def main() -> None:
                                                  "more than 1%% of its gaps")
     ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
     ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
+    ap.add_argument("--mix-setups", default=",".join(MIX_SETUPS), help="part 2's setups, comma-separated "
+                                                                       "(colocated always runs: the others' ratios)")
     ap.add_argument("--rounds", type=int, default=1, help="part 1: run the setups this many times, alternating")
     ap.add_argument("--waves", type=int, help="part 1: requests per setup, in multiples of the concurrency "
                                               "(default 8; 3 with --quick)")
@@ -195,6 +208,9 @@ def main() -> None:
     setups = args.setups.split(",")
     if not set(setups) <= set(SETUPS):
         ap.error(f"--setups: choose from {','.join(SETUPS)}")
+    mix_setups = set(args.mix_setups.split(",")) | {"colocated"}
+    if not mix_setups <= set(MIX_SETUPS):
+        ap.error(f"--mix-setups: choose from {','.join(MIX_SETUPS)}")
 
     import ray
 
@@ -258,10 +274,19 @@ def main() -> None:
         remote_always = disagg.model_copy(update={"remote_prefill_min_tokens": 0})
         over_ucx = remote_always.model_copy(
             update={"transfer": remote_always.transfer.model_copy(update={"shared_memory": False})})
+        # Local prefill under load: a prompt that finds 1,536 tokens (one long prompt) of the decode
+        # replica's prompts still with the prefill replica is prefilled on the decode replica, in
+        # 256-token chunks in the steps with nothing to decode (for up to 2 s), so its streams
+        # keep pure decode steps.
+        queue_aware = ServeConfig.model_validate(remote_always.model_dump() | {
+            "remote_prefill_max_queued_tokens": 1536, "overflow_prefill_pause_s": 2.0,
+            "decode": one_core | {"engine": {"num_threads": 1, "long_prefill_token_threshold": 256}}})
         setups_2 = {"disaggregated": remote_always,
-                    "disaggregated, blocks over UCX": over_ucx,
-                    "disaggregated, early first token": remote_always.model_copy(update={"early_first_token": True}),
+                    "ucx": over_ucx,
+                    "early": remote_always.model_copy(update={"early_first_token": True}),
+                    "queue": queue_aware,
                     "colocated": colocated}
+        setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:
             mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
             for rate in rates:
