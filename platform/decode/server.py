@@ -199,11 +199,11 @@ class DecodeServer:
         num_uncached = len(req.prompt_token_ids)
         if num_uncached < self.remote_prefill_min_tokens:
             return "local", 0
-        limit = self.remote_prefill_max_queued_tokens
-        if self.remote_prefill_min_tokens or limit is not None:
+        if self.remote_prefill_min_tokens:  # (the call waits for a running step to end)
             num_uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids)
             if num_uncached < self.remote_prefill_min_tokens:
                 return "local", 0
+        limit = self.remote_prefill_max_queued_tokens
         if (limit is not None and self.remote_queued_tokens >= limit
                 and self.engine.engine.scheduler.num_queued_prefill_tokens() < self.remote_queued_tokens):
             return "local, prefill queue long", num_uncached

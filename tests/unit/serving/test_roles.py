@@ -219,7 +219,8 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     assert {name: _tokens(o) for name, o in outs.items()} == expected
     assert seen_queue == [40, 24]  # each with its own uncached tokens: "after" found the queue empty
     stats = decode.stats()
-    assert (stats["num_remote_prefills"], stats["num_local_prefills"], stats["num_local_prefills_for_queue"]) == (2, 1, 1)
+    assert stats["num_remote_prefills"] == 2
+    assert stats["num_local_prefills"] == stats["num_local_prefills_for_queue"] == 1
     assert decode.remote_queued_tokens == 0
     assert pauses == {"second": decode.overflow_prefill_pause_s}  # it yields to decodes here
     for server in (decode, prefill):
