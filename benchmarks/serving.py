@@ -29,9 +29,9 @@ prefill replica's cache in shared memory), the same with the blocks sent over UC
 token streamed before the KV pull), the same with local prefill under load (a prompt that finds a
 long prompt's worth queued for prefill is prefilled on the decode replica while nothing decodes:
 `remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`) and colocated serving (one
-replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At light load few decodes run while a long prompt prefills, so
-colocated serving's stalls stay under its 1% tail; disaggregation shows from the load where they
-do not.
+replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At
+light load few decodes run while a long prompt prefills, so colocated serving's stalls stay under
+its 1% tail; disaggregation shows from the load where they do not.
 
 Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
 tokenizer's; fp32), generated into the pdserve cache on first use. About a sixth of its greedy
