@@ -74,12 +74,9 @@ class DecodeServer:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
         where, num_uncached = await self._where_to_prefill(req)
         if where != "remote":
-            self.num_local_prefills += 1
             overflow = where != "local"
             self.num_local_prefills_for_queue += overflow
-            opening = self.engine.generate(req.request_id, req.prompt_token_ids, req.params, forward=forward,
-                                           prefill_pause_s=self.overflow_prefill_pause_s if overflow else 0.0)
-            async for out in self._decode(req, where, opening):
+            async for out in self._prefill_here(req, where, forward, self.overflow_prefill_pause_s if overflow else 0):
                 yield out
             return
         self.remote_queued_tokens += num_uncached
@@ -93,10 +90,7 @@ class DecodeServer:
             self.remote_queued_tokens -= num_uncached
         if isinstance(result, Exception):
             log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id, result)
-            self.num_local_prefills += 1
-            async for out in self._decode(req, "local after a failed remote prefill",
-                                          self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
-                                                               forward=forward)):
+            async for out in self._prefill_here(req, "local after a failed remote prefill", forward):
                 yield out
             return
         self.num_remote_prefills += 1
@@ -120,6 +114,13 @@ class DecodeServer:
         async for out in self._decode(req, "recomputed" if recompute else "remote",
                                       self.engine.resume(req.request_id, recompute, first, forward)):
             yield out
+
+    def _prefill_here(self, req: GenerateRequest, why: str, forward: Forward | None,
+                      prefill_pause_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Prefill and decode `req` on this replica (`prefill_pause_s`: see the scheduler)."""
+        self.num_local_prefills += 1
+        return self._decode(req, why, self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
+                                                           forward=forward, prefill_pause_s=prefill_pause_s))
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:
         """The engine's stream for `req` under a decode span (it outlives yields: ended by hand)."""
