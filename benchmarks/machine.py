@@ -9,8 +9,9 @@ import sys
 from pdserve.engine.parallel import usable_cpus
 
 
-def machine_line() -> str:
-    """Host, CPU model, cores (and how many of them this process may use, when fewer), memory, Python."""
+def machine_line(device: str = "cpu") -> str:
+    """Host, CPU model, cores (and how many of them this process may use, when fewer), memory, Python;
+    with a CUDA `device`, the GPU and torch's build too."""
     try:
         model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                      if line.startswith("model name"))
@@ -19,8 +20,13 @@ def machine_line() -> str:
     cores, usable = os.cpu_count() or 1, usable_cpus()
     cpus = f"{cores} cores" if usable == cores else f"{cores} cores, {usable} usable by this process"
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{platform.node()} {platform.machine()}, {model}, {cpus}, {mem_gib:.0f} GiB, "
+    line = (f"{platform.node()} {platform.machine()}, {model}, {cpus}, {mem_gib:.0f} GiB, "
             f"Python {platform.python_version()}")
+    if device.startswith("cuda"):
+        import torch
+
+        line += f", {torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    return line
 
 
 def warn_if_pinned() -> None:

@@ -11,6 +11,8 @@
         --engine-threads 1                  # the same with one engine thread: the stack gets a core of its own
     python benchmarks/serving.py --part 2 --rates 3,4.5 --seeds 1,2,3
                                             # only disaggregation's effect: two rates, three draws of the mix
+    python benchmarks/serving.py --part 1 --concurrency 8 --setups offline,handle,colocated --rounds 3 \
+        --device cuda:0                     # part 1 with the engines on a GPU (benchmarks/gpu_serving.sh)
 
 Part 1, hops: TTFT, ITL and throughput at concurrency 1, 8 and 32 (`--waves` x concurrency
 random prompts, fixed output length, greedy, ignore_eos) for the offline engine (AsyncLLMEngine
@@ -46,7 +48,9 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
+import sys
 import time
 
 from machine import machine_line, warn_if_pinned  # this folder's scripts run with it on sys.path
@@ -91,7 +95,7 @@ async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, fl
 
 def offline_run(model: str, requests, concurrency: int, num_threads: int, dtypes: dict, warmup) -> dict:
     """The baseline: the same requests as engine streams in this process (after `warmup`, as the
-    served setups). `dtypes`: the engine's kv_cache_dtype and weight_dtype."""
+    served setups). `dtypes`: the engine's kv_cache_dtype, weight_dtype and device."""
     from pdserve.bench.metrics import compute_metrics
     from pdserve.bench.runner import run_on_client_loop
     from pdserve.config import EngineConfig
@@ -200,6 +204,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "bfloat16"), default="auto",
                     help="every setup's KV cache: the model's dtype (fp32), or bf16 (half the bytes attention "
                          "reads and pulls move)")
+    ap.add_argument("--device", default="cpu",
+                    help="part 1: where the offline and colocated engines compute, e.g. cuda:0 (the colocated "
+                         "replica then asks Ray for one GPU); the gateway, Ray and the client stay on the CPUs")
     ap.add_argument("--weight-dtype", choices=("auto", "bfloat16"), default="auto",
                     help="every setup's weight matrices: the model's dtype (fp32), or weight-only bf16 (half the "
                          "bytes a decode step streams)")
@@ -239,18 +246,22 @@ def main() -> None:
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
-    report: dict = {"machine": machine_line(),
+    # A run stopped by `timeout` (SIGTERM) still shuts Ray down and prints what it measured so far
+    # (set after ray.init, which installs a handler of its own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    report: dict = {"machine": machine_line(device=args.device),
                     "model": PRESET, "hops": {}, "interference": {}}
     try:
         # -- part 1: hops ------------------------------------------------------------------------
-        dtypes = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype}
+        dtypes = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype, "device": args.device}
         # CPU pools: a step's leftover budget is not filled with the next prompt's first chunk (README).
         engine = {"num_threads": 2, "max_num_seqs": 64, "split_prompts_to_fill_steps": False, **dtypes}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
 
         def colocated_app(threads: int) -> ServeConfig:  # one replica on both cores, `threads` engine threads
+            gpus = {"num_gpus": 1} if args.device.startswith("cuda") else {}
             return ServeConfig(name="colocated", model=model, engine=engine, mode="colocated",
-                               decode={"ray_actor_options": {"num_cpus": 2}, "engine": {"num_threads": threads}})
+                               decode={"ray_actor_options": {"num_cpus": 2, **gpus}, "engine": {"num_threads": threads}})
 
         colocated, colocated_hops = colocated_app(2), colocated_app(args.engine_threads)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
