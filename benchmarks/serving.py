@@ -215,6 +215,8 @@ def main() -> None:
     setups = args.setups.split(",")
     if not set(setups) <= set(SETUPS):
         ap.error(f"--setups: choose from {','.join(SETUPS)}")
+    if args.device != "cpu" and (args.part != 1 or "disaggregated" in setups):
+        ap.error("--device: only part 1's offline, handle and colocated setups run off the CPU")
     mix_setups = set(args.mix_setups.split(",")) | {"colocated"}
     if not mix_setups <= set(MIX_SETUPS):
         ap.error(f"--mix-setups: choose from {','.join(MIX_SETUPS)}")
