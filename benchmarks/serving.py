@@ -33,7 +33,8 @@ long prompt's worth queued for prefill is prefilled on the decode replica while 
 `remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`) and colocated serving (one
 replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At
 light load few decodes run while a long prompt prefills, so colocated serving's stalls stay under
-its 1% tail; disaggregation shows from the load where they do not.
+its 1% tail; disaggregation shows from the load where they do not. Over several rates, each setup's
+max goodput is DistServe's: the highest rate at which `--attainment` of the requests met the SLO.
 
 Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
 tokenizer's; fp32), generated into the pdserve cache on first use. About a sixth of its greedy
@@ -52,6 +53,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import asdict, is_dataclass
 
 from machine import machine_line, warn_if_pinned  # this folder's scripts run with it on sys.path
 
@@ -188,6 +190,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, help="part 2: requests per draw (default 60; 24 with --quick): the "
                                                  "colocated p99 is only well placed when its prefill stalls are "
                                                  "more than 1%% of its gaps")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="part 2, over several --rates: each setup's max goodput is the highest rate at which this "
+                         "share of requests met the SLO (DistServe's definition; default %(default)s)")
     ap.add_argument("--concurrency", help="part 1's concurrencies, comma-separated (default 1,8,32)")
     ap.add_argument("--setups", default=",".join(SETUPS), help="part 1's setups, comma-separated")
     ap.add_argument("--mix-setups", default=",".join(MIX_SETUPS), help="part 2's setups, comma-separated "
@@ -217,12 +222,15 @@ def main() -> None:
         ap.error(f"--setups: choose from {','.join(SETUPS)}")
     if args.device != "cpu" and (args.part != 1 or "disaggregated" in setups):
         ap.error("--device: only part 1's offline, handle and colocated setups run off the CPU")
+    if not 0 < args.attainment <= 1:
+        ap.error("--attainment: a share of requests, in (0, 1]")
     mix_setups = set(args.mix_setups.split(",")) | {"colocated"}
     if not mix_setups <= set(MIX_SETUPS):
         ap.error(f"--mix-setups: choose from {','.join(MIX_SETUPS)}")
 
     import ray
 
+    from pdserve.bench.report import max_goodput
     from pdserve.bench.workloads import PromptBuilder, long_prompt_mix_workload, random_workload
     from pdserve.config import ServeConfig
     from pdserve.engine.checkpoint import default_model
@@ -251,8 +259,8 @@ def main() -> None:
     # A run stopped by `timeout` (SIGTERM) still shuts Ray down and prints what it measured so far
     # (set after ray.init, which installs a handler of its own).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    report: dict = {"machine": machine_line(device=args.device),
-                    "model": PRESET, "hops": {}, "interference": {}}
+    report: dict = {"machine": machine_line(device=args.device), "model": PRESET, "hops": {}, "interference": {},
+                    "max_goodput": {}, "attainment": args.attainment}
     try:
         # -- part 1: hops ------------------------------------------------------------------------
         dtypes = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype, "device": args.device}
@@ -302,9 +310,15 @@ def main() -> None:
         setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:
             mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
+            by_setup: dict[str, list] = {name: [] for name in setups_2}
             for rate in rates:
-                report["interference"][f"{rate} req/s, mix seed {seed}"] = {
+                report["interference"][f"{rate} req/s, mix seed {seed}"] = runs_2 = {
                     name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0] for name, cfg in setups_2.items()}
+                for name, m in runs_2.items():
+                    by_setup[name].append(m)
+            if len(rates) > 1:  # DistServe's goodput: the highest of these rates each setup sustains
+                report["max_goodput"][f"mix seed {seed}"] = {
+                    name: max_goodput(ms, args.attainment) for name, ms in by_setup.items()}
     finally:
         ray.shutdown()
         _print(report)
@@ -341,7 +355,14 @@ def _print(report: dict) -> None:
             if setup != "colocated":
                 print(f"{setup}: p99 ITL / colocated {m['p99_itl_ms'] / c['p99_itl_ms']:.3f}, "
                       f"goodput / colocated {m['request_goodput'] / c['request_goodput']:.3f}")
-    print(json.dumps(report, default=str))
+    if report["max_goodput"]:
+        from pdserve.bench.report import max_goodput_line
+
+        print(f"\nmax goodput over the rates run ({report['attainment']:.0%} of requests within SLO):\n")
+        for draw, by_setup in report["max_goodput"].items():
+            for setup, g in by_setup.items():
+                print(f"{draw}, {setup}: {max_goodput_line(g, report['attainment'])}")
+    print(json.dumps(report, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
 
 
 if __name__ == "__main__":

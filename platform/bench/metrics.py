@@ -10,11 +10,17 @@ Definitions (as vLLM): TTFT = first chunk - send; ITL = gaps between consecutive
 the first; TPOT per request = (E2E - TTFT) / (output tokens - 1), only for requests with more than
 one output token; E2E = end - send. Percentiles interpolate linearly (numpy's default). Goodput
 counts completed requests meeting every SLO given (TTFT, TPOT, E2E, in ms).
+
+Across a sweep of rates, `max_goodput_rate` gives DistServe's goodput: the highest request rate at
+which a given share of requests still meets the SLO. At one rate under capacity, vLLM's
+`request_goodput` is the offered rate less the run's last requests' latency; this one is what a
+pool sustains.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 
@@ -127,3 +133,28 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: dict[s
     result.update(_stats("itl", [x for r in done for x in r.itls_s], percentiles))
     result.update(_stats("e2el", [r.e2el_s for r in done], percentiles))
     return result
+
+
+@dataclass(frozen=True)
+class MaxGoodput:
+    rate: float  # requests/s
+    exact: bool  # False: every rate measured met the target, so `rate`, the highest, is a lower bound
+
+
+def max_goodput_rate(points: Iterable[tuple[float, float]], attainment: float = 0.9) -> MaxGoodput | None:
+    """DistServe's goodput from a sweep's (offered rate, share within SLO) points: the highest rate
+    at which at least `attainment` of the requests met the SLO.
+
+    The rate where the attainment curve first drops below the target, interpolated linearly between
+    the last rate that met it and the first that did not; later rates are not looked at, so one
+    lucky draw past the knee does not raise it. None when even the lowest rate missed the target.
+    """
+    if not 0 < attainment <= 1:
+        raise ValueError(f"attainment must be in (0, 1], got {attainment}")
+    pts = sorted(points)
+    if not pts or pts[0][1] < attainment:
+        return None
+    for (r0, a0), (r1, a1) in zip(pts, pts[1:]):
+        if a1 < attainment:
+            return MaxGoodput(r0 + (r1 - r0) * (a0 - attainment) / (a0 - a1), exact=True)
+    return MaxGoodput(pts[-1][0], exact=False)

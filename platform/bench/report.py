@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pdserve.bench.metrics import MaxGoodput, max_goodput_rate
+
 ROWS = [("completed", "requests completed", "{:.0f}"), ("failed", "requests failed", "{:.0f}"),
         ("duration", "duration (s)", "{:.2f}"), ("request_throughput", "requests/s", "{:.2f}"),
         ("output_throughput", "output tokens/s", "{:.1f}"), ("request_goodput", "goodput (requests/s)", "{:.2f}"),
@@ -50,7 +52,7 @@ def load(path: str) -> dict:
         raise ValueError(f"{path}: not a benchmark result file ({e})") from e
 
 
-def sweep_table(results: list[dict], load_key: str) -> str:
+def sweep_table(results: list[dict], load_key: str, attainment: float = 0.9) -> str:
     head = f"{load_key:>12} {'req/s':>8} {'out tok/s':>10} {'goodput':>8} {'TTFT p50':>9} {'TTFT p99':>9} " \
            f"{'ITL p50':>8} {'ITL p99':>8} {'failed':>6}"
     lines = [head, "-" * len(head)]
@@ -58,10 +60,29 @@ def sweep_table(results: list[dict], load_key: str) -> str:
         lines.append(f"{str(r[load_key]):>12} {r['request_throughput']:>8.2f} {r['output_throughput']:>10.1f} "
                      f"{_fmt('{:.2f}', r.get('request_goodput')):>8} {r['median_ttft_ms']:>9.1f} "
                      f"{r['p99_ttft_ms']:>9.1f} {r['median_itl_ms']:>8.2f} {r['p99_itl_ms']:>8.2f} {r['failed']:>6}")
+    if _rates_with_slo(results, load_key):
+        lines.append(max_goodput_line(max_goodput(results, attainment), attainment))
     return "\n".join(lines)
 
 
-def sweep_plots(results: list[dict], load_key: str, out_dir: Path, cdfs: list[tuple[str, list[float]]]) -> list[Path]:
+def _rates_with_slo(results: list[dict], load_key: str) -> bool:
+    return load_key == "rate" and all(r.get("slo_attainment") is not None for r in results)
+
+
+def max_goodput(results: list[dict], attainment: float) -> MaxGoodput | None:
+    """DistServe's goodput over a rate sweep's results (see `metrics.max_goodput_rate`)."""
+    return max_goodput_rate([(float(r["rate"]), r["slo_attainment"]) for r in results], attainment)
+
+
+def max_goodput_line(g: MaxGoodput | None, attainment: float) -> str:
+    share = f"{attainment:.0%} of requests within SLO"
+    if g is None:
+        return f"max goodput: under the lowest rate measured ({share} at no rate)"
+    return f"max goodput: {'' if g.exact else 'at least '}{g.rate:.2f} req/s ({share})"
+
+
+def sweep_plots(results: list[dict], load_key: str, out_dir: Path, cdfs: list[tuple[str, list[float]]],
+                attainment: float = 0.9) -> list[Path]:
     """Latency percentiles and goodput against offered load; latency CDF per load point."""
     try:
         import matplotlib
@@ -83,6 +104,10 @@ def sweep_plots(results: list[dict], load_key: str, out_dir: Path, cdfs: list[tu
     axes[2].plot(x, [r["request_throughput"] for r in results], "-o", label="throughput")
     if any(g is not None for g in goodput):
         axes[2].plot(x, [g or 0 for g in goodput], "--s", label="goodput (SLO met)")
+        best = max_goodput(results, attainment) if _rates_with_slo(results, load_key) else None
+        if best is not None:
+            axes[2].axvline(best.rate, color="gray", linestyle=":",
+                            label=f"{'≥ ' if not best.exact else ''}{best.rate:.2f} req/s with {attainment:.0%} in SLO")
     axes[2].set(xlabel=f"offered load ({load_key})", ylabel="requests/s", title="throughput and goodput")
     axes[2].grid(alpha=0.3)
     axes[2].legend()

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import Connections, send_request
-from pdserve.bench.metrics import RequestRecord, compute_metrics, parse_slo
+from pdserve.bench.metrics import MaxGoodput, RequestRecord, compute_metrics, max_goodput_rate, parse_slo
 from pdserve.bench.runner import RunSettings, run_benchmark
 from pdserve.bench.workloads import (PromptBuilder, long_prompt_mix_workload, random_workload, replay_workload,
                                      sample_lengths, shared_prefix_workload)
@@ -51,6 +51,18 @@ def test_slo_parsing():
     for bad in ("latency=5ms", "ttft=", "ttft=-1ms"):
         with pytest.raises(ValueError):
             parse_slo(bad)
+
+
+def test_max_goodput_rate_is_where_attainment_first_drops_below_the_target():
+    # 0.95 at 2 req/s, 0.85 at 3: the 0.9 line is crossed halfway. The lucky 0.92 at 4 is past the knee.
+    g = max_goodput_rate([(3, 0.85), (1, 1.0), (2, 0.95), (4, 0.92)], 0.9)
+    assert g.rate == pytest.approx(2.5) and g.exact
+    assert max_goodput_rate([(1, 1.0), (2, 0.9), (3, 0.5)], 0.9) == MaxGoodput(2.0, exact=True)
+    assert max_goodput_rate([(1, 1.0), (2, 0.97)], 0.9) == MaxGoodput(2.0, exact=False)  # a lower bound
+    assert max_goodput_rate([(1, 0.8), (2, 0.5)], 0.9) is None
+    assert max_goodput_rate([], 0.9) is None
+    with pytest.raises(ValueError):
+        max_goodput_rate([(1, 1.0)], 0)
 
 
 def test_poisson_arrivals_have_the_requested_rate():
@@ -252,6 +264,12 @@ def test_sweep_and_compare_commands(tmp_path, capsys):
     assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert "1.00x" in capsys.readouterr().out
     assert main(["bench", "--compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json")]) == 2
+
+    with OpenAIStub(ttft_s=0.01, itl_s=0.005) as stub:  # a rate sweep with an SLO names its max goodput
+        assert main(["bench", "sweep", "--base-url", stub.base_url, "--rates", "50,100", "--num-requests", "4",
+                     "--output-len", "2", "--slo", "ttft=5s", "--out-dir", str(tmp_path / "r"), "--no-progress"]) == 0
+    assert "max goodput: at least 100.00 req/s (90% of requests within SLO)" in capsys.readouterr().out
+    assert main(["bench", "sweep", "--rates", "1", "--attainment", "1.5"]) == 2
 
 
 def test_duration_stops_a_fixed_concurrency_run():
