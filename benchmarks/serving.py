@@ -297,11 +297,12 @@ def main() -> None:
             update={"transfer": remote_always.transfer.model_copy(update={"shared_memory": False})})
         # Local prefill under load: a prompt that finds 1,536 tokens (one long prompt) of the decode
         # replica's prompts still with the prefill replica is prefilled on the decode replica, in
-        # 256-token chunks in the steps with nothing to decode (for up to 2 s), so its streams
-        # keep pure decode steps.
+        # the steps with nothing to decode (for up to 2 s), so its streams keep pure decode steps.
+        # After that, 128-token chunks beside the decodes: each such step stalls the streams for
+        # ~0.1 s on one core, half what a 256-token chunk costs (RESULTS.md, #5 part 2).
         queue_aware = ServeConfig.model_validate(remote_always.model_dump() | {
             "remote_prefill_max_queued_tokens": 1536, "overflow_prefill_pause_s": 2.0,
-            "decode": one_core | {"engine": {"num_threads": 1, "long_prefill_token_threshold": 256}}})
+            "decode": one_core | {"engine": {"num_threads": 1, "long_prefill_token_threshold": 128}}})
         setups_2 = {"disaggregated": remote_always,
                     "ucx": over_ucx,
                     "early": remote_always.model_copy(update={"early_first_token": True}),
