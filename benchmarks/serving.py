@@ -222,8 +222,12 @@ def main() -> None:
         ap.error(f"--setups: choose from {','.join(SETUPS)}")
     if args.device != "cpu" and (args.part != 1 or "disaggregated" in setups):
         ap.error("--device: only part 1's offline, handle and colocated setups run off the CPU")
-    if not 0 < args.attainment <= 1:
-        ap.error("--attainment: a share of requests, in (0, 1]")
+    from pdserve.bench.metrics import check_attainment
+
+    try:
+        check_attainment(args.attainment)
+    except ValueError as e:
+        ap.error(f"--{e}")
     mix_setups = set(args.mix_setups.split(",")) | {"colocated"}
     if not mix_setups <= set(MIX_SETUPS):
         ap.error(f"--mix-setups: choose from {','.join(MIX_SETUPS)}")
@@ -311,15 +315,14 @@ def main() -> None:
         setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:
             mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
-            by_setup: dict[str, list] = {name: [] for name in setups_2}
-            for rate in rates:
-                report["interference"][f"{rate} req/s, mix seed {seed}"] = runs_2 = {
+            draws = [f"{rate} req/s, mix seed {seed}" for rate in rates]
+            for rate, draw in zip(rates, draws):
+                report["interference"][draw] = {
                     name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0] for name, cfg in setups_2.items()}
-                for name, m in runs_2.items():
-                    by_setup[name].append(m)
             if len(rates) > 1:  # DistServe's goodput: the highest of these rates each setup sustains
                 report["max_goodput"][f"mix seed {seed}"] = {
-                    name: max_goodput(ms, args.attainment) for name, ms in by_setup.items()}
+                    name: max_goodput([report["interference"][d][name] for d in draws], args.attainment)
+                    for name in setups_2}
     finally:
         ray.shutdown()
         _print(report)

@@ -123,11 +123,11 @@ def _run(args) -> int:
 
 def _sweep(args) -> int:
     from pdserve.bench import report
+    from pdserve.bench.metrics import check_attainment
     from pdserve.bench.runner import run_benchmark
 
     try:
-        if not 0 < args.attainment <= 1:
-            raise ValueError(f"--attainment {args.attainment}: a share of requests, in (0, 1]")
+        check_attainment(args.attainment)
         builder, reqs = _workload(args)
         points = [("rate", float(x)) for x in args.rates.split(",")] if args.rates else \
             [("concurrency", int(x)) for x in args.concurrencies.split(",")]

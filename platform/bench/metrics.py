@@ -141,6 +141,11 @@ class MaxGoodput:
     exact: bool  # False: every rate measured met the target, so `rate`, the highest, is a lower bound
 
 
+def check_attainment(attainment: float) -> None:
+    if not 0 < attainment <= 1:
+        raise ValueError(f"attainment {attainment}: a share of requests, in (0, 1]")
+
+
 def max_goodput_rate(points: Iterable[tuple[float, float]], attainment: float = 0.9) -> MaxGoodput | None:
     """DistServe's goodput from a sweep's (offered rate, share within SLO) points: the highest rate
     at which at least `attainment` of the requests met the SLO.
@@ -149,8 +154,7 @@ def max_goodput_rate(points: Iterable[tuple[float, float]], attainment: float = 
     the last rate that met it and the first that did not; later rates are not looked at, so one
     lucky draw past the knee does not raise it. None when even the lowest rate missed the target.
     """
-    if not 0 < attainment <= 1:
-        raise ValueError(f"attainment must be in (0, 1], got {attainment}")
+    check_attainment(attainment)
     pts = sorted(points)
     if not pts or pts[0][1] < attainment:
         return None
