@@ -30,7 +30,8 @@ prefill replica's cache in shared memory), the same with the blocks sent over UC
 (`transfer.shared_memory: false`, as between hosts), the same with `early_first_token` (the first
 token streamed before the KV pull), the same with local prefill under load (a prompt that finds a
 long prompt's worth queued for prefill is prefilled on the decode replica while nothing decodes:
-`remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`) and colocated serving (one
+`remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`), the same taking only prompts
+of up to 256 tokens (`overflow_prefill_max_tokens`) and colocated serving (one
 replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At
 light load few decodes run while a long prompt prefills, so colocated serving's stalls stay under
 its 1% tail; disaggregation shows from the load where they do not. Over several rates, each setup's
@@ -62,7 +63,7 @@ SETUPS = ("offline", "handle", "colocated", "disaggregated")
 # Part 2's setups by short name (--mix-setups), as its tables name them; colocated is always run.
 MIX_SETUPS = {"disaggregated": "disaggregated", "ucx": "disaggregated, blocks over UCX",
               "early": "disaggregated, early first token", "queue": "disaggregated, local prefill under load",
-              "colocated": "colocated"}
+              "capped": "local prefill under load, short prompts only", "colocated": "colocated"}
 
 
 def _free_port() -> int:
@@ -311,6 +312,8 @@ def main() -> None:
                     "ucx": over_ucx,
                     "early": remote_always.model_copy(update={"early_first_token": True}),
                     "queue": queue_aware,
+                    # Long prompts stay on the prefill queue: no run of stalls, at the cost of TTFT.
+                    "capped": queue_aware.model_copy(update={"overflow_prefill_max_tokens": 256}),
                     "colocated": colocated}
         setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:

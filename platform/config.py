@@ -241,6 +241,11 @@ class ServeConfig(BaseModel):
                                 "waiting on prefill replicas is prefilled on the decode replica instead, while that "
                                 "replica's own prefill queue is the shorter. A burst of long prompts then uses both "
                                 "pools. Each decode replica counts its own prompts. None: always remote.")
+    overflow_prefill_max_tokens: int | None = Field(
+        None, ge=1, description="With remote_prefill_max_queued_tokens: a prompt with more uncached tokens than this "
+                                "waits for a prefill replica even when the queue is long. On the decode replica each "
+                                "of its chunks would stall every stream for a step, a long prompt many steps in a "
+                                "row. None: any prompt may be prefilled there.")
     overflow_prefill_pause_s: float = Field(
         2.0, ge=0, description="A prompt prefilled on the decode replica because the prefill queue is long "
                                "(remote_prefill_max_queued_tokens) is prefilled in that replica's steps with nothing "

@@ -54,7 +54,8 @@ class Decode(EngineReplica):
         self.server = DecodeServer(engine_config, cfg.transfer, remote_prefill, make_importer,
                                    cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method,
                                    self.ranks and self.ranks.pull, self.metrics.pull, cfg.early_first_token,
-                                   cfg.remote_prefill_max_queued_tokens, cfg.overflow_prefill_pause_s)
+                                   cfg.remote_prefill_max_queued_tokens, cfg.overflow_prefill_pause_s,
+                                   cfg.overflow_prefill_max_tokens)
         self.kv_events = start_kv_events(cfg, self.server.engine)
         self.outputs = OutputChannelServer(ray.util.get_node_ip_address(), self._abort)
         self._start_reporting(cfg)

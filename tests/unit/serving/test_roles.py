@@ -228,5 +228,49 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
 
 
+def test_long_prompts_wait_for_prefill_replicas_past_overflow_prefill_max_tokens(pools, tiny_llama):
+    """With `overflow_prefill_max_tokens`, a prompt longer than that goes to the prefill replica
+    even when the queue is long (each of its chunks would stall the decode replica's streams);
+    a shorter one is still prefilled here."""
+    prefill, decode = pools
+    decode.remote_prefill_max_queued_tokens = 30
+    decode.overflow_prefill_max_tokens = 20
+    prompts = {"first": list(range(5, 45)), "long": list(range(60, 84)), "short": list(range(90, 108))}
+    expected = dict(zip(prompts, (c.token_ids for c in LLM(tiny_llama, block_size=8).generate(
+        list(prompts.values()), GREEDY))))
+    held = asyncio.Event()
+    real = decode.remote_prefill
+    seen_queue = []
+
+    async def slow_prefill(req):  # the prefill replica is busy until both others have been placed
+        seen_queue.append(decode.remote_queued_tokens)
+        await held.wait()
+        return await real(req)
+
+    decode.remote_prefill = slow_prefill
+
+    async def main():
+        first = asyncio.ensure_future(_collect(decode, GenerateRequest("first", prompts["first"], GREEDY)))
+        while len(seen_queue) < 1:
+            await asyncio.sleep(0.01)
+        long = asyncio.ensure_future(_collect(decode, GenerateRequest("long", prompts["long"], GREEDY)))
+        while len(seen_queue) < 2:
+            await asyncio.sleep(0.01)
+        short = await _collect(decode, GenerateRequest("short", prompts["short"], GREEDY))
+        held.set()
+        return {"first": await first, "long": await long, "short": short}
+
+    outs = asyncio.run(main())
+    assert {name: _tokens(o) for name, o in outs.items()} == expected
+    assert seen_queue == [40, 64]  # "long" (24 tokens > 20) queued behind "first"; "short" did not
+    stats = decode.stats()
+    assert stats["num_remote_prefills"] == 2
+    assert stats["num_local_prefills"] == stats["num_local_prefills_for_queue"] == 1
+    assert decode.remote_queued_tokens == 0
+    for server in (decode, prefill):
+        asyncio.run(server.engine.call(lambda: None))
+    assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
+
+
 async def _collect(decode, req):
     return [o async for o in decode.generate(req)]
