@@ -12,8 +12,9 @@ replicas is prefilled here instead, while this replica's own prefill queue is th
 pools instead of queueing on one. Such a prompt yields to this replica's decodes for up to
 `overflow_prefill_pause_s`, so its streams keep pure decode steps; with
 `overflow_prefill_max_tokens`, longer prompts always wait for a prefill replica. A prefill call
-that fails is retried here as a local prefill; a pull that fails recomputes the prompt here. Either way the client sees one uninterrupted stream. Cancelling the stream aborts
-the request on both sides: the prefill call is cancelled, or its lease released.
+that fails is retried here as a local prefill; a pull that fails recomputes the prompt here.
+Either way the client sees one uninterrupted stream. Cancelling the stream aborts the request on
+both sides: the prefill call is cancelled, or its lease released.
 """
 
 from __future__ import annotations
