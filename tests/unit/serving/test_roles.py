@@ -185,18 +185,8 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     prefill, decode = pools
     decode.remote_prefill_max_queued_tokens = 30
     prompts = {"first": list(range(5, 45)), "second": list(range(60, 84)), "after": list(range(90, 114))}
-    expected = dict(zip(prompts, (c.token_ids for c in LLM(tiny_llama, block_size=8).generate(
-        list(prompts.values()), GREEDY))))
-    held = asyncio.Event()
-    real = decode.remote_prefill
-    seen_queue = []
-
-    async def slow_prefill(req):  # the prefill replica is busy until "second" is in
-        seen_queue.append(decode.remote_queued_tokens)
-        await held.wait()
-        return await real(req)
-
-    decode.remote_prefill = slow_prefill
+    expected = _offline_greedy(tiny_llama, prompts)
+    held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until "second" is in
     pauses = {}  # what this engine was asked to prefill, and how long each prompt yields to decodes
     add_request = decode.engine.engine.add_request
 
@@ -236,18 +226,8 @@ def test_long_prompts_wait_for_prefill_replicas_past_overflow_prefill_max_tokens
     decode.remote_prefill_max_queued_tokens = 30
     decode.overflow_prefill_max_tokens = 20
     prompts = {"first": list(range(5, 45)), "long": list(range(60, 84)), "short": list(range(90, 108))}
-    expected = dict(zip(prompts, (c.token_ids for c in LLM(tiny_llama, block_size=8).generate(
-        list(prompts.values()), GREEDY))))
-    held = asyncio.Event()
-    real = decode.remote_prefill
-    seen_queue = []
-
-    async def slow_prefill(req):  # the prefill replica is busy until both others have been placed
-        seen_queue.append(decode.remote_queued_tokens)
-        await held.wait()
-        return await real(req)
-
-    decode.remote_prefill = slow_prefill
+    expected = _offline_greedy(tiny_llama, prompts)
+    held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until both others are placed
 
     async def main():
         first = asyncio.ensure_future(_collect(decode, GenerateRequest("first", prompts["first"], GREEDY)))
@@ -270,6 +250,26 @@ def test_long_prompts_wait_for_prefill_replicas_past_overflow_prefill_max_tokens
     for server in (decode, prefill):
         asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
+
+
+def _offline_greedy(tiny_llama, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each named prompt's greedy tokens from the offline engine."""
+    outs = LLM(tiny_llama, block_size=8).generate(list(prompts.values()), GREEDY)
+    return dict(zip(prompts, (c.token_ids for c in outs)))
+
+
+def _hold_remote_prefills(decode) -> tuple[asyncio.Event, list[int]]:
+    """Make `decode`'s remote prefills wait for the returned event; the list gets the uncached
+    tokens queued on prefill replicas as each call came in."""
+    held, seen_queue, real = asyncio.Event(), [], decode.remote_prefill
+
+    async def held_prefill(req):
+        seen_queue.append(decode.remote_queued_tokens)
+        await held.wait()
+        return await real(req)
+
+    decode.remote_prefill = held_prefill
+    return held, seen_queue
 
 
 async def _collect(decode, req):
