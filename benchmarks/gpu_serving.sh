@@ -5,12 +5,15 @@
 #
 #   bash benchmarks/gpu_serving.sh pack   # here: the Ray Serve stack for a Python 3.12 GPU image
 #                                         # that lacks it, as .devsite/devsite.tar.xz (~40 MB)
-#   bash benchmarks/gpu_serving.sh run    # there, with .devsite carried: unpack, check greedy
-#                                         # tokens on the GPU against the CPU, then serving.py part 1
+#   bash benchmarks/gpu_serving.sh run    # there, with .devsite carried: unpack, run the GPU
+#                                         # tests, check greedy tokens on the GPU against the CPU,
+#                                         # then serving.py part 1 with CUDA graphs and without
 #
-# `run` writes its logs and serving.py's JSON under $OUT (or ./gpu-out). PART1_CONCURRENCY (8),
-# PART1_ROUNDS (3) and PART1_TIMEOUT_S (360) size part 1: three rounds at concurrency 8 took about
-# 3 minutes on an H200 host, and concurrency 1, 8 and 32 over two rounds did not fit in 170 s.
+# `run` writes its logs and serving.py's output under $OUT (or ./gpu-out). PART1_CONCURRENCY (8),
+# PART1_ROUNDS (3), EAGER_ROUNDS (2) and PART1_TIMEOUT_S (360) size part 1: three rounds at
+# concurrency 8 took about 3 minutes on an H200 host, and concurrency 1, 8 and 32 over two rounds
+# did not fit in 170 s. The eager run (`--enforce-eager`, offline and colocated) is the same
+# engine's steps op by op, as before CUDA graphs.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 site=/tmp/devsite
@@ -52,7 +55,11 @@ run() {
     python3 -c "import ray, ray.serve, fastapi, torch, pdserve.app; print('ray', ray.__version__, 'torch',
                 torch.__version__, torch.cuda.get_device_name())" || exit 1
 
-    # Greedy tokens of the same checkpoint on the GPU and on the CPU (fp32 both ways, TF32 off).
+    timeout 120 python3 -m pytest -q -p no:cacheprovider "$here"/tests/unit/engine/test_cuda_graphs.py \
+        "$here"/tests/unit/engine/test_triton_paged.py 2>&1 | tail -15 | tee "$out/tests.log"
+
+    # Greedy tokens of the same checkpoint on the GPU (CUDA graphs) and on the CPU (fp32 both
+    # ways, TF32 off).
     timeout 120 python3 - <<'EOF' 2>&1 | tee "$out/greedy.log"
 import torch
 from pdserve.engine.checkpoint import default_model
@@ -74,6 +81,9 @@ EOF
     timeout "${PART1_TIMEOUT_S:-360}" python3 "$here/benchmarks/serving.py" --part 1 --device cuda:0 \
         --concurrency "${PART1_CONCURRENCY:-8}" --setups offline,handle,colocated --rounds "${PART1_ROUNDS:-3}" \
         2>&1 | tee "$out/part1.log"
+    timeout "${PART1_TIMEOUT_S:-360}" python3 "$here/benchmarks/serving.py" --part 1 --device cuda:0 \
+        --concurrency "${PART1_CONCURRENCY:-8}" --setups offline,colocated --rounds "${EAGER_ROUNDS:-2}" \
+        --enforce-eager 2>&1 | tee "$out/part1-eager.log"
 }
 
 case "${1:-}" in

@@ -96,16 +96,16 @@ async def _stream_all(requests, concurrency: int, open_stream) -> tuple[list, fl
     return records, time.perf_counter() - start
 
 
-def offline_run(model: str, requests, concurrency: int, num_threads: int, dtypes: dict, warmup) -> dict:
+def offline_run(model: str, requests, concurrency: int, num_threads: int, engine_options: dict, warmup) -> dict:
     """The baseline: the same requests as engine streams in this process (after `warmup`, as the
-    served setups). `dtypes`: the engine's kv_cache_dtype, weight_dtype and device."""
+    served setups). `engine_options`: the engine's kv_cache_dtype, weight_dtype, device and enforce_eager."""
     from pdserve.bench.metrics import compute_metrics
     from pdserve.bench.runner import run_on_client_loop
     from pdserve.config import EngineConfig
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.engine import LLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads, **dtypes)))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, num_threads=num_threads, **engine_options)))
 
     async def open_stream(i, r, params):
         return await engine.generate(f"b{i}", r.prompt_token_ids, params)
@@ -216,6 +216,8 @@ def main() -> None:
     ap.add_argument("--weight-dtype", choices=("auto", "bfloat16"), default="auto",
                     help="every setup's weight matrices: the model's dtype (fp32), or weight-only bf16 (half the "
                          "bytes a decode step streams)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="part 1 on a GPU: run decode steps op by op instead of replaying CUDA graphs")
     args = ap.parse_args()
     warn_if_pinned()
     setups = args.setups.split(",")
@@ -268,9 +270,10 @@ def main() -> None:
                     "max_goodput": {}, "attainment": args.attainment}
     try:
         # -- part 1: hops ------------------------------------------------------------------------
-        dtypes = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype, "device": args.device}
+        engine_options = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype,
+                          "device": args.device, "enforce_eager": args.enforce_eager}
         # CPU pools: a step's leftover budget is not filled with the next prompt's first chunk (README).
-        engine = {"num_threads": 2, "max_num_seqs": 64, "split_prompts_to_fill_steps": False, **dtypes}
+        engine = {"num_threads": 2, "max_num_seqs": 64, "split_prompts_to_fill_steps": False, **engine_options}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
 
         def colocated_app(threads: int) -> ServeConfig:  # one replica on both cores, `threads` engine threads
@@ -281,7 +284,7 @@ def main() -> None:
         colocated, colocated_hops = colocated_app(2), colocated_app(args.engine_threads)
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                              remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
-        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, dtypes, warmup)
+        runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, engine_options, warmup)
                                     for c, reqs in requests_by_c.items()},
                 "handle": lambda: {c: handle_run(colocated_hops, reqs, c, warmup) for c, reqs in requests_by_c.items()},
                 "colocated": lambda: served_runs(colocated_hops, requests_by_c, builder, warmup),

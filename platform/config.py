@@ -54,6 +54,11 @@ class EngineConfig(BaseModel):
                           "only in one that prefills nothing else, so the prompt before it is not slowed by a "
                           "chunk of it. Off suits CPU prefill pools, where a larger step is no more efficient.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enforce_eager: bool = Field(
+        False, description="On CUDA, run decode steps op by op instead of replaying CUDA graphs captured at "
+                           "startup (one per batch size up to max_num_seqs; dense models on one rank). "
+                           "Graphs take the step's kernel launches off the host; eager spares the capture's "
+                           "seconds and memory. vLLM's enforce_eager.")
     seed: int = Field(0, description="Seed of the sampling RNG for requests without a seed of their own.")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch (per rank); default: "
                                                             "torch's (OMP_NUM_THREADS, else all cores), no more than "

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import BlockPool, KVCache, KVCacheManager, block_hashes
 from pdserve.engine.models.arch import ModelArch, parse_dtype
 from pdserve.engine.models.llama import check_parallel
@@ -125,7 +126,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.split_prompts_to_fill_steps)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, Sampler(config.seed), config.device,
-                                  self.parallel)
+                                  self.parallel, self._capture_decode_graphs())
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -136,6 +137,18 @@ class LLMEngine:
                  "loaded in %.1fs", config.model, self.arch.model_type, self.arch.num_layers, num_blocks,
                  config.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
                  time.perf_counter() - t0)
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode step where they apply: a CUDA device, one rank, a model whose
+        forward pass has no host syncs, and not `enforce_eager`."""
+        config = self.config
+        if (torch.device(config.device).type != "cuda" or config.enforce_eager or self.parallel.size > 1
+                or not getattr(self.model, "supports_cuda_graphs", False)):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+                              -(-self.max_model_len // config.block_size), config.device)
+        graphs.capture()
+        return graphs
 
     def shutdown(self) -> None:
         """Release the worker ranks of a parallel engine (nothing to do for a single rank)."""

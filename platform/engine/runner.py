@@ -6,7 +6,8 @@ single query is the same either way) in a `StepInputs` (token ids, positions, sl
 tables, the rows that need logits), broadcasts it to the other ranks of a parallel replica, runs
 the forward pass inside `forward_context` (`run_step`, which worker ranks run too), and samples
 the rows of chunks that reach their request's last token. A decode-only step of a model that runs
-in C on one rank skips all that: one call from token ids to logits (`_decode_in_one_call`).
+in C on one rank skips all that: one call from token ids to logits (`_decode_in_one_call`); on a
+GPU, one replay of a captured CUDA graph (`DecodeGraphs`).
 Out: `(request, token id, logprob)` triples. It does not decide what runs or when a request stops.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forward_context
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
@@ -35,8 +37,10 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager | None,
-                 sampler: Sampler | None, device: str | torch.device = "cpu", parallel: ParallelState = SINGLE):
+                 sampler: Sampler | None, device: str | torch.device = "cpu", parallel: ParallelState = SINGLE,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
+        self.decode_graphs = decode_graphs  # decode steps as CUDA graphs, where captured
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager  # None on worker ranks: the driver owns the block tables
         self.sampler = sampler
@@ -58,6 +62,9 @@ class ModelRunner:
                 requests.append(c.request)
         if chunks and not prompt_rows and len(requests) == end == len(chunks) and self.parallel.size == 1:
             decoded = self._decode_in_one_call(chunks, requests)
+            if decoded is None and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
+                with torch.inference_mode():
+                    decoded = self._sample(self.decode_graphs.run(*self._decode_rows(chunks)), requests)
             if decoded is not None:
                 return decoded
         return self._execute(chunks, prompt_rows, sample_rows, requests)
@@ -90,13 +97,11 @@ class ModelRunner:
         decoder = self.model.c_decoder(self.kv_cache)
         if decoder is None:
             return None
-        bs = self.block_size
-        tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
+        ids, positions, slots, lens, tables = self._decode_rows(chunks)
         width = max(len(t) for t in tables)
-        ints = array("q", [c.request.all_token_ids[c.start] for c in chunks])  # token ids
-        ints.extend(c.start for c in chunks)  # positions
-        ints.extend(t[c.start // bs] * bs + c.start % bs for c, t in zip(chunks, tables))  # cache slots
-        ints.extend(c.end for c in chunks)  # sequence lengths
+        ints = array("q", ids)
+        for values in (positions, slots, lens):
+            ints.extend(values)
         for t in tables:  # block tables, padded with block 0 (masked out by the lengths)
             ints.extend(t)
             ints.extend([0] * (width - len(t)))
@@ -105,6 +110,15 @@ class ModelRunner:
             return [SampledToken(r, t, None) for r, t in zip(requests, tokens)]
         with torch.inference_mode():
             return self._sample(logits, requests)
+
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int], list[int],
+                                                                   list[list[int]]]:
+        """A decode-only step's token ids, positions, cache slots, sequence lengths and block tables."""
+        bs = self.block_size
+        tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
+        return ([c.request.all_token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                [t[c.start // bs] * bs + c.start % bs for c, t in zip(chunks, tables)], [c.end for c in chunks],
+                tables)
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:

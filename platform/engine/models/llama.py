@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint projection name -> (our merged parameter, shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    supports_cuda_graphs = True  # no host syncs in the forward pass (engine/cuda_graphs.py)
 
     def __init__(self, arch: ModelArch, max_position: int, parallel: ParallelState = SINGLE):
         super().__init__()

@@ -114,6 +114,8 @@ class MixtralMoE(nn.Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False  # routing reads the chosen experts on the host
+
     @staticmethod
     def make_mlp(arch: ModelArch, tp: ParallelState) -> nn.Module:
         return MixtralMoE(arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok, tp)

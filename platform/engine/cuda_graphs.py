@@ -1,0 +1,116 @@
+"""Decode steps replayed as CUDA graphs (vLLM's and SGLang's "cudagraph" mode, decode only).
+
+A decode step of a small model on a GPU is bound by the host: each of its few hundred kernels costs
+the Python that launches it, on the thread that also schedules, samples and (in a served replica)
+shares the GIL with the event loop. A graph captured once per batch size replays them all in one
+call.
+
+What that takes:
+- Static inputs. One int64 buffer on the device holds every step's integers, as views that each
+  captured graph reads: `[ids | positions | slots | lengths]` of `max_batch` rows each, then the
+  block tables, `[max_batch, max_blocks]`. A step writes its values into a pinned host copy of the
+  buffer and sends it in one copy. Table columns past a row's blocks keep stale block ids: the
+  kernels stop at the row's length, so they are never read.
+- Fixed batch sizes (1, 2, 4, 8, then every 8 up to `max_batch`). A batch of n runs the graph of
+  the next size up; the extra rows repeat row 0 (same token, position and cache slot), so they
+  write row 0's own K/V to row 0's slot and their logits are dropped.
+- A forward pass without host syncs or data-dependent shapes: the dense models on the Triton
+  attention path. MoE routing (`.tolist()` over chosen experts) is not capturable, so those models
+  run eagerly (`supports_cuda_graphs`).
+
+On a CPU (the unit tests), `DecodeGraphs` without `capture()` runs the same static buffers and
+padding eagerly, which checks everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, forward_context
+from pdserve.engine.kernels.paged_attention import GatherWorkspace
+from pdserve.engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: vLLM's 1, 2, 4, 8, then steps of 8, and max_batch itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """One model's decode step over one KV cache, at each size of `capture_sizes(max_batch)`."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_batch: int, max_blocks: int,
+                 device: str | torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks
+        self.device = torch.device(device)
+        n = 4 * max_batch + max_batch * max_blocks
+        self._ints = torch.zeros(n, dtype=torch.long, device=self.device)
+        self._host = torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host_rows = self._host.numpy()[:4 * max_batch].reshape(4, max_batch)
+        self._host_tables = self._host.numpy()[4 * max_batch:].reshape(max_batch, max_blocks)
+        self._host_tables[:] = 0
+        self._host_rows[3] = 1  # a length of 1 while capturing: a real key for the warm-up passes
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._workspace = GatherWorkspace()
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        """The decode step of the first `batch` rows of the static buffer, to logits `[batch, vocab]`."""
+        mb = self.max_batch
+        ids, positions, slots, lens = (self._ints[i * mb:i * mb + batch] for i in range(4))
+        tables = self._ints[4 * mb:].view(mb, self.max_blocks)[:batch]
+        meta = AttentionMetadata(slots, batch, tables, lens, [])
+        with forward_context(meta, self.kv_cache, self._workspace):
+            return self.model.compute_logits(self.model(ids, positions))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool. Warm-up
+        passes write into cache slot 0: call this before the engine holds any KV."""
+        t0 = time.perf_counter()
+        self._ints.copy_(self._host)
+        pool = None
+        for batch in reversed(self.sizes):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up off the capture stream (Triton compiles here)
+                for _ in range(2):
+                    self._forward(batch)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[batch] = self._forward(batch)
+            pool = graph.pool()
+            self._graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.sizes, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """Logits `[len(ids), vocab]` of one decode step; they stay valid until the next `run`."""
+        n = len(ids)
+        batch = next(b for b in self.sizes if b >= n)
+        rows, host_tables = self._host_rows, self._host_tables
+        for i, values in enumerate((ids, positions, slots, lens)):
+            rows[i, :n] = values
+            rows[i, n:batch] = values[0]  # padding rows repeat row 0
+        for i, table in enumerate(tables):
+            host_tables[i, :len(table)] = table
+        host_tables[n:batch, :len(tables[0])] = tables[0]
+        used = 4 * self.max_batch + batch * self.max_blocks
+        self._ints[:used].copy_(self._host[:used], non_blocking=True)
+        if batch in self._graphs:
+            self._graphs[batch].replay()
+            return self._logits[batch][:n]
+        return self._forward(batch)[:n]
