@@ -23,7 +23,8 @@ class EngineConfig(BaseModel):
                                    "(config.json, *.safetensors, tokenizer.json).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; 'auto' takes the checkpoint's dtype.")
-    device: str = Field("cpu", description="torch device for weights and KV cache, e.g. 'cpu' or 'cuda:0'.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda)(:\d+)?$",
+                        description="torch device for weights and KV cache, e.g. 'cpu' or 'cuda:0' (ROCm too).")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the KV cache holds; 'auto' takes the model's. bfloat16 under an fp32 model "

@@ -43,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--logprobs", type=int, default=None, help="return the sampled token's logprob and the top N")
     e = g.add_argument_group("engine")
+    e.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-kv-blocks", type=int, default=None)
@@ -53,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ranks (processes; devices on GPU) the model is split over; gloo on CPU, nccl on CUDA")
     e.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE: spread whole experts over the ranks instead of splitting each")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps op by op instead of replaying CUDA graphs")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
     g.set_defaults(handler=_generate)
 
@@ -86,10 +89,11 @@ def _generate(args) -> int:
             stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos,
             logprobs=args.logprobs)
         prompts = _read_prompts(args)
-        llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                  num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+                  tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+                  enforce_eager=args.enforce_eager)
         try:
             inputs = ([llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
                       if args.chat else prompts)

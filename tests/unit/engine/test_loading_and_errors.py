@@ -148,3 +148,5 @@ def test_request_errors(tiny_llama):
         LLMEngine(EngineConfig(model=tiny_llama, max_model_len=10**6))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(model=tiny_llama, max_num_seqs=64, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(model=tiny_llama, device="cuda:x")
