@@ -252,6 +252,11 @@ class ServeConfig(BaseModel):
                                 "waits for a prefill replica even when the queue is long. On the decode replica each "
                                 "of its chunks would stall every stream for a step, a long prompt many steps in a "
                                 "row. None: any prompt may be prefilled there.")
+    remote_prefill_max_queued_tokens_long: int | None = Field(
+        None, ge=1, description="With overflow_prefill_max_tokens: the prefill-queue limit for the longer prompts. "
+                                "Set it to what the prefill pool clears in about the TTFT you aim for, so a long "
+                                "prompt is prefilled on the decode replica only when waiting would miss that. None: "
+                                "the longer prompts always wait for a prefill replica.")
     overflow_prefill_pause_s: float = Field(
         2.0, ge=0, description="A prompt prefilled on the decode replica because the prefill queue is long "
                                "(remote_prefill_max_queued_tokens) is prefilled in that replica's steps with nothing "
@@ -301,6 +306,10 @@ class ServeConfig(BaseModel):
             if d > 1 and self.transfer.backend != "ucx":
                 raise ValueError("tensor-parallel pools in disaggregated mode move KV rank to rank: "
                                  "transfer.backend must be ucx")
+        if self.remote_prefill_max_queued_tokens_long is not None and (
+                self.overflow_prefill_max_tokens is None or self.remote_prefill_max_queued_tokens is None):
+            raise ValueError("remote_prefill_max_queued_tokens_long is the queue limit for prompts past "
+                             "overflow_prefill_max_tokens: set that and remote_prefill_max_queued_tokens too")
         if self.pool_ratio is not None and (self.mode != "disaggregated" or self.prefill.autoscaling is None
                                             or self.decode.autoscaling is None):
             raise ValueError("pool_ratio needs mode disaggregated and autoscaling on both the prefill and the "

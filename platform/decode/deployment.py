@@ -55,7 +55,7 @@ class Decode(EngineReplica):
                                    cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method,
                                    self.ranks and self.ranks.pull, self.metrics.pull, cfg.early_first_token,
                                    cfg.remote_prefill_max_queued_tokens, cfg.overflow_prefill_pause_s,
-                                   cfg.overflow_prefill_max_tokens)
+                                   cfg.overflow_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens_long)
         self.kv_events = start_kv_events(cfg, self.server.engine)
         self.outputs = OutputChannelServer(ray.util.get_node_ip_address(), self._abort)
         self._start_reporting(cfg)

@@ -11,7 +11,8 @@ replicas is prefilled here instead, while this replica's own prefill queue is th
 (Dynamo's queue-aware conditional disaggregation): a burst of long prompts is prefilled on both
 pools instead of queueing on one. Such a prompt yields to this replica's decodes for up to
 `overflow_prefill_pause_s`, so its streams keep pure decode steps; with
-`overflow_prefill_max_tokens`, longer prompts always wait for a prefill replica. A prefill call
+`overflow_prefill_max_tokens`, longer prompts wait for a prefill replica, unless the queue holds
+`remote_prefill_max_queued_tokens_long` tokens (None: always). A prefill call
 that fails is retried here as a local prefill; a pull that fails recomputes the prompt here.
 Either way the client sees one uninterrupted stream. Cancelling the stream aborts the request on
 both sides: the prefill call is cancelled, or its lease released.
@@ -51,12 +52,13 @@ class DecodeServer:
                  remote_prefill_min_tokens: int = 256, init_method: str | None = None,
                  pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None,
                  early_first_token: bool = False, remote_prefill_max_queued_tokens: int | None = None,
-                 overflow_prefill_pause_s: float = 2.0, overflow_prefill_max_tokens: int | None = None):
+                 overflow_prefill_pause_s: float = 2.0, overflow_prefill_max_tokens: int | None = None,
+                 remote_prefill_max_queued_tokens_long: int | None = None):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
         # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads;
         # on_pull(seconds): told the duration of every successful pull (a metric);
         # early_first_token, remote_prefill_max_queued_tokens, overflow_prefill_pause_s,
-        # overflow_prefill_max_tokens: see ServeConfig.
+        # overflow_prefill_max_tokens, remote_prefill_max_queued_tokens_long: see ServeConfig.
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
@@ -69,6 +71,7 @@ class DecodeServer:
         self.remote_prefill_max_queued_tokens = remote_prefill_max_queued_tokens
         self.overflow_prefill_pause_s = overflow_prefill_pause_s
         self.overflow_prefill_max_tokens = overflow_prefill_max_tokens
+        self.remote_prefill_max_queued_tokens_long = remote_prefill_max_queued_tokens_long
         self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
         self.num_local_prefills_for_queue = 0
@@ -208,8 +211,9 @@ class DecodeServer:
             if num_uncached < self.remote_prefill_min_tokens:
                 return "local", 0
         limit = self.remote_prefill_max_queued_tokens
-        cap = self.overflow_prefill_max_tokens
-        if (limit is not None and self.remote_queued_tokens >= limit and (cap is None or num_uncached <= cap)
+        if self.overflow_prefill_max_tokens is not None and num_uncached > self.overflow_prefill_max_tokens:
+            limit = self.remote_prefill_max_queued_tokens_long
+        if (limit is not None and self.remote_queued_tokens >= limit
                 and self.engine.engine.scheduler.num_queued_prefill_tokens() < self.remote_queued_tokens):
             return "local, prefill queue long", num_uncached
         return "remote", num_uncached

@@ -35,6 +35,8 @@ def test_mistakes_fail_at_load_time_naming_the_field():
         ServeConfig(mode="split")
     with pytest.raises(ValidationError, match="unknown_field"):
         ServeConfig(unknown_field=1)
+    with pytest.raises(ValidationError, match="set that and remote_prefill_max_queued_tokens"):
+        ServeConfig(remote_prefill_max_queued_tokens=1536, remote_prefill_max_queued_tokens_long=3072)
 
 
 def test_apps_and_serve_config(tiny_llama, capsys):

@@ -218,34 +218,48 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
 
 
-def test_long_prompts_wait_for_prefill_replicas_past_overflow_prefill_max_tokens(pools, tiny_llama):
+@pytest.mark.parametrize("long_limit", [None, 60])
+def test_long_prompts_overflow_only_past_their_own_queue_limit(pools, tiny_llama, long_limit):
     """With `overflow_prefill_max_tokens`, a prompt longer than that goes to the prefill replica
-    even when the queue is long (each of its chunks would stall the decode replica's streams);
-    a shorter one is still prefilled here."""
+    while fewer than `remote_prefill_max_queued_tokens_long` tokens wait there (always, when that
+    is None): each of its chunks here would stall this replica's streams. A shorter one goes by
+    `remote_prefill_max_queued_tokens`."""
     prefill, decode = pools
     decode.remote_prefill_max_queued_tokens = 30
     decode.overflow_prefill_max_tokens = 20
-    prompts = {"first": list(range(5, 45)), "long": list(range(60, 84)), "short": list(range(90, 108))}
+    decode.remote_prefill_max_queued_tokens_long = long_limit
+    prompts = {"first": list(range(5, 45)), "long": list(range(60, 84)), "long2": list(range(120, 144)),
+               "short": list(range(90, 108))}
     expected = _offline_greedy(tiny_llama, prompts)
-    held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until both others are placed
+    held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until the others are placed
+
+    async def until_queued(n):
+        while len(seen_queue) < n:
+            await asyncio.sleep(0.01)
+
+    def start(name):
+        return asyncio.ensure_future(_collect(decode, GenerateRequest(name, prompts[name], GREEDY)))
 
     async def main():
-        first = asyncio.ensure_future(_collect(decode, GenerateRequest("first", prompts["first"], GREEDY)))
-        while len(seen_queue) < 1:
-            await asyncio.sleep(0.01)
-        long = asyncio.ensure_future(_collect(decode, GenerateRequest("long", prompts["long"], GREEDY)))
-        while len(seen_queue) < 2:
-            await asyncio.sleep(0.01)
+        first = start("first")
+        await until_queued(1)
+        long = start("long")
+        await until_queued(2)
+        long2 = start("long2")
+        if long_limit is None:
+            await until_queued(3)
         short = await _collect(decode, GenerateRequest("short", prompts["short"], GREEDY))
         held.set()
-        return {"first": await first, "long": await long, "short": short}
+        return {"first": await first, "long": await long, "long2": await long2, "short": short}
 
     outs = asyncio.run(main())
     assert {name: _tokens(o) for name, o in outs.items()} == expected
-    assert seen_queue == [40, 64]  # "long" (24 tokens > 20) queued behind "first"; "short" did not
+    # "long" (24 tokens > 20) queued behind "first" either way; "long2" found 64 tokens queued:
+    # past its own limit of 60 it was prefilled here, without one it queued too. "short" never queued.
+    assert seen_queue == ([40, 64, 88] if long_limit is None else [40, 64])
     stats = decode.stats()
-    assert stats["num_remote_prefills"] == 2
-    assert stats["num_local_prefills"] == stats["num_local_prefills_for_queue"] == 1
+    assert stats["num_remote_prefills"] == len(seen_queue)
+    assert stats["num_local_prefills"] == stats["num_local_prefills_for_queue"] == 4 - len(seen_queue)
     assert decode.remote_queued_tokens == 0
     for server in (decode, prefill):
         asyncio.run(server.engine.call(lambda: None))
