@@ -330,6 +330,9 @@ def main() -> None:
             for rate, draw in zip(rates, draws):
                 report["interference"][draw] = {
                     name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0] for name, cfg in setups_2.items()}
+                print(f"{draw}: " + "; ".join(f"{name} p99 ITL {m['p99_itl_ms']:.0f} ms, {m['slo_attainment']:.3f} "
+                                             "within SLO" for name, m in report["interference"][draw].items()),
+                      flush=True)  # a long sweep's progress
             if len(rates) > 1:  # DistServe's goodput: the highest of these rates each setup sustains
                 report["max_goodput"][f"mix seed {seed}"] = {
                     name: max_goodput([report["interference"][d][name] for d in draws], args.attainment)
