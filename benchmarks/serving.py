@@ -31,7 +31,8 @@ prefill replica's cache in shared memory), the same with the blocks sent over UC
 token streamed before the KV pull), the same with local prefill under load (a prompt that finds a
 long prompt's worth queued for prefill is prefilled on the decode replica while nothing decodes:
 `remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`), the same taking only prompts
-of up to 256 tokens (`overflow_prefill_max_tokens`) and colocated serving (one
+of up to 256 tokens (`overflow_prefill_max_tokens`), the same taking longer ones too but only
+behind 3,072 queued tokens (`remote_prefill_max_queued_tokens_long`), and colocated serving (one
 replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At
 light load few decodes run while a long prompt prefills, so colocated serving's stalls stay under
 its 1% tail; disaggregation shows from the load where they do not. Over several rates, each setup's

@@ -58,7 +58,6 @@ class DecodeGraphs:
         self._host = torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_rows = self._host.numpy()[:4 * max_batch].reshape(4, max_batch)
         self._host_tables = self._host.numpy()[4 * max_batch:].reshape(max_batch, max_blocks)
-        self._host_tables[:] = 0
         self._host_rows[3] = 1  # a length of 1 while capturing: a real key for the warm-up passes
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -80,19 +79,20 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self._ints.copy_(self._host)
         pool = None
-        for batch in reversed(self.sizes):
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up off the capture stream (Triton compiles here)
-                for _ in range(2):
-                    self._forward(batch)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[batch] = self._forward(batch)
-            pool = graph.pool()
-            self._graphs[batch] = graph
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):  # graphs are captured on the current device
+            for batch in reversed(self.sizes):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the capture stream (Triton compiles here)
+                    for _ in range(2):
+                        self._forward(batch)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._logits[batch] = self._forward(batch)
+                pool = graph.pool()
+                self._graphs[batch] = graph
+            torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.sizes, time.perf_counter() - t0)
 
     @torch.inference_mode()
