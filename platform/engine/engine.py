@@ -147,7 +147,11 @@ class LLMEngine:
             return None
         graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                               -(-self.max_model_len // config.block_size), config.device)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # out of memory, or an op that cannot be captured
+            raise ModelLoadError(f"capturing the decode step as CUDA graphs failed ({e}); set enforce_eager: "
+                                 "true to run without them") from e
         return graphs
 
     def shutdown(self) -> None:
