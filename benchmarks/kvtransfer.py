@@ -47,7 +47,7 @@ def _server(replies, repeats: int) -> None:
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
     from pdserve.kvtransfer.ucx_backend import UCXExporter, ucx_loop
-    from pdserve.shared_memory import shared_zeros
+    from pdserve.engine.shared_memory import shared_zeros
 
     kv = torch.randn(8, 2, NUM_BLOCKS, 16, 4, 64)
     pool = BlockPool(NUM_BLOCKS, 16)

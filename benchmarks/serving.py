@@ -132,7 +132,7 @@ def handle_run(config, requests, concurrency: int, warmup) -> dict:
     from pdserve.bench.metrics import compute_metrics
     from pdserve.bench.runner import run_on_client_loop
     from pdserve.gateway.deployment import PoolsClient
-    from pdserve.messages import GenerateRequest
+    from pdserve.protocol import GenerateRequest
 
     serve.run(build(config), name=config.name, route_prefix=None)
     client = PoolsClient(serve.get_deployment_handle("Unified", config.name), {})
@@ -254,7 +254,7 @@ def main() -> None:
     requests_by_c = {c: random_workload(builder, max(4, waves * c), "128", str(out_len), seed=c) for c in concurrencies}
     warmup = random_workload(builder, 1, "128", str(out_len), seed=1000)[0]  # every setup's first request
 
-    from pdserve.app import ray_env
+    from pdserve.launch import ray_env
 
     # As `pdserve serve` starts Ray (gateway.ingress, Serve's control loop): set before Ray starts.
     for name, value in ray_env(ServeConfig(model=model, gateway={"ingress": args.ingress}), None).items():

@@ -74,7 +74,8 @@ def _config_validate(args) -> int:
 
 
 def _serve(args) -> int:
-    from pdserve.app import load_config, serve_forever
+    from pdserve.app import load_config
+    from pdserve.launch import serve_forever
     from pdserve.errors import AddressUnavailableError
 
     try:

@@ -2,7 +2,7 @@
 
 `generate(req, reply_to)` is called once per sequence through the pool's request router and stays
 open until the sequence ends; its outputs go over the gateway's output connection when it has
-one to this replica (pdserve.output_channel), else on the call itself.
+one to this replica (pdserve.output), else on the call itself.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from ray.serve.handle import DeploymentHandle
 
 from pdserve.config import ServeConfig
 from pdserve.decode.server import DecodeServer
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.kvtransfer import BACKENDS, layout_of
-from pdserve.messages import GenerateRequest, PrefillResult
-from pdserve.output_channel import ChannelDone, ChannelOffer, OutputChannelServer
-from pdserve.rank_workers import RankWorkers
-from pdserve.replica import EngineReplica
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.kvtransfer.backends import BACKENDS, layout_of
+from pdserve.protocol import GenerateRequest, PrefillResult
+from pdserve.output.frames import ChannelDone, ChannelOffer
+from pdserve.output.sender import OutputChannelServer
+from pdserve.replica.engine_replica import EngineReplica
+from pdserve.replica.rank_workers import RankWorkers
 from pdserve.router.request_router import start_kv_events
 
 

@@ -31,12 +31,13 @@ import torch
 
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine, Forward
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import InvalidRequestError
-from pdserve.kvtransfer import KVHandle, KVImporter, KVTransferError
+from pdserve.kvtransfer.base import KVImporter
+from pdserve.kvtransfer.protocol import KVHandle, KVTransferError
 from pdserve.kvtransfer.protocol import source_rank
-from pdserve.messages import GenerateRequest, PrefillResult
-from pdserve.prefill.server import engine_stats
+from pdserve.protocol import GenerateRequest, PrefillResult
 from pdserve.telemetry.tracing import end_span, span, start_span
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class DecodeServer:
         return "remote", num_uncached
 
     def stats(self) -> dict:
-        return {**engine_stats(self.engine), "num_remote_prefills": self.num_remote_prefills,
+        return {**self.engine.stats(), "num_remote_prefills": self.num_remote_prefills,
                 "num_local_prefills": self.num_local_prefills,
                 "num_local_prefills_for_queue": self.num_local_prefills_for_queue,
                 "num_pulled_blocks": self.num_pulled_blocks,

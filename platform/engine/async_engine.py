@@ -26,7 +26,8 @@ import threading
 from collections import deque
 from typing import AsyncIterator, Callable, TypeVar
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import PdserveError
 
@@ -55,6 +56,22 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        """What the router, autoscaler and tests read from a replica."""
+        e = self.engine
+        s = e.scheduler
+        hits, computed = s.num_prefix_hit_tokens, s.num_computed_prompt_tokens
+        return {"healthy": self.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
+                "num_waiting": len(s.waiting), "num_running": len(s.running),
+                "queued_prefill_tokens": s.num_queued_prefill_tokens(),
+                "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
+                "num_preemptions": s.num_preemptions, "num_aborted_requests": s.num_aborted,
+                "num_prefix_hit_tokens": hits,
+                "num_computed_prompt_tokens": computed, "num_prefix_query_tokens": hits + computed,
+                "prefix_hit_rate": hits / (hits + computed) if hits + computed else 0.0,
+                # Share of the cache requests hold (free cached blocks count as free).
+                "kv_usage": 1.0 - e.num_free_kv_blocks / e.block_pool.num_blocks}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_only: bool = False, forward: Forward | None = None,

@@ -15,76 +15,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.kv_cache import BlockPool, KVCache, KVCacheManager, block_hashes
-from pdserve.engine.models.arch import ModelArch, parse_dtype
+from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.kv_cache import BlockPool, KVCacheManager
+from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import check_parallel
-from pdserve.engine.models.loader import load_model
-from pdserve.engine.parallel import (SINGLE, ParallelState, backend_for, broadcast_step, free_init_method,
-                                     init_group, spawn_local_workers, torch_threads_per_rank)
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.engine.parallel import SINGLE, ParallelState, backend_for, broadcast_step, free_init_method, init_group
+from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.worker import load_rank, spawn_local_workers
 from pdserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with a request's first output only
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    # Prefill role: the prompt's KV blocks, kept for export (finished with finish_reason None).
-    kv_block_ids: list[int] | None = None
-    generator_state: torch.Tensor | None = None  # its seeded RNG, to continue on decode
-
-    @property
-    def needs_decode(self) -> bool:
-        return self.kv_block_ids is not None
-
-    def merge(self, later: "RequestOutput") -> None:
-        """Append the next output of the same request (a consumer that fell behind takes both at once)."""
-        self.new_token_ids += later.new_token_ids
-        self.new_text += later.new_text
-        self.new_logprobs += later.new_logprobs
-        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
-        self.num_output_tokens, self.num_cached_tokens = later.num_output_tokens, later.num_cached_tokens
-
-
-def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[torch.nn.Module, ModelArch, KVCache]:
-    """This rank's model shard and KV cache (its KV heads; the same number of blocks on every rank)."""
-    torch.set_num_threads(torch_threads_per_rank(config))
-    dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-    weight_dtype = None if config.weight_dtype == "auto" else parse_dtype(config.weight_dtype)
-    model, arch = load_model(config.model, dtype, config.device, config.max_model_len, parallel, weight_dtype)
-    if (config.max_model_len or arch.context_len) > arch.context_len:
-        raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's context length "
-                             f"{arch.context_len}")
-    kv_dtype = next(model.parameters()).dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
-    bytes_per_block = KVCache.bytes_per_block_for(arch.num_layers, config.block_size, model.num_kv_heads,
-                                                  arch.head_dim, kv_dtype)
-    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
-    kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, model.num_kv_heads, arch.head_dim,
-                       kv_dtype, config.device)
-    return model, arch, kv_cache
 
 
 class LLMEngine:

@@ -21,8 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from pdserve.router.block_hash import ROOT_BLOCK_HASH, block_hashes  # noqa: F401 - re-exported
-from pdserve.shared_memory import shared_zeros
+from pdserve.engine.shared_memory import shared_zeros
 
 
 class KVCache:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from pdserve.config import EngineConfig
 from pdserve.engine.checkpoint import default_model
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.request import TokenLogprob
+from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
 

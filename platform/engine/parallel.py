@@ -4,7 +4,7 @@ A replica of degree N runs N ranks, one process each, in one torch.distributed g
 CUDA (RCCL on ROCm builds of torch, which present their GPUs as CUDA devices), gloo on CPU.
 Rank 0 (the driver) owns the scheduler and the KV block tables; every step it broadcasts the
 step's inputs and all ranks run the forward pass together, each with its shard of the weights and
-its KV heads. Workers sit in `run_worker` until the driver broadcasts STOP.
+its KV heads. Workers (`worker.py`) sit in `run_worker` until the driver broadcasts STOP.
 
 The step message is two tensor broadcasts (a fixed int64 header, then one int64 body), no pickle.
 """
@@ -12,7 +12,6 @@ The step message is two tensor broadcasts (a fixed int64 header, then one int64 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import socket
 from dataclasses import dataclass
@@ -33,10 +32,6 @@ class ParallelState:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False  # MoE experts spread over the ranks (else each expert is TP-split)
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
 
 
 SINGLE = ParallelState()
@@ -130,27 +125,6 @@ def receive_step(device: torch.device) -> StepInputs | None:
     meta = take(4 * np_).view(np_, 4).tolist()
     prefills = [(s, q, c, take(k)) for s, q, c, k in meta]
     return StepInputs(input_ids, positions, slots, tables, lens, prefills, take(nrows), nprompt)
-
-
-# ---- local ranks (no Ray): `pdserve generate --tensor-parallel-size`, tests
-
-def _local_worker(config_json: str, rank: int, init_method: str) -> None:
-    from pdserve.config import EngineConfig
-    from pdserve.engine.worker import run_worker
-
-    run_worker(EngineConfig.model_validate_json(config_json), rank, init_method)
-
-
-def spawn_local_workers(config, init_method: str) -> list[mp.Process]:
-    """Ranks 1..N-1 of `config` as child processes on this machine (rank 0 is the caller)."""
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(1, config.tensor_parallel_size):
-        p = ctx.Process(target=_local_worker, args=(config.model_dump_json(), rank, init_method),
-                        name=f"pdserve-rank-{rank}", daemon=True)
-        p.start()
-        procs.append(p)
-    return procs
 
 
 def usable_cpus() -> int:

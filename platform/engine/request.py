@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.kv_cache import ROOT_BLOCK_HASH, block_hashes
+from pdserve.engine.block_hash import ROOT_BLOCK_HASH, block_hashes
+from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -20,15 +21,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's log-probability (from the model's raw logits) and the top alternatives."""
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
 @dataclass

@@ -23,7 +23,8 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, needs_only_argmax, token_logprob
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 

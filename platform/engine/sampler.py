@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.kernels import cpu_kernels
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import Request
 
 
 class Sampler:

@@ -1,18 +1,44 @@
-"""A worker rank of a parallel engine: its shard of the model and its KV heads, running each step
-the driver (rank 0) broadcasts until the driver stops the group. No scheduler, no sampling."""
+"""One rank of an engine: `load_rank` builds its model shard and KV cache (the driver, rank 0,
+calls it too); a worker rank (`WorkerRank`, ranks 1..N-1) then runs each step the driver
+broadcasts until the driver stops the group. No scheduler, no sampling. `spawn_local_workers`
+starts the worker ranks as child processes where no Ray places them (`pdserve generate`, tests)."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 
+import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import load_rank
-from pdserve.engine.parallel import ParallelState, backend_for, init_group, receive_step
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.models.arch import ModelArch, parse_dtype
+from pdserve.engine.models.loader import load_model
+from pdserve.engine.parallel import (SINGLE, ParallelState, backend_for, init_group, receive_step,
+                                     torch_threads_per_rank)
 from pdserve.engine.runner import ModelRunner
+from pdserve.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
+
+
+def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[torch.nn.Module, ModelArch, KVCache]:
+    """This rank's model shard and KV cache (its KV heads; the same number of blocks on every rank)."""
+    torch.set_num_threads(torch_threads_per_rank(config))
+    dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+    weight_dtype = None if config.weight_dtype == "auto" else parse_dtype(config.weight_dtype)
+    model, arch = load_model(config.model, dtype, config.device, config.max_model_len, parallel, weight_dtype)
+    if (config.max_model_len or arch.context_len) > arch.context_len:
+        raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's context length "
+                             f"{arch.context_len}")
+    kv_dtype = next(model.parameters()).dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
+    bytes_per_block = KVCache.bytes_per_block_for(arch.num_layers, config.block_size, model.num_kv_heads,
+                                                  arch.head_dim, kv_dtype)
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
+    kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, model.num_kv_heads, arch.head_dim,
+                       kv_dtype, config.device)
+    return model, arch, kv_cache
 
 
 class WorkerRank:
@@ -41,3 +67,19 @@ class WorkerRank:
 
 def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     WorkerRank(config, rank, init_method).serve()
+
+
+def _local_worker(config_json: str, rank: int, init_method: str) -> None:
+    run_worker(EngineConfig.model_validate_json(config_json), rank, init_method)
+
+
+def spawn_local_workers(config, init_method: str) -> list[mp.Process]:
+    """Ranks 1..N-1 of `config` as child processes on this machine (rank 0 is the caller)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, config.tensor_parallel_size):
+        p = ctx.Process(target=_local_worker, args=(config.model_dump_json(), rank, init_method),
+                        name=f"pdserve-rank-{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs

@@ -14,14 +14,16 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from pdserve.config import GatewayConfig, ServeConfig
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import OverloadedError
 from pdserve.gateway.grpc_service import GrpcGeneration
-from pdserve.gateway.openai_service import OpenAIService, UnavailableError
-from pdserve.messages import GenerateRequest
-from pdserve.output_channel import END, ChannelDone, ChannelOffer, OutputChannelError, OutputChannels, Pending
+from pdserve.gateway.errors import UnavailableError
+from pdserve.gateway.openai_service import OpenAIService
+from pdserve.protocol import GenerateRequest
+from pdserve.output.frames import ChannelDone, ChannelOffer, OutputChannelError
+from pdserve.output.receiver import END, OutputChannels, Pending
 from pdserve.telemetry.metrics import GatewayMetrics
 from pdserve.telemetry.tracing import setup_tracing
 
@@ -31,7 +33,7 @@ api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve d
 
 class PoolsClient:
     """Sends each sequence to the decode (or unified) pool and streams its outputs back: from the
-    replica's output connection to this process when there is one (pdserve.output_channel: one
+    replica's output connection to this process when there is one (pdserve.output: one
     frame per engine step for all of this gateway's sequences there), else from the call itself.
     The call goes through the pool's handle either way (its router picks the replica), and stays
     open until the sequence ends; cancelling it aborts the sequence on the replica."""

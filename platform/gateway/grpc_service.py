@@ -22,9 +22,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.gateway import pdserve_pb2 as pb
-from pdserve.gateway.openai_service import (APIError, GenerateClient, UnavailableError, check_api_key, check_prompt,
-                                            outcome_of)
-from pdserve.messages import GenerateRequest
+from pdserve.gateway.errors import APIError, UnavailableError, outcome_of
+from pdserve.gateway.openai_service import GenerateClient, check_api_key, check_prompt
+from pdserve.protocol import GenerateRequest
 from pdserve.telemetry.requests import RequestRecord
 
 _DEFAULT_MAX_TOKENS = 16  # as /v1/completions

@@ -30,14 +30,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.config import GatewayConfig
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import TokenLogprob
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import InvalidRequestError, OverloadedError, PdserveError, PromptTooLongError
+from pdserve.errors import InvalidRequestError, PromptTooLongError
+from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
-from pdserve.messages import GenerateRequest
+from pdserve.protocol import GenerateRequest
 from pdserve.telemetry.requests import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -51,53 +51,6 @@ class GenerateClient(Protocol):
         early aborts the sequence."""
 
     async def health(self) -> dict[str, bool]: ...
-
-
-class APIError(PdserveError):
-    """An HTTP error with OpenAI's shape that is not about the request's parameters."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-
-    def __reduce__(self):  # picklable through Ray
-        return type(self), (self.status, self.message, self.type, self.code)
-
-
-class UnavailableError(PdserveError):
-    """A pool cannot serve right now (replica died, engine dead); the client may retry."""
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_response(e: BaseException) -> JSONResponse:
-    """The one mapping from exceptions to OpenAI-shaped HTTP errors."""
-    if isinstance(e, APIError):
-        return JSONResponse(error_body(e.message, e.type, None, e.code), e.status)
-    if isinstance(e, InvalidRequestError):
-        code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
-        return JSONResponse(error_body(e.message, "invalid_request_error", e.param, code), 400)
-    if isinstance(e, (OverloadedError, UnavailableError)):
-        return JSONResponse(error_body(f"{e}; retry shortly", "service_unavailable", None, 503), 503,
-                            headers={"Retry-After": "1"})
-    log.error("request failed: %r", e, exc_info=e)
-    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error", None, 500),
-                        500)
-
-
-def outcome_of(e: BaseException) -> str:
-    """How a failed request is counted (pdserve_requests' outcome label)."""
-    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-        return "aborted"  # the client left
-    if isinstance(e, (OverloadedError, UnavailableError)):
-        return "overloaded"
-    if isinstance(e, APIError) and e.status in (401, 403):
-        return "rejected"
-    if isinstance(e, (InvalidRequestError, APIError)) and (not isinstance(e, APIError) or e.status < 500):
-        return "invalid"
-    return "error"
 
 
 def check_api_key(authorization: str, api_keys) -> None:

@@ -1,43 +1,4 @@
-"""KV transfer between pools: `KVHandle`, exporters and importers, chosen by backend name."""
-
-import torch
-
-from pdserve.kvtransfer.base import KVExporter, KVImporter
-from pdserve.kvtransfer.local_backend import LocalImporter
-from pdserve.kvtransfer.protocol import KVHandle, KVLayout, KVTransferError
-
-__all__ = ["BACKENDS", "KVExporter", "KVHandle", "KVImporter", "KVLayout", "KVTransferError", "LocalImporter",
-           "exporter_options", "layout_of"]
-
-
-def _ucx():
-    from pdserve.kvtransfer.ucx_backend import UCXExporter, UCXImporter
-
-    return UCXExporter, UCXImporter
-
-
-def _ray():
-    from pdserve.kvtransfer.ray_backend import RayImporter, RayKVExporter
-
-    return RayKVExporter, RayImporter
-
-
-def _local():
-    return KVExporter, LocalImporter
-
-
-# backend name -> () -> (exporter class, importer class); ucxx / ray are imported only when chosen.
-BACKENDS = {"ucx": _ucx, "ray": _ray, "local": _local}
-
-
-def exporter_options(backend: str, host: str, shared_memory: bool) -> dict:
-    """What only the UCX exporter takes: the address it listens on, and whether importers on this
-    host may copy straight out of its cache."""
-    return {"host": host, "shared_memory": shared_memory} if backend == "ucx" else {}
-
-
-def layout_of(kv: torch.Tensor, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
-    """The layout of an engine's cache tensor `[layers, 2, blocks, block_size, local heads, head_dim]`."""
-    num_layers, _, _, block_size, local_heads, head_dim = kv.shape
-    return KVLayout(model_id, num_layers, block_size, local_heads * tp_size, head_dim,
-                    str(kv.dtype).removeprefix("torch."), tp_size, tp_rank)
+"""KV transfer between pools (DESIGN.md section 5): the wire protocol and `KVHandle`
+(`protocol`), exporters and importers (`base`, one module per backend), the block copies they
+share (`blocks`), and the backends by name (`backends`). Importing the package loads none of them.
+"""

@@ -26,7 +26,7 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, gather_blocks, scatter_blocks,
                                        slab_view)
-from pdserve.shared_memory import SharedRegion
+from pdserve.engine.shared_memory import SharedRegion
 
 log = logging.getLogger(__name__)
 

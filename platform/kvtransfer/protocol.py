@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import msgpack
 
 from pdserve.errors import PdserveError
-from pdserve.shared_memory import SharedRegion
+from pdserve.engine.shared_memory import SharedRegion
 
 MAGIC = b"PDKV"
 VERSION = 2  # 2: one message per control frame; block data in chunks (`chunk_bounds`)

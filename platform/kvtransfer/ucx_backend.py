@@ -17,7 +17,7 @@ One pull, one connection, in UCX tag messages (protocol version 2, protocol.py):
     ACK {request_id} (or DONE: keep lease)  ->  releases the lease on ACK
 
 On one host, where the handle names the exporter's cache in shared memory and this process can
-map it (`pdserve.shared_memory`), the READ asks for a local read: DATA comes with `local` and no
+map it (`pdserve.engine.shared_memory`), the READ asks for a local read: DATA comes with `local` and no
 chunks, the importer copies the blocks straight out of the exporter's cache (`copy_blocks`) and
 sends ACK/DONE. The exporter holds the blocks until then, or past the importer's deadline; a copy
 that ends after the deadline is void. UCX's own shared-memory transports were not used: they only
@@ -56,7 +56,7 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter
 from pdserve.kvtransfer.blocks import block_run, cache_bits, copy_blocks, scatter_blocks, slab_view
-from pdserve.shared_memory import SharedRegion, locate, map_region
+from pdserve.engine.shared_memory import SharedRegion, locate, map_region
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import ray
 from ray import serve
 
 from pdserve.config import ServeConfig
-from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.protocol import GenerateRequest, PrefillResult
 from pdserve.prefill.server import PrefillServer
-from pdserve.rank_workers import RankWorkers
-from pdserve.replica import EngineReplica
+from pdserve.replica.engine_replica import EngineReplica
+from pdserve.replica.rank_workers import RankWorkers
 from pdserve.router.request_router import start_kv_events
 
 

@@ -17,8 +17,9 @@ from typing import Awaitable, Callable
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.kvtransfer import BACKENDS, KVHandle, exporter_options, layout_of
-from pdserve.messages import GenerateRequest, PrefillResult
+from pdserve.kvtransfer.backends import BACKENDS, exporter_options, layout_of
+from pdserve.kvtransfer.protocol import KVHandle
+from pdserve.protocol import GenerateRequest, PrefillResult
 from pdserve.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class PrefillServer:
 
     def stats(self) -> dict:
         leases = self.exporter.leases
-        return {**engine_stats(self.engine), "num_kv_leases": len(leases),
+        return {**self.engine.stats(), "num_kv_leases": len(leases),
                 "num_expired_kv_leases": leases.num_expired}
 
     def shutdown(self, drain_s: float = 0.0) -> None:
@@ -93,20 +94,3 @@ class PrefillServer:
             log.warning("shutting down with %d KV leases unreleased", len(self.exporter.leases))
         self.exporter.close()
         self.engine.shutdown()
-
-
-def engine_stats(engine: AsyncLLMEngine) -> dict:
-    """What the router, autoscaler and tests read from a replica."""
-    e = engine.engine
-    s = e.scheduler
-    hits, computed = s.num_prefix_hit_tokens, s.num_computed_prompt_tokens
-    return {"healthy": engine.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
-            "num_waiting": len(s.waiting), "num_running": len(s.running),
-            "queued_prefill_tokens": s.num_queued_prefill_tokens(),
-            "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
-            "num_preemptions": s.num_preemptions, "num_aborted_requests": s.num_aborted,
-            "num_prefix_hit_tokens": hits,
-            "num_computed_prompt_tokens": computed, "num_prefix_query_tokens": hits + computed,
-            "prefix_hit_rate": hits / (hits + computed) if hits + computed else 0.0,
-            # Share of the cache requests hold (free cached blocks count as free).
-            "kv_usage": 1.0 - e.num_free_kv_blocks / e.block_pool.num_blocks}

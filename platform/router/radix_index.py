@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
-from pdserve.router.block_hash import ROOT_BLOCK_HASH
+from pdserve.engine.block_hash import ROOT_BLOCK_HASH
 
 
 class _Node:

@@ -23,8 +23,8 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pdserve.config import ServeConfig
-from pdserve.messages import GenerateRequest
-from pdserve.router.block_hash import block_hashes
+from pdserve.protocol import GenerateRequest
+from pdserve.engine.block_hash import block_hashes
 from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
 from pdserve.telemetry.metrics import router_decision

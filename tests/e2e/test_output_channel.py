@@ -1,4 +1,4 @@
-"""Outputs over the engine replicas' output connections to the gateway (pdserve.output_channel),
+"""Outputs over the engine replicas' output connections to the gateway (pdserve.output),
 through HTTP with the official client: many concurrent streams arrive whole and in order with
 one finish each, clients that leave free their KV while the streams beside them go on, and a
 gateway replica killed mid-stream leaves nothing held on the engine replica."""

@@ -33,7 +33,7 @@ def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shar
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
     from pdserve.kvtransfer.ucx_backend import UCXExporter
-    from pdserve.shared_memory import shared_zeros
+    from pdserve.engine.shared_memory import shared_zeros
 
     kv = make_cache()
     if shared:

@@ -14,7 +14,7 @@ import pytest
 from pdserve.config import ServeConfig
 from tests.conftest import free_port
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import GenerateRequest
+from pdserve.protocol import GenerateRequest
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_seqs": 32,
           "max_num_batched_tokens": 256}
@@ -164,7 +164,7 @@ def test_pool_ratio_policy_runs_at_application_level(ray_session, tiny_llama):
     policy keeps at least 2 prefill replicas per decode replica, even with no load."""
     from ray import serve
 
-    from pdserve.app import deploy
+    from pdserve.launch import deploy
 
     auto = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 600,
             "look_back_period_s": 1}

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.config import ServeConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import GenerateRequest
+from pdserve.protocol import GenerateRequest
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 64, "block_size": 8, "max_model_len": 256, "max_num_seqs": 8,
           "max_num_batched_tokens": 64}

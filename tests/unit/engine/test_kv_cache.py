@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from pdserve.engine.kv_cache import (BlockPool, BlockRemoved, BlockStored, KVCacheManager, NoFreeBlocksError,
-                                     block_hashes)
+from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.kv_cache import BlockPool, BlockRemoved, BlockStored, KVCacheManager, NoFreeBlocksError
 
 
 def test_hashes_chain_and_ignore_partial_blocks():
@@ -20,7 +20,7 @@ def test_hashes_chain_and_ignore_partial_blocks():
 
 
 def test_hashes_are_stable_across_processes_and_hash_seeds():
-    code = "from pdserve.engine.kv_cache import block_hashes; print(block_hashes(list(range(64)), 16))"
+    code = "from pdserve.engine.block_hash import block_hashes; print(block_hashes(list(range(64)), 16))"
     outs = {subprocess.run([sys.executable, "-c", code], env={"PYTHONHASHSEED": seed, "PATH": ""},
                            capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
     assert outs == {f"{block_hashes(list(range(64)), 16)}\n"}

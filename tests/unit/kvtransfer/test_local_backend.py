@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import BlockPool
-from pdserve.kvtransfer import BACKENDS, KVExporter, KVLayout, LocalImporter
+from pdserve.kvtransfer.backends import BACKENDS
+from pdserve.kvtransfer.base import KVExporter
+from pdserve.kvtransfer.local_backend import LocalImporter
+from pdserve.kvtransfer.protocol import KVLayout
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import gather_blocks
 

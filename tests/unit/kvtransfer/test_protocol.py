@@ -9,7 +9,7 @@ import torch
 from pdserve.engine.kv_cache import BlockPool
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import LeaseTable, cache_bits, copy_blocks, gather_blocks, scatter_blocks
-from pdserve.shared_memory import SharedRegion
+from pdserve.engine.shared_memory import SharedRegion
 
 LAYOUT = p.KVLayout("m", num_layers=2, block_size=16, num_kv_heads=8, head_dim=64, dtype="float32")
 

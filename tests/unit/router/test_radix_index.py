@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pdserve.engine.kv_cache import block_hashes as engine_block_hashes
+from pdserve.engine.block_hash import block_hashes as engine_block_hashes
 from pdserve.router import RadixIndex, block_hashes
 
 BS = 4

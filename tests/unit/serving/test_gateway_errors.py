@@ -5,7 +5,8 @@ import json
 import pytest
 
 from pdserve.errors import InvalidRequestError, OverloadedError, PromptTooLongError
-from pdserve.gateway.openai_service import APIError, UnavailableError, check_api_key, check_prompt, error_response
+from pdserve.gateway.errors import APIError, UnavailableError, error_response
+from pdserve.gateway.openai_service import check_api_key, check_prompt
 
 
 def _body(resp):

@@ -12,8 +12,9 @@ from pdserve.config import EngineConfig, TransferConfig
 from pdserve.decode.server import DecodeServer
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer import LocalImporter, layout_of
-from pdserve.messages import GenerateRequest
+from pdserve.kvtransfer.backends import layout_of
+from pdserve.kvtransfer.local_backend import LocalImporter
+from pdserve.protocol import GenerateRequest
 from pdserve.prefill.server import PrefillServer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -10,8 +10,7 @@ import pytest
 from starlette.requests import Request
 
 from pdserve.config import GatewayConfig
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import TokenLogprob
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_service import OpenAIService
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event

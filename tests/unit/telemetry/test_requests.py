@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve.errors import InvalidRequestError, OverloadedError
-from pdserve.gateway.openai_service import APIError, UnavailableError, outcome_of
+from pdserve.gateway.errors import APIError, UnavailableError, outcome_of
 from pdserve.telemetry.requests import RequestRecord
 from pdserve.telemetry.tracing import span
 

@@ -1,14 +1,19 @@
 """What the gateway, prefill and decode pools send each other (DESIGN section 2).
 
-Plain dataclasses: Ray pickles them between replicas; no Ray or HTTP here. Token streams are the
-engine's own `RequestOutput`s.
+Gateway -> decode (or unified): `GenerateRequest`, one per sequence. Decode -> prefill: the same
+request; prefill -> decode: `PrefillResult` (first token and the KV's `KVHandle`). Engine
+replica -> gateway: the engine's own `RequestOutput`s (on the output connection, `pdserve.output`,
+or on the call itself).
+
+Plain dataclasses that Ray carries between the replicas of one release; no Ray or HTTP here, and
+nothing heavier than the engine's output and sampling types (importing this loads no torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.protocol import KVHandle
 

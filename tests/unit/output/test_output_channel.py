@@ -8,10 +8,10 @@ import socket
 
 import pytest
 
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import TokenLogprob
-from pdserve.output_channel import (END, ChannelDone, OutputChannelError, OutputChannels, OutputChannelServer,
-                                    decode_output, encode_output)
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.output.frames import ChannelDone, ChannelOffer, OutputChannelError, decode_output, encode_output
+from pdserve.output.receiver import END, OutputChannels
+from pdserve.output.sender import OutputChannelServer
 
 
 def out(rid: str, i: int, finished: bool = False) -> RequestOutput:
@@ -134,7 +134,6 @@ def test_a_replica_that_goes_fails_only_the_requests_waiting_on_it():
 
 
 def test_an_unreachable_replica_is_not_retried_at_once():
-    from pdserve.output_channel import ChannelOffer
 
     async def main():
         channels = OutputChannels()

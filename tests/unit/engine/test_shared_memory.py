@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.shared_memory import host_id, locate, map_region, shared_zeros
+from pdserve.engine.shared_memory import host_id, locate, map_region, shared_zeros
 
 
 def _read_in_child(region, replies) -> None:

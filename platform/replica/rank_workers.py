@@ -47,7 +47,7 @@ class RankWorker:
         """This rank's KV exporter (a prefill rank) or importer (a decode rank), opened on first
         use. It serves or pulls its own heads; the driver owns the leases' pins (block ids are the
         same on every rank), so this exporter pins nothing."""
-        from pdserve.kvtransfer import BACKENDS, exporter_options, layout_of
+        from pdserve.kvtransfer.backends import BACKENDS, exporter_options, layout_of
 
         self._ready.wait()
         with self._lock:
