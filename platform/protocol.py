@@ -27,6 +27,9 @@ class GenerateRequest:
     # W3C trace headers (traceparent, tracestate) of the request's span at the gateway: spans in
     # other processes join its trace (pdserve.telemetry.tracing). Empty when tracing is off.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # When the request must be over, in `time.time()` seconds (the gateway's request_timeout_s
+    # from its arrival); None: no deadline. Every hop aborts it past this and frees what it holds.
+    deadline_s: float | None = None
 
 
 @dataclass

@@ -13,9 +13,16 @@ pools instead of queueing on one. Such a prompt yields to this replica's decodes
 `overflow_prefill_pause_s`, so its streams keep pure decode steps; with
 `overflow_prefill_max_tokens`, longer prompts wait for a prefill replica, unless the queue holds
 `remote_prefill_max_queued_tokens_long` tokens (None: always). A prefill call
-that fails is retried here as a local prefill; a pull that fails recomputes the prompt here.
-Either way the client sees one uninterrupted stream. Cancelling the stream aborts the request on
-both sides: the prefill call is cancelled, or its lease released.
+that fails with a `RequestError` (bad input, a failure pinned to the request, its deadline) is
+raised, never retried: here it would end the same way. Any other failure of the call (a
+`ReplicaError`, a dead prefill replica) is retried here as a local prefill, and a pull that fails
+recomputes the prompt here: either way the client sees one uninterrupted stream. Cancelling the
+stream aborts the request on both sides: the prefill call is cancelled, or its lease released.
+
+A request's `deadline_s` bounds every phase here: the prefill call waits at most until then, a
+pull never past it, and the engine aborts the request once it passes (queued or decoding). Past
+it the request ends with `DeadlineExceededError` and frees what it holds (its blocks here, the
+prefill replica's lease).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine, Forward
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import DeadlineExceededError, RequestError
 from pdserve.kvtransfer.base import KVImporter
 from pdserve.kvtransfer.protocol import KVHandle, KVTransferError
 from pdserve.kvtransfer.protocol import source_rank
@@ -88,8 +95,8 @@ class DecodeServer:
             return
         self.remote_queued_tokens += num_uncached
         try:
-            result = await self.remote_prefill(req)
-        except InvalidRequestError:
+            result = await self._remote_prefill_in_time(req)
+        except RequestError:  # the request's own fault or fate: prefilling it here would end the same way
             raise
         except Exception as e:  # noqa: BLE001 - a dead or failing prefill replica: prefill here instead
             result = e
@@ -111,9 +118,9 @@ class DecodeServer:
                       backend=type(self.importer).__name__) as s:
                 recompute = await self._import(req, result)
                 s.set_attribute("recompute", recompute)
-        except BaseException:  # the client left, or the import failed: free both sides
+        except BaseException:  # the client left, the import failed or the deadline passed: free both sides
             self.engine.call_soon(self.engine.engine.abort_request, req.request_id)
-            await asyncio.to_thread(self.importer.release, result.kv)
+            await self._release(result)
             raise
         # Resumed between two steps: unless it went out early, the first token leaves as the step
         # that computes the second begins, so the stream runs at the batch's pace from token one.
@@ -122,12 +129,24 @@ class DecodeServer:
                                       self.engine.resume(req.request_id, recompute, first, forward)):
             yield out
 
+    async def _remote_prefill_in_time(self, req: GenerateRequest) -> PrefillResult:
+        """The prefill call, cancelled (so stopped on the prefill replica) when the deadline passes."""
+        if req.deadline_s is None:
+            return await self.remote_prefill(req)
+        try:
+            return await asyncio.wait_for(self.remote_prefill(req), req.deadline_s - time.time())
+        except TimeoutError:
+            if time.time() < req.deadline_s:  # a timeout of the call's own: the replica's failure
+                raise
+            raise DeadlineExceededError("the request's deadline passed during its remote prefill") from None
+
     def _prefill_here(self, req: GenerateRequest, why: str, forward: Forward | None,
                       prefill_pause_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Prefill and decode `req` on this replica (`prefill_pause_s`: see the scheduler)."""
         self.num_local_prefills += 1
         return self._decode(req, why, self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
-                                                           forward=forward, prefill_pause_s=prefill_pause_s))
+                                                           forward=forward, prefill_pause_s=prefill_pause_s,
+                                                           deadline_s=req.deadline_s))
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:
         """The engine's stream for `req` under a decode span (it outlives yields: ended by hand)."""
@@ -149,12 +168,17 @@ class DecodeServer:
                  if result.generator_state is not None else None)
         engine = self.engine.engine
         num_local, dst = await self.engine.call(engine.add_prefilled_request, req.request_id, req.prompt_token_ids,
-                                                req.params, result.first, state)
+                                                req.params, result.first, state, req.deadline_s)
         recompute = dst is None  # no free blocks now: queue it here instead
         if not dst:  # every block is cached here already, or none is free
             await self._release(result)
         else:
-            pull = asyncio.ensure_future(self._pull(result, dst, num_local))
+            timeout_s = self.transfer.timeout_s
+            if req.deadline_s is not None:  # a pull never waits past the deadline
+                timeout_s = min(timeout_s, req.deadline_s - time.time())
+                if timeout_s <= 0:
+                    raise DeadlineExceededError("the request's deadline passed before its KV pull")
+            pull = asyncio.ensure_future(self._pull(result, dst, num_local, timeout_s))
             started = time.perf_counter()
             try:
                 await asyncio.shield(pull)
@@ -162,6 +186,8 @@ class DecodeServer:
                 if self.on_pull is not None:
                     self.on_pull(time.perf_counter() - started)
             except KVTransferError as e:
+                if req.deadline_s is not None and time.time() >= req.deadline_s:  # cut short by it: no recompute
+                    raise DeadlineExceededError("the request's deadline passed during its KV pull") from None
                 log.warning("KV pull of %s failed (%s); recomputing its prompt here", req.request_id, e)
                 self.num_failed_pulls += 1
                 await self._release(result)
@@ -173,12 +199,12 @@ class DecodeServer:
                 raise
         return recompute
 
-    async def _pull(self, result: PrefillResult, dst: list[int], first_block: int) -> None:
-        """Every rank of this replica pulls its KV heads from the prefill rank that holds them.
-        One rank on both sides: the pull acks its lease. Otherwise several ranks may read one
-        lease, so the leases are released once every pull has finished (or failed)."""
+    async def _pull(self, result: PrefillResult, dst: list[int], first_block: int, timeout: float) -> None:
+        """Every rank of this replica pulls its KV heads from the prefill rank that holds them,
+        each within `timeout` seconds. One rank on both sides: the pull acks its lease. Otherwise
+        several ranks may read one lease, so the leases are released once every pull has finished
+        (or failed)."""
         loop = asyncio.get_running_loop()
-        timeout = self.transfer.timeout_s
         ranks = self.engine.engine.parallel.size
         handles = result.kv_by_rank
         if ranks == 1 and len(handles) == 1:

@@ -4,11 +4,14 @@ The step loop runs on a thread of its own, so a replica's event loop stays free 
 requests while the model computes. `generate(...)` validates and queues a request (bad input
 raises at once, before anything is queued) and returns an async iterator of `RequestOutput`s,
 which ends after the output marked `finished`. Leaving the iterator early (client gone, task
-cancelled) aborts the request and frees its KV blocks. If the loop itself fails, every open
-stream raises `EngineDeadError` and `is_healthy` turns False. With `forward`, a stream's outputs
-before the finished one go to `forward(out)` on the caller's event loop as the step delivers
-them, and the iterator yields only what `forward` did not take (an output queued before it, the
-finished one, errors): a replica passing outputs on to a connection wakes no task per token.
+cancelled) aborts the request and frees its KV blocks. A request the engine ended on its own (a
+step failed for it alone, or its deadline passed: `LLMEngine.take_failed_requests`) raises that
+`RequestError` in its stream, after the step's other outputs; every other stream goes on. If the
+loop itself fails (the model or the device), every open stream raises `EngineDeadError` and
+`is_healthy` turns False. With `forward`, a stream's outputs before the finished one go to
+`forward(out)` on the caller's event loop as the step delivers them, and the iterator yields only
+what `forward` did not take (an output queued before it, the finished one, errors): a replica
+passing outputs on to a connection wakes no task per token.
 
 Contract: one lock guards the engine, so `add_request`, `abort_request` and `step` never
 interleave. Calls from an event loop (`generate`, `resume`, `call`, a stream's end) never wait
@@ -29,15 +32,16 @@ from typing import AsyncIterator, Callable, TypeVar
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import PdserveError
+from pdserve.errors import ReplicaError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Forward = Callable[[RequestOutput], None]
 
 
-class EngineDeadError(PdserveError):
-    """The engine loop stopped on an error; the replica must be replaced. Retryable elsewhere."""
+class EngineDeadError(ReplicaError):
+    """The engine loop stopped on an error; the replica must be replaced. Retryable elsewhere.
+    Its message is public; the failure itself is its `__cause__` and in the replica's log."""
 
 
 class AsyncLLMEngine:
@@ -75,16 +79,17 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_only: bool = False, forward: Forward | None = None,
-                       prefill_pause_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Queue a request (raising on bad input) and return its stream of outputs."""
+                       prefill_pause_s: float = 0.0, deadline_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request (raising on bad input, or a `deadline_s` already past: see
+        `LLMEngine.add_request`) and return its stream of outputs."""
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
-                                       prefill_only, prefill_pause_s, forward=forward)
+                                       prefill_only, prefill_pause_s, deadline_s, forward=forward)
 
     async def resume(self, request_id: str, recompute: bool = False, first: RequestOutput | None = None,
                      forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
         place (or, with `recompute`, could not be pulled); it opens with `first` when given (the
-        prefill's output, not yet sent)."""
+        prefill's output, not yet sent). Its deadline is the one given to `add_prefilled_request`."""
         return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute,
                                        first=first, forward=forward)
 
@@ -105,7 +110,7 @@ class AsyncLLMEngine:
             finally:
                 self._lock.release()
         if not self.is_healthy:
-            raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
+            raise EngineDeadError("the engine loop is not running; retry on another replica") from self._error
         future = asyncio.get_running_loop().create_future()
         self._calls.append((fn, args, asyncio.get_running_loop(), future))
         self._has_work.set()
@@ -131,7 +136,7 @@ class AsyncLLMEngine:
     async def _open_stream(self, request_id: str, add: Callable, *args, first: RequestOutput | None = None,
                            forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
-            raise EngineDeadError(f"the engine loop is not running ({self._error!r}); retry on another replica")
+            raise EngineDeadError("the engine loop is not running; retry on another replica") from self._error
         queue: asyncio.Queue = asyncio.Queue()
         if first is not None:
             queue.put_nowait(first)
@@ -210,6 +215,8 @@ class AsyncLLMEngine:
                     if not is_idle:
                         outputs = self.engine.step()
                         targets = [(self._streams.get(o.request_id), o) for o in outputs]
+                        # Requests the step ended with an error (aborted already): each stream raises its own.
+                        targets += [(self._streams.get(rid), e) for rid, e in self.engine.take_failed_requests()]
                 if is_idle:
                     self._has_work.wait(timeout=0.5)
                     self._has_work.clear()
@@ -229,7 +236,9 @@ class AsyncLLMEngine:
         except BaseException as e:  # noqa: BLE001 - any failure kills the replica's engine
             log.exception("engine loop died")
             self._error = e
-            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}; retry on another replica"))
+            dead = EngineDeadError("the engine loop died; retry on another replica")
+            dead.__cause__ = e  # logged above; not in the message, which clients may see
+            self._fail_all(dead)
 
     def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
         """Abort the requests streaming to `loop` (closed), freeing their KV."""
@@ -280,11 +289,11 @@ def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result
         pass
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Forward | None, RequestOutput]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue, Forward | None, RequestOutput | Exception]]) -> None:
     for queue, forward, out in items:
         # An output goes around the queue only while nothing waits in it (order), and never the
-        # finished one: the stream's reader ends the request.
-        if forward is None or out.finished or not queue.empty():
+        # finished one or an error: the stream's reader ends the request.
+        if forward is None or isinstance(out, Exception) or out.finished or not queue.empty():
             queue.put_nowait(out)
             continue
         try:

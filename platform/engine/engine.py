@@ -6,6 +6,14 @@ the sampled tokens, detokenizes them incrementally, applies stop conditions and 
 between steps. The engine is built from an `EngineConfig`: it loads the checkpoint and tokenizer
 and sizes the KV cache.
 
+No single request stops the engine. A step that fails for one request (its sampling, logprobs,
+detokenizing or stop checks) aborts that request alone, freeing its blocks, and the step goes on
+for the others; a request with a `deadline_s` is aborted at the first step after it passes, queued
+or running. Each such end is kept as `(request id, RequestError)`, a `RequestFailedError` or a
+`DeadlineExceededError`, until `take_failed_requests()` hands it to whoever reads the request's
+outputs (`AsyncLLMEngine` raises it in that request's stream). Only a failure of the model or the
+device itself (the forward pass, a collective) raises out of `step()`.
+
 Stop conditions, in order: a stop string (text cut before it), a stop token id, EOS (unless
 `ignore_eos`), `max_tokens`, the model's context length. The stop or EOS token stays in
 `token_ids` and never appears in the text.
@@ -14,6 +22,7 @@ Stop conditions, in order: a stop string (text cut before it), a stop token id, 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -29,11 +38,12 @@ from pdserve.engine.parallel import SINGLE, ParallelState, backend_for, broadcas
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, describe_value
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.engine.worker import load_rank, spawn_local_workers
-from pdserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from pdserve.errors import (DeadlineExceededError, InvalidRequestError, ModelLoadError, PromptTooLongError,
+                            RequestError, RequestFailedError)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,9 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held_kv: dict[str, list[int]] = {}  # prefill-only requests' blocks awaiting export
         self._prefilled: dict[str, Request] = {}  # imported requests whose KV is being filled in
+        self._deadlines: dict[str, float] = {}  # live requests that have one
+        self._next_deadline_s = math.inf  # no live request's deadline is earlier
+        self._failed: list[tuple[str, RequestError]] = []  # ended by a failure or deadline, not yet taken
         log.info("engine ready: %s (%s, %d layers), %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "loaded in %.1fs", config.model, self.arch.model_type, self.arch.num_layers, num_blocks,
                  config.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
@@ -128,31 +141,40 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, prefill_pause_s: float = 0.0) -> None:
+                    prefill_only: bool = False, prefill_pause_s: float = 0.0, deadline_s: float | None = None) -> None:
         """Queue a request. With `prefill_only` it stops after its first token unless that token
         already ends it; its output then carries `kv_block_ids`, the prompt's blocks, which stay
         allocated until `release_kv` (the prefill role exports them in between). With
-        `prefill_pause_s`, its prompt yields to decodes for that long (see the scheduler)."""
-        req = self._new_request(request_id, prompt_token_ids, params)
+        `prefill_pause_s`, its prompt yields to decodes for that long (see the scheduler). With
+        `deadline_s` (absolute `time.time()` seconds), it is aborted once that passes (see the
+        module docstring); one already past raises `DeadlineExceededError` here."""
+        req = self._new_request(request_id, prompt_token_ids, params, deadline_s)
         req.prefill_only, req.prefill_pause_s = prefill_only, prefill_pause_s
         self.scheduler.add(req)
+        self._track_deadline(req)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              first: RequestOutput, generator_state: torch.Tensor | None = None
-                              ) -> tuple[int, list[int] | None]:
+                              first: RequestOutput, generator_state: torch.Tensor | None = None,
+                              deadline_s: float | None = None) -> tuple[int, list[int] | None]:
         """Take over a request another engine prefilled (decode role), up to its first token.
 
         Reuses this cache's prefix of the prompt and allocates blocks for the rest; returns
         `(num_local_blocks, block_ids_to_fill)`: the caller fills those blocks with the exporter's
         blocks from index `num_local_blocks` on, then calls `start_prefilled_request`, or
         `abort_request` on failure. Without free blocks it returns `(0, None)`: start it with
-        `recompute` and it waits in the queue like any new request.
+        `recompute` and it waits in the queue like any new request. `deadline_s`: as `add_request`
+        (it is not checked while the blocks are being filled: the caller bounds the pull).
         """
-        req = self._new_request(request_id, prompt_token_ids, params)
-        if generator_state is not None and req.generator is not None:
-            req.generator.set_state(generator_state)
-        self._process_token(req, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None)
+        req = self._new_request(request_id, prompt_token_ids, params, deadline_s)
+        try:
+            if generator_state is not None and req.generator is not None:
+                req.generator.set_state(generator_state)
+            self._process_token(req, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None)
+        except Exception as e:  # noqa: BLE001 - this request's alone
+            del self._detokenizers[request_id]
+            raise self._failure(request_id, e) from e
         self._prefilled[request_id] = req
+        self._track_deadline(req)
         hit = self.kv_manager.match_prefix(req.block_hashes, req.num_tokens)
         if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit):
             return 0, None  # no room now: the caller starts it with recompute, to wait its turn here
@@ -184,7 +206,8 @@ class LLMEngine:
         if self._held_kv.pop(request_id, None) is not None:
             self.kv_manager.free(request_id)
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     deadline_s: float | None) -> Request:
         if request_id in self.scheduler.requests or request_id in self._prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if not prompt_token_ids:
@@ -192,7 +215,12 @@ class LLMEngine:
         vocab = self.arch.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise InvalidRequestError(f"token id {describe_value(bad)} is outside the vocabulary [0, {vocab})",
+                                      param="prompt")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop token id {describe_value(bad)} is outside the vocabulary [0, {vocab})",
+                                      param="stop_token_ids")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -203,7 +231,10 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt plus max_tokens needs {need_blocks} KV blocks but this engine has "
                 f"{self.block_pool.num_blocks}; lower max_tokens or shorten the prompt", param="max_tokens")
-        req = Request(request_id, list(prompt_token_ids), params, self.kv_cache.block_size, time.monotonic())
+        if deadline_s is not None and time.time() >= deadline_s:
+            raise DeadlineExceededError("the request's deadline passed before it was queued")
+        req = Request(request_id, list(prompt_token_ids), params, self.kv_cache.block_size, time.monotonic(),
+                      deadline_s=deadline_s)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                                 params.skip_special_tokens)
         return req
@@ -211,6 +242,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; False when it is unknown or already finished."""
         self._detokenizers.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
         self.release_kv(request_id)
         if self._prefilled.pop(request_id, None) is not None:
             self.kv_manager.free(request_id)
@@ -228,8 +260,36 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
+    def take_failed_requests(self) -> list[tuple[str, RequestError]]:
+        """The requests the steps since the last call ended with an error, each with its error
+        (`RequestFailedError` or `DeadlineExceededError`); they are aborted and hold nothing."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _track_deadline(self, req: Request) -> None:
+        if req.deadline_s is not None:
+            self._deadlines[req.request_id] = req.deadline_s
+            self._next_deadline_s = min(self._next_deadline_s, req.deadline_s)
+
+    def _expire_deadlines(self) -> None:
+        """Abort the queued and running requests whose deadline has passed. It looks at them only
+        once the earliest deadline has passed: until then a step pays one comparison."""
+        now = time.time()
+        if now < self._next_deadline_s:
+            return
+        for request_id, deadline_s in list(self._deadlines.items()):
+            req = self.scheduler.requests.get(request_id)
+            # One still in `_prefilled` has a pull writing into its blocks: its caller ends it.
+            if deadline_s <= now and req is not None:
+                error = DeadlineExceededError(f"the request's deadline passed while it was {req.status.value}")
+                self.abort_request(request_id)
+                self._failed.append((request_id, error))
+        self._next_deadline_s = min(self._deadlines.values(), default=math.inf)
+
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._deadlines:
+            self._expire_deadlines()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -238,7 +298,32 @@ class LLMEngine:
                 raise RuntimeError(f"worker rank {p.name} exited with {p.exitcode}; this engine cannot step")
         sampled = self.runner.execute(plan)
         self.scheduler.update(plan)
-        return [self._process(s.request, s.token_id, s.logprob) for s in sampled]
+        outputs = []
+        for s in sampled:
+            error = s.error
+            if error is None:
+                try:
+                    outputs.append(self._process(s.request, s.token_id, s.logprob))
+                except Exception as e:  # noqa: BLE001 - pinned to this request: it alone ends
+                    error = e
+            if error is not None:
+                self._fail(s.request.request_id, error)
+        return outputs
+
+    def _fail(self, request_id: str, cause: Exception) -> None:
+        """End a request a step failed on, alone: abort it, free whatever it holds, keep its error."""
+        self.abort_request(request_id)
+        self.kv_manager.free(request_id)  # blocks a half-done `_process` left with no owner (no-op otherwise)
+        self._failed.append((request_id, self._failure(request_id, cause)))
+
+    def _failure(self, request_id: str, cause: Exception) -> RequestFailedError:
+        """The error a client sees for a request that failed in this engine: the cause is logged
+        here with the request id, and kept only as `__cause__` (not in the message)."""
+        log.error("request %s failed in the engine (%r); aborted it, the engine goes on", request_id, cause,
+                  exc_info=cause)
+        error = RequestFailedError()
+        error.__cause__ = cause
+        return error
 
     def _process(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         text = self._process_token(req, token_id, logprob)
@@ -252,6 +337,8 @@ class LLMEngine:
         elif req.is_finished:
             text += self._detokenizers.pop(req.request_id).flush()
             self.scheduler.finish(req)
+        if req.is_finished:
+            self._deadlines.pop(req.request_id, None)
         first = req.num_output_tokens == 1
         return RequestOutput(req.request_id, [token_id], text, req.is_finished, req.finish_reason,
                              req.stop_reason, [logprob] if logprob is not None else [],

@@ -4,7 +4,7 @@
     outs = llm.generate(["Hello", "Paris is"], SamplingParams(max_tokens=32, temperature=0))
 
 Prompts are strings (tokenized with the checkpoint's tokenizer) or lists of token ids. Results
-come back in prompt order.
+come back in prompt order. A request the engine fails (`RequestFailedError`) fails the call.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class LLM:
                         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                         c.num_cached_tokens = out.num_cached_tokens
                         bar.update(1)
+                for _, error in self.engine.take_failed_requests():
+                    raise error
         finally:
             bar.close()
             for rid in order:  # an exception mid-run must not leave blocks pinned

@@ -45,12 +45,14 @@ class Request:
     prefill_only: bool = False
     # Yield to decodes: prefill only in steps with nothing to decode until this long after arrival.
     prefill_pause_s: float = 0.0
+    deadline_s: float | None = None  # absolute `time.time()` seconds; past it the engine aborts it
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = block_hashes(self.all_token_ids, self.block_size)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            # A signed 64-bit seed (SamplingParams) as the unsigned one torch's generator takes.
+            self.generator = torch.Generator().manual_seed(self.params.seed % 2**64)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,7 +8,10 @@ the forward pass inside `forward_context` (`run_step`, which worker ranks run to
 the rows of chunks that reach their request's last token. A decode-only step of a model that runs
 in C on one rank skips all that: one call from token ids to logits (`_decode_in_one_call`); on a
 GPU, one replay of a captured CUDA graph (`DecodeGraphs`).
-Out: `(request, token id, logprob)` triples. It does not decide what runs or when a request stops.
+Out: `(request, token id, logprob)` triples. A failure in sampling or logprobs is pinned to its
+request: when the batch's sampling raises, each row is sampled alone, and a row that still raises
+comes back with its `error` and no token (the engine aborts that request alone). A failure of the
+forward pass raises. It does not decide what runs or when a request stops.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SampledToken:
     request: Request
     token_id: int
     logprob: TokenLogprob | None
+    error: Exception | None = None  # this request's sampling or logprobs failed: no token (-1)
 
 
 class ModelRunner:
@@ -77,17 +81,37 @@ class ModelRunner:
         if self.parallel.size > 1:
             broadcast_step(step, self.device)
         prompt_logits, logits = self.run_step(step)
+        failed: dict[str, SampledToken] = {}
         if prompt_logits is not None:
             logprobs = torch.log_softmax(prompt_logits.float(), dim=-1)
             for row, (_, target, r) in zip(logprobs, prompt_rows):
-                r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
-        if logits is None:
-            return []
-        return self._sample(logits, requests)
+                if r.request_id not in failed:
+                    try:
+                        r.prompt_logprobs.append(token_logprob(row, target, r.params.prompt_logprobs))
+                    except Exception as e:  # noqa: BLE001 - this request's alone
+                        failed[r.request_id] = SampledToken(r, -1, None, e)
+        sampled = self._sample(logits, requests) if logits is not None else []
+        if not failed:
+            return sampled
+        return [s for s in sampled if s.request.request_id not in failed] + list(failed.values())
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        tokens, logprobs = self.sampler(logits, requests)
+        # Seeded rows' generators as they were: a row sampled again alone draws what it would have.
+        states = [r.generator.get_state() if r.generator is not None else None for r in requests]
+        try:
+            tokens, logprobs = self.sampler(logits, requests)
+        except Exception:  # noqa: BLE001 - pinned to the rows that raise alone, below
+            return [self._sample_alone(logits[i:i + 1], r, state) for i, (r, state) in enumerate(zip(requests, states))]
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
+
+    def _sample_alone(self, logits: torch.Tensor, r: Request, state: torch.Tensor | None) -> SampledToken:
+        if state is not None:
+            r.generator.set_state(state)
+        try:
+            [token], [logprob] = self.sampler(logits, [r])
+        except Exception as e:  # noqa: BLE001 - this request's alone
+            return SampledToken(r, -1, None, e)
+        return SampledToken(r, token, logprob)
 
     def _decode_in_one_call(self, chunks: list[ScheduledChunk], requests: list[Request]) -> list[SampledToken] | None:
         """A decode-only step where every row samples, in one C call from token ids to logits

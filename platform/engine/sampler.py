@@ -1,6 +1,7 @@
 """Turn a batch of next-token logits into sampled tokens, per-request parameters applied.
 
-Order (as vLLM): penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+Order (as vLLM): penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample
+(a top-k of the vocabulary's size or more is no filter).
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A request with a seed
 draws E from its own generator, consumed once per token, so its samples do not depend on what else
 is in the batch. Log-probabilities are those of the model's raw logits (vLLM's default).
@@ -52,7 +53,8 @@ class Sampler:
         greedy = torch.tensor([p.is_greedy for p in params])
         temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params])
         scaled = logits / temperature[:, None]
-        if any(p.has_filters for p in params):
+        vocab = logits.shape[-1]
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             scaled = apply_filters(scaled, params)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -92,9 +94,10 @@ def apply_penalties(row: torch.Tensor, r: Request) -> None:
 
 
 def apply_filters(logits: torch.Tensor, params) -> torch.Tensor:
-    """Mask to -inf whatever top-k, top-p and min-p exclude, row by row parameters."""
+    """Mask to -inf whatever top-k, top-p and min-p exclude, row by row parameters. A top-k of
+    the vocabulary's size or more keeps every token."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     min_p = torch.tensor([p.min_p for p in params])
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -114,6 +117,6 @@ def token_logprob(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogpro
     rank = int((row > lp).sum().item()) + 1
     top = ()
     if num_top:
-        vals, ids = row.topk(num_top)
+        vals, ids = row.topk(min(num_top, row.shape[-1]))
         top = tuple(zip(ids.tolist(), vals.tolist()))
     return TokenLogprob(token_id, lp, rank, top)

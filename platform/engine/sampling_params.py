@@ -1,16 +1,34 @@
 """Sampling parameters of one request, validated on construction.
 
 Invalid values raise `InvalidRequestError` naming the parameter (the gateway turns that into an
-OpenAI 400). Defaults follow vLLM/OpenAI: temperature 1, top_p 1, no top_k/min_p, no penalties.
+OpenAI 400), so nothing a client sends reaches a tensor unchecked. Defaults follow vLLM/OpenAI:
+temperature 1, top_p 1, no top_k/min_p, no penalties. The rules:
+
+- integers are Python ints, never bools (`True` is an int in Python); numbers are finite;
+- `top_k`: -1 or 0 (disabled) or 1..2**31-1; one above the vocabulary means every token (the
+  sampler clamps it);
+- `seed`: a signed 64-bit integer, [-2**63, 2**63-1] (vLLM's rule); the request's generator is
+  seeded with `seed % 2**64`;
+- `stop_token_ids`: non-negative integers (the engine, which knows the vocabulary, checks that
+  they lie inside it).
+
+It does not bound counts or lengths (stop strings, ids): the gateway does, before this.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
+# name -> (lowest, highest, whether the lowest is excluded)
+_RANGES = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+           "repetition_penalty": (0.0, 2.0, True), "presence_penalty": (-2.0, 2.0, False),
+           "frequency_penalty": (-2.0, 2.0, False)}
 
 
 @dataclass(frozen=True)
@@ -33,12 +51,14 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.top_k == -1:
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if name == "stop" and isinstance(value, str):
+                value = (value,)
+            if not isinstance(value, (list, tuple)):
+                raise InvalidRequestError(f"{name} must be a list, got {describe_value(value)}", param=name)
+            object.__setattr__(self, name, tuple(value))
+        if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
 
@@ -46,32 +66,29 @@ class SamplingParams:
         def bad(param: str, msg: str):
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 2.0 or self.temperature != self.temperature:
-            bad("temperature", f"must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {describe_value(self.max_tokens)}")
+        for name, (lo, hi, lo_excluded) in _RANGES.items():
+            v = getattr(self, name)
+            if not _is_number(v) or v > hi or v < lo or (lo_excluded and v == lo):
+                interval = f"{'(' if lo_excluded else '['}{lo:g}, {hi:g}]"
+                bad(name, f"must be a number in {interval}, got {describe_value(v)}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}], "
+                         f"got {describe_value(self.top_k)}")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad("seed", f"must be an integer in [-2**63, 2**63-1], got {describe_value(self.seed)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be a boolean, got {describe_value(getattr(self, name))}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= _MAX_LOGPROBS):
-                bad(name, f"must be an integer between 0 and {_MAX_LOGPROBS}, got {value!r}")
+            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
+                bad(name, f"must be an integer between 0 and {_MAX_LOGPROBS}, got {describe_value(value)}")
 
     @property
     def is_greedy(self) -> bool:
@@ -82,6 +99,20 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    @property
-    def has_filters(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    """An int or a finite float (a huge int is compared exactly, never converted)."""
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def describe_value(v) -> str:
+    """A value for an error message, short whatever the client sent (Python refuses to print an
+    int of more than 4,300 digits at all)."""
+    if _is_int(v) and abs(v) >= 10**20:
+        return f"an integer of {v.bit_length()} bits"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from pdserve.errors import PdserveError
+from pdserve.errors import PdserveError, ReplicaError
 from pdserve.engine.shared_memory import SharedRegion
 
 MAGIC = b"PDKV"
@@ -45,16 +45,17 @@ READ, DATA, ACK, ERROR, DONE = 1, 2, 3, 4, 5  # DONE: read complete, keep the le
 
 
 class KVTransferError(PdserveError):
-    """Base of transfer errors. `retryable`: the request may succeed on another attempt/replica."""
+    """Base of transfer errors. `retryable`: the request may succeed on another attempt/replica
+    (those are `ReplicaError`s too)."""
     retryable = False
 
 
-class ExporterUnreachableError(KVTransferError):
+class ExporterUnreachableError(KVTransferError, ReplicaError):
     """The exporter did not answer in time or went away mid-transfer."""
     retryable = True
 
 
-class LeaseExpiredError(KVTransferError):
+class LeaseExpiredError(KVTransferError, ReplicaError):
     """The exporter no longer holds the blocks (lease expired or already released)."""
     retryable = True
 

@@ -4,7 +4,9 @@ exports the prompt's KV blocks under a lease for a decode replica to pull.
 `PrefillServer.prefill(GenerateRequest) -> PrefillResult`. A request whose first token already
 ends it (EOS, a stop, max_tokens 1) returns no handle and holds nothing. Cancelling the call
 aborts the request and frees its blocks; once exported, the blocks belong to the lease (released
-by the decode side's ack, or on expiry).
+by the decode side's ack, or on expiry). A request the engine ends on its own raises its
+`RequestError` and holds nothing: `RequestFailedError` (a step failed for it alone) or
+`DeadlineExceededError` (its `deadline_s` passed while it was queued or prefilling).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class PrefillServer:
             return result
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResult:
-        stream = await self.engine.generate(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
+        stream = await self.engine.generate(req.request_id, req.prompt_token_ids, req.params, prefill_only=True,
+                                            deadline_s=req.deadline_s)
         async for out in stream:
             first = out
         if not first.needs_decode:

@@ -4,35 +4,14 @@ frees every block."""
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 
-from pdserve.config import EngineConfig, TransferConfig
-from pdserve.decode.server import DecodeServer
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.backends import layout_of
-from pdserve.kvtransfer.local_backend import LocalImporter
 from pdserve.protocol import GenerateRequest
-from pdserve.prefill.server import PrefillServer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture
-def pools(tiny_llama, request):
-    """Both roles over the local backend; `indirect` parametrization picks the KV cache's dtype."""
-    config = EngineConfig(model=tiny_llama, num_kv_blocks=96, block_size=8,
-                          kv_cache_dtype=getattr(request, "param", "auto"))
-    prefill = PrefillServer(config, TransferConfig(backend="local", lease_s=5), "prefill-0")
-    importer = lambda e: LocalImporter(e.kv_cache.kv, layout_of(e.kv_cache.kv, Path(tiny_llama).name),  # noqa: E731
-                                       {"prefill-0": prefill.exporter})
-    decode = DecodeServer(config, TransferConfig(backend="local"), prefill.prefill, importer,
-                          remote_prefill_min_tokens=16)
-    yield prefill, decode
-    decode.shutdown()
-    prefill.shutdown()
 
 
 def _run(decode, requests):
@@ -191,9 +170,9 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     pauses = {}  # what this engine was asked to prefill, and how long each prompt yields to decodes
     add_request = decode.engine.engine.add_request
 
-    def recording_add_request(request_id, prompt, params, prefill_only=False, prefill_pause_s=0.0):
+    def recording_add_request(request_id, prompt, params, prefill_only=False, prefill_pause_s=0.0, deadline_s=None):
         pauses[request_id] = prefill_pause_s
-        add_request(request_id, prompt, params, prefill_only, prefill_pause_s)
+        add_request(request_id, prompt, params, prefill_only, prefill_pause_s, deadline_s)
 
     decode.engine.engine.add_request = recording_add_request
 
