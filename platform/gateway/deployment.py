@@ -1,14 +1,17 @@
 """The `Gateway` Ray Serve ingress: FastAPI routes onto `OpenAIService`, and the client that
 reaches the pools through deployment handles (Ray's exceptions become pdserve's here)."""
 
-
 import asyncio
+import dataclasses
 import logging
 import os
+import time
 from typing import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -17,18 +20,21 @@ from pdserve.config import GatewayConfig, ServeConfig
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import OverloadedError
+from pdserve.errors import DeadlineExceededError, OverloadedError, ReplicaError
+from pdserve.gateway.errors import APIError, UnavailableError, error_response
 from pdserve.gateway.grpc_service import GrpcGeneration
-from pdserve.gateway.errors import UnavailableError
 from pdserve.gateway.openai_service import OpenAIService
-from pdserve.protocol import GenerateRequest
 from pdserve.output.frames import ChannelDone, ChannelOffer, OutputChannelError
 from pdserve.output.receiver import END, OutputChannels, Pending
+from pdserve.protocol import GenerateRequest
 from pdserve.telemetry.metrics import GatewayMetrics
 from pdserve.telemetry.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
-api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve deployment")
+# FastAPI's own /docs, /redoc and /openapi.json are off: the Gateway serves them itself, and only
+# with gateway.enable_docs (the app is frozen when the deployment is defined, before any config).
+api = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve deployment", docs_url=None,
+              redoc_url=None, openapi_url=None)
 
 
 class PoolsClient:
@@ -47,12 +53,21 @@ class PoolsClient:
         self._tails: set[asyncio.Task] = set()  # calls whose outputs are all in, until their end arrives
 
     async def generate(self, req: GenerateRequest, attempts: int = 2) -> AsyncIterator[RequestOutput]:
-        """A replica that dies before the first token is retried on another (once, by default);
-        after the first token the error ends this request only."""
+        """A replica that fails before the first token (it died, or a `ReplicaError`) is retried
+        on another (once, by default), under a new id: the first attempt may still be running on a
+        prefill replica. After the first token the error ends this request only; an error of the
+        request itself (`RequestError`) is never retried. Past `req.deadline_s` the sequence ends
+        with `DeadlineExceededError` and its call is cancelled, whatever the replica does."""
+        first_id = req.request_id
         for attempt in range(attempts):
+            if attempt:
+                req = dataclasses.replace(req, request_id=f"{first_id}-retry{attempt}")
             pending = self.channels.register(req.request_id)
             stream = self._generate.remote(req, self.channels.gateway_id)
             reader = asyncio.ensure_future(self._read(stream, pending))
+            deadline = None if req.deadline_s is None else asyncio.get_running_loop().call_later(
+                max(0.0, req.deadline_s - time.time()), pending.fail,
+                DeadlineExceededError("the request did not finish within the gateway's request_timeout_s"))
             streamed = finished = False
             try:
                 while True:
@@ -69,6 +84,9 @@ class PoolsClient:
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e.cause, OutputChannelError):  # the replica lost our output connection
                     raise UnavailableError(str(e.cause)) from None
+                if isinstance(e.cause, ReplicaError) and not streamed and attempt + 1 < attempts:
+                    log.warning("decode replica failed %s before it streamed (%r); retrying", first_id, e.cause)
+                    continue
                 raise e.cause if isinstance(e.cause, Exception) else e from None
             except BackPressureError as e:
                 raise OverloadedError(f"the decode pool's queue is full ({e})") from None
@@ -79,6 +97,8 @@ class PoolsClient:
             except OutputChannelError as e:
                 raise UnavailableError(str(e)) from None
             finally:
+                if deadline is not None:
+                    deadline.cancel()
                 self.channels.unregister(pending)
                 if finished and not reader.done():  # the call's own end is still on its way
                     self._tails.add(reader)
@@ -135,13 +155,13 @@ class Gateway:
         pools = {"decode" if prefill is not None else "unified": decode}
         if prefill is not None:
             pools["prefill"] = prefill
-        max_model_len = cfg.engine.get("max_model_len") or ModelArch.from_dir(cfg.model).context_len
+        # The decode (or unified) pool's engine holds each sequence to its end: its context is the bound.
+        max_model_len = cfg.engine_config(cfg.decode).max_model_len or ModelArch.from_dir(cfg.model).context_len
         setup_tracing(cfg.telemetry, "gateway")
         metrics = GatewayMetrics(serve.get_replica_context().replica_id.unique_id, cfg.served_model_name)
         self.service = OpenAIService(PoolsClient(decode, pools), Tokenizer(cfg.model), cfg.served_model_name,
                                      max_model_len, cfg.gateway, metrics)
-        self.grpc = GrpcGeneration(self.service.client, self.service.tokenizer, max_model_len, cfg.gateway.api_keys,
-                                   metrics)
+        self.grpc = GrpcGeneration(self.service, metrics)
 
     # Routes that do no blocking work are coroutines: a plain `def` would run on a worker thread.
     @api.get("/v1/models")
@@ -169,8 +189,28 @@ class Gateway:
         return await self.service.detokenize(request)
 
     @api.get("/tokenizer_info")
-    async def tokenizer_info(self):
-        return self.service.tokenizer_info()
+    async def tokenizer_info(self, request: Request):
+        return self.service.tokenizer_info(request)
+
+    # The API's description, only with gateway.enable_docs.
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        return self._docs() or JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self):
+        return self._docs() or get_swagger_ui_html(openapi_url="/openapi.json", title="pdserve")
+
+    @api.get("/redoc", include_in_schema=False)
+    async def redoc(self):
+        return self._docs() or get_redoc_html(openapi_url="/openapi.json", title="pdserve")
+
+    def _docs(self):
+        """None where the docs are served, else the 404 a route that does not exist gets."""
+        if self.service.config.enable_docs:
+            return None
+        return error_response(APIError(404, "not found (the API docs are off: gateway.enable_docs)",
+                                       "invalid_request_error", "not_found"))
 
     # gRPC (pdserve.proto): Ray Serve's gRPC proxy calls the ingress method named after the RPC,
     # passing `grpc_context` to methods that take it.

@@ -2,10 +2,18 @@
 handles to the pools, tests may plug in a `DecodeServer`).
 
 Each route takes the raw Starlette request and returns a response: it reads the body within a
-size limit, validates it (bad input -> an OpenAI-shaped 4xx), applies the chat template,
-tokenizes, fans a request out into one `GenerateRequest` per prompt and choice, and assembles
-the engine's token outputs into OpenAI responses or SSE chunks. Errors before the first byte
-are HTTP errors; errors after it are sent in-stream, followed by `data: [DONE]`.
+size limit and a time limit, then, on a worker thread, parses and validates it (bad input -> an
+OpenAI-shaped 4xx; `bounds.py` first bounds its shape), applies the chat template, tokenizes and
+fans the request out into one `GenerateRequest` per prompt and choice; back on the event loop it
+assembles the engine's token outputs into OpenAI responses or SSE chunks. Errors before the
+first byte are HTTP errors; errors after it are sent in-stream, followed by `data: [DONE]`.
+
+Nothing a request sends runs on the event loop in proportion to its size: bodies and prompts are
+parsed and tokenized on threads (tokenizing lets go of the GIL), bodies over `LARGE_BODY_BYTES`
+on a thread of their own, so a large prompt delays only itself and other large ones, never the
+streams this gateway serves. Every request carries its deadline (`gateway.request_timeout_s`):
+past it the gateway stops waiting, the sequences are cancelled in the pools, and the client gets
+a 504 (in-stream once streaming).
 
 A stream sends one chunk per token as it is produced, its text empty or not (a special token,
 text held back as a possible stop string's start or an unfinished character), as vLLM does: the
@@ -16,10 +24,10 @@ it comes, not a gap of two steps before the token after a silent one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -34,13 +42,20 @@ from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, PromptTooLongError
+from pdserve.gateway.auth import ApiKeys
+from pdserve.gateway.bounds import RequestBounds, check_logit_bias, tokenizer_json
 from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.gateway.request_body import parse_json_object, read_body
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
 from pdserve.protocol import GenerateRequest
 from pdserve.telemetry.requests import RequestRecord
 
 log = logging.getLogger(__name__)
+
+# Bodies larger than this are parsed and tokenized on a thread of their own: a 4 MiB prompt takes
+# seconds to tokenize, and must not hold up the many small requests behind it.
+LARGE_BODY_BYTES = 256 << 10
 
 
 class GenerateClient(Protocol):
@@ -51,13 +66,6 @@ class GenerateClient(Protocol):
         early aborts the sequence."""
 
     async def health(self) -> dict[str, bool]: ...
-
-
-def check_api_key(authorization: str, api_keys) -> None:
-    """`authorization` is the header (or gRPC metadata) value; no keys configured: no check."""
-    if api_keys and (not authorization.startswith("Bearer ") or authorization[7:] not in api_keys):
-        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                       "authentication_error", "invalid_api_key")
 
 
 def check_prompt(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
@@ -106,30 +114,29 @@ class OpenAIService:
         # metrics: a pdserve.telemetry.metrics.GatewayMetrics, or None (no series recorded).
         self.client, self.tokenizer, self.model_name = client, tokenizer, model_name
         self.max_model_len, self.config, self.metrics = max_model_len, config, metrics
+        self.api_keys = ApiKeys(config.api_keys)
+        self.bounds = RequestBounds.of(config, tokenizer_json(tokenizer), max_model_len)
         self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self._threads = ThreadPoolExecutor(2, thread_name_prefix="pdserve-parse")
+        self._large_threads = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse-large")
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _check_api_key(self, request: Request) -> None:
-        check_api_key(request.headers.get("authorization", ""), self.config.api_keys)
+    async def _read(self, request: Request, model: type[BaseModel], prepare: Callable | None = None):
+        """Check the key, read the body, then on a worker thread parse and validate it into
+        `model` and, with `prepare`, return `prepare(body)` (the request's own work: templating,
+        tokenizing, building the sequences) with it: `(body, prepared)`."""
+        self.api_keys.check(request.headers.get("authorization", ""))
+        raw = await read_body(request, self.config.max_body_bytes, self.config.body_read_timeout_s)
+        return await self.off_loop(len(raw), self._parse, raw, model, prepare)
 
-    async def _body(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        self._check_api_key(request)
-        limit = self.config.max_body_bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise APIError(413, f"request body over {limit} bytes", "invalid_request_error", "body_too_large")
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise APIError(413, f"request body over {limit} bytes", "invalid_request_error", "body_too_large")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise InvalidRequestError("the request body is not valid UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
+    async def off_loop(self, size_bytes: int, fn: Callable, *args):
+        """`fn(*args)` on a worker thread: a thread of its own for requests over LARGE_BODY_BYTES."""
+        pool = self._large_threads if size_bytes > LARGE_BODY_BYTES else self._threads
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def _parse(self, raw: bytes, model: type[BaseModel], prepare: Callable | None):
+        data = parse_json_object(raw)
+        self.bounds.check_counts(data)
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -138,24 +145,34 @@ class OpenAIService:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "NotFoundError", "model_not_found")
-        return body
+        return body if prepare is None else (body, prepare(body))
 
     @staticmethod
     def request_id(request: Request) -> str:
-        # Ray Serve's proxy echoes the header (and makes one when absent) on every response.
-        return request.headers.get("x-request-id") or uuid.uuid4().hex
+        # Ray Serve's proxy echoes the header (and makes one when absent) on every response. A
+        # client's id is kept to 128 printable characters: it reaches logs and engine ids.
+        rid = request.headers.get("x-request-id", "")[:128]
+        return rid if rid and rid.isprintable() else uuid.uuid4().hex
 
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, param)
 
+    def _check_sampling(self, body) -> None:
+        vocab = self.tokenizer.vocab_size
+        self.bounds.check_stops(body.stop)
+        check_logit_bias(body.logit_bias, vocab)
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise InvalidRequestError(f"stop_token_ids must lie in the vocabulary [0, {vocab})", param="stop_token_ids")
+
     def _fan_out(self, rec: RequestRecord, rid: str, prompts: list[list[int]], n: int,
                  make_params: Callable[[int], SamplingParams]) -> list[tuple[int, GenerateRequest]]:
         """One sequence per prompt and choice, indexed as OpenAI numbers choices; `make_params(i)`
-        gives choice i's sampling parameters."""
-        if n > self.config.max_n:
-            raise InvalidRequestError(f"n must be at most {self.config.max_n}", param="n")
+        gives choice i's sampling parameters. Each carries the request's deadline."""
+        self.bounds.check_sequences(len(prompts), n)
         tag = uuid.uuid4().hex[:8]  # client ids may repeat; engine ids must not
-        return [(p * n + i, GenerateRequest(f"{rid}-{tag}-{p * n + i}", ids, make_params(i), rec.trace_context))
+        deadline_s = rec.start_unix_s + self.config.request_timeout_s
+        params = [make_params(i) for i in range(n)]
+        return [(p * n + i, GenerateRequest(f"{rid}-{tag}-{p * n + i}", ids, params[i], rec.trace_context, deadline_s))
                 for p, ids in enumerate(prompts) for i in range(n)]
 
     async def _handle(self, request: Request, route: str, run) -> Response:
@@ -167,7 +184,7 @@ class OpenAIService:
             return await run(rid, rec)
         except Exception as e:  # noqa: BLE001
             rec.finish(outcome_of(e), e)
-            return error_response(e)
+            return error_response(e, rid)
         except BaseException as e:  # the client left
             rec.finish("aborted", e)
             raise
@@ -258,14 +275,8 @@ class OpenAIService:
         return await self._handle(request, "/v1/completions", partial(self._completions, request))
 
     async def _completions(self, request: Request, rid: str, rec: RequestRecord) -> Response:
-        body: CompletionRequest = await self._body(request, CompletionRequest)
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        for ids in prompts:
-            self._check_length(ids, max_tokens, "prompt")
+        body, reqs = await self._read(request, CompletionRequest, partial(self._completion_requests, rid, rec))
         k = body.logprobs
-        prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
-        reqs = self._fan_out(rec, rid, prompts, body.n, lambda i: body.sampling_params(max_tokens, k, prompt_k, i))
         choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
         usage = partial(self._usage, choices, body.n)
         if body.stream:
@@ -279,6 +290,22 @@ class OpenAIService:
                          if k is not None else None,
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage()})
+
+    def _completion_requests(self, rid: str, rec: RequestRecord, body: CompletionRequest):
+        """On a worker thread: the sequences of a validated completions request."""
+        prompts = body.prompts()
+        self.bounds.check_sequences(len(prompts), body.n)
+        for p in prompts:
+            if isinstance(p, str):
+                self.bounds.check_prompt_chars(len(p), "prompt")
+        self._check_sampling(body)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        for ids in prompts:
+            self._check_length(ids, max_tokens, "prompt")
+        k = body.logprobs
+        prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
+        return self._fan_out(rec, rid, prompts, body.n, lambda i: body.sampling_params(max_tokens, k, prompt_k, i))
 
     def _echo(self, c: _Choice) -> str:
         return self.tokenizer.decode(c.prompt_ids)
@@ -332,14 +359,7 @@ class OpenAIService:
         return await self._handle(request, "/v1/chat/completions", partial(self._chat_completions, request))
 
     async def _chat_completions(self, request: Request, rid: str, rec: RequestRecord) -> Response:
-        body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
-        ids = self.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt)
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = self._check_length(ids, asked, "messages")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        reqs = self._fan_out(rec, rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i))
+        body, (reqs, k) = await self._read(request, ChatCompletionRequest, partial(self._chat_requests, rid, rec))
         choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
         usage = partial(self._usage, choices, body.n)
         if body.stream:
@@ -353,6 +373,20 @@ class OpenAIService:
                          "logprobs": self._chat_logprobs(c.logprobs, k) if k is not None else None,
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage()})
+
+    def _chat_requests(self, rid: str, rec: RequestRecord, body: ChatCompletionRequest):
+        """On a worker thread: the sequences of a validated chat request, and its top_logprobs."""
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        self.bounds.check_sequences(1, body.n)
+        messages = body.template_messages()
+        self.bounds.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self._check_sampling(body)
+        ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self._check_length(ids, asked, "messages")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        return self._fan_out(rec, rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i)), k
 
     def _chat_logprobs(self, lps: list[TokenLogprob], k: int) -> dict:
         def entry(tid: int, lp: float) -> dict:
@@ -391,7 +425,7 @@ class OpenAIService:
     # -- models, health, tokenizer -------------------------------------------------------------
     def models(self, request: Request) -> Response:
         try:
-            self._check_api_key(request)
+            self.api_keys.check(request.headers.get("authorization", ""))
         except APIError as e:
             return error_response(e)
         return JSONResponse({"object": "list", "data": [{
@@ -399,39 +433,53 @@ class OpenAIService:
             "root": self.model_name, "max_model_len": self.max_model_len}]})
 
     async def health(self) -> Response:
+        """Each pool's state; why one is down is in the logs, not in the answer."""
         try:
             pools = await asyncio.wait_for(self.client.health(), 10)
         except Exception as e:  # noqa: BLE001
-            pools = {"error": repr(e)}
+            log.warning("health check failed: %r", e)
+            pools = {}
         ok = bool(pools) and all(v is True for v in pools.values())
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "pools": pools}, 200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "unhealthy",
+                             "pools": {name: up is True for name, up in pools.items()}},
+                            200 if ok else 503)
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body: TokenizeRequest = await self._body(request, TokenizeRequest)
-            if (body.prompt is None) == (body.messages is None):
-                raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
-            if body.messages is not None:
-                ids = self.tokenizer.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
-            else:
-                ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            _, answer = await self._read(request, TokenizeRequest, self._tokenize)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                             "token_strs": [self.token_str(t) for t in ids] if body.return_token_strs else None})
+        return JSONResponse(answer)
+
+    def _tokenize(self, body: TokenizeRequest) -> dict:
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            self.bounds.check_counts({"messages": body.messages})
+            ids = self.tokenizer.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": [self.token_str(t) for t in ids] if body.return_token_strs else None}
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body: DetokenizeRequest = await self._body(request, DetokenizeRequest)
-            bad = next((t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param="tokens")
-            text = self.tokenizer.decode(body.tokens)
+            _, text = await self._read(request, DetokenizeRequest, self._detokenize)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         return JSONResponse({"prompt": text})
 
-    def tokenizer_info(self) -> Response:
+    def _detokenize(self, body: DetokenizeRequest) -> str:
+        bad = next((t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param="tokens")
+        return self.tokenizer.decode(body.tokens)
+
+    def tokenizer_info(self, request: Request) -> Response:
+        try:
+            self.api_keys.check(request.headers.get("authorization", ""))
+        except APIError as e:
+            return error_response(e)
         cfg = self.tokenizer.config
         return JSONResponse({
             "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),

@@ -1,7 +1,8 @@
 """OpenAI request bodies (completions, chat completions, tokenize) and their sampling parameters.
 
-Pydantic validates types; ranges are checked once, by `SamplingParams`. Unknown fields are
-ignored, as OpenAI and vLLM do, so clients that send newer fields keep working.
+Pydantic validates types; ranges are checked once, by `SamplingParams` (and the request's size
+by `bounds.py`, before these models are built). Unknown fields are ignored, as OpenAI and vLLM
+do, so clients that send newer fields keep working.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class _SamplingFields(BaseModel):
     top_p: float | None = None
     top_k: StrictInt | None = None
     min_p: float | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-2**63, le=2**63 - 1)  # a signed 64-bit integer, as vLLM
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    logit_bias: dict[str, float] | None = None
     n: StrictInt = Field(1, ge=1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -52,8 +54,9 @@ class _SamplingFields(BaseModel):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty).items() if v is not None}
-        # Choice i of a seeded request draws from seed + i: reproducible, yet n distinct samples.
-        seed = None if self.seed is None else self.seed + choice
+        # Choice i of a seeded request draws from seed + i: reproducible, yet n distinct samples
+        # (wrapped within the signed 64-bit range seeds take).
+        seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
         return SamplingParams(max_tokens=max_tokens, seed=seed, stop=self.stop or (),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -95,7 +98,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
     def template_messages(self) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ TAGS = ("pool", "replica", "model")
 # Seconds: from sub-millisecond inter-token gaps on small models to minute-long requests.
 LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                       120.0]
-OUTCOMES = ("ok", "invalid", "rejected", "overloaded", "error", "aborted")
+OUTCOMES = ("ok", "invalid", "rejected", "overloaded", "timeout", "error", "aborted")
 
 
 @functools.cache

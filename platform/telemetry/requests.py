@@ -26,6 +26,7 @@ class RequestRecord:
                  metrics: "GatewayMetrics | None" = None):
         self.metrics = metrics
         self.started = time.perf_counter()
+        self.start_unix_s = time.time()  # when it arrived: its deadline counts from here
         parent = {h: headers[h] for h in TRACE_HEADERS if h in headers}
         self.span = start_span("pdserve.gateway", parent, SpanKind.SERVER, route=route, request_id=request_id)
         self.trace_context = carrier(self.span)

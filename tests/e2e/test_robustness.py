@@ -79,7 +79,8 @@ def test_models_health_and_tokenizer_routes(app):
     chat_tok = app.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat_tok["count"] > 2
     assert app.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == LONG
-    info = requests.get(f"{app.base}/tokenizer_info", timeout=30).json()
+    info = requests.get(f"{app.base}/tokenizer_info", headers={"Authorization": f"Bearer {app.api_key}"},
+                        timeout=30).json()
     assert info["eos_token"] and info["model_max_length"] == 384
     assert app.post("/detokenize", json={"tokens": [-1]}).status_code == 400
 

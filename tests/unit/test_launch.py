@@ -17,9 +17,11 @@ from pdserve.launch import check_address
 
 def test_serve_starts_ray_with_haproxy_ingress_unless_configured(monkeypatch):
     # Ray's workers at nice 0 like its daemons; Serve's control loop slower on small machines.
-    small, large = {launch.WORKER_NICENESS_ENV: "0", launch.CONTROL_LOOP_ENV: "0.5"}, {launch.WORKER_NICENESS_ENV: "0"}
+    large = {launch.WORKER_NICENESS_ENV: "0", launch.GRPC_MAX_MESSAGE_ENV: str(4 * 2**20)}
+    small = {**large, launch.CONTROL_LOOP_ENV: "0.5"}
     for cpus, loop in ((2, small), (16, large)):
-        haproxy = {**loop, launch.HA_PROXY_ENV: "1", launch.HA_PROXY_THREADS_ENV: str(launch.haproxy_threads(cpus))}
+        haproxy = {**loop, launch.HA_PROXY_ENV: "1", launch.HA_PROXY_THREADS_ENV: str(launch.haproxy_threads(cpus)),
+                   launch.HA_PROXY_CLIENT_TIMEOUT_ENV: "600"}
         cases = [("haproxy", None, True, haproxy), ("proxy", None, True, loop),
                  ("haproxy", "ray://h:1", True, {}), ("haproxy", None, False, loop)]  # no binary: Serve's own proxy
         for ingress, address, has_haproxy, expected in cases:

@@ -1,12 +1,14 @@
-"""The one exception -> OpenAI error mapping, and the prompt and key checks HTTP and gRPC share."""
+"""The one exception -> OpenAI error mapping, the prompt check HTTP and gRPC share, and API keys."""
 
 import json
 
 import pytest
 
-from pdserve.errors import InvalidRequestError, OverloadedError, PromptTooLongError
+from pdserve.errors import (DeadlineExceededError, InvalidRequestError, OverloadedError, PromptTooLongError,
+                            RequestFailedError)
+from pdserve.gateway.auth import ApiKeys
 from pdserve.gateway.errors import APIError, UnavailableError, error_response
-from pdserve.gateway.openai_service import check_api_key, check_prompt
+from pdserve.gateway.openai_service import check_prompt
 
 
 def _body(resp):
@@ -20,6 +22,8 @@ def test_error_statuses_and_shape():
              (APIError(401, "bad key", "authentication_error", "invalid_api_key"), 401, None),
              (OverloadedError("queue full"), 503, None),
              (UnavailableError("replica died"), 503, None),
+             (DeadlineExceededError("too slow"), 504, None),
+             (RequestFailedError("sampling failed"), 500, None),
              (RuntimeError("bug"), 500, None)]
     for exc, status, param in cases:
         resp = error_response(exc)
@@ -28,6 +32,13 @@ def test_error_statuses_and_shape():
         assert err["param"] == param and err["message"]
         assert (resp.headers.get("retry-after") == "1") == (status == 503)
     assert _body(error_response(PromptTooLongError("x", param="prompt")))["code"] == "context_length_exceeded"
+    assert _body(error_response(DeadlineExceededError("x")))["code"] == "deadline_exceeded"
+
+
+def test_a_500_names_no_internals_only_the_request_id():
+    err = _body(error_response(RuntimeError("secret /etc/path in KVCache.kv[3]"), "req-7"))
+    assert "secret" not in err["message"] and "RuntimeError" not in err["message"]
+    assert "req-7" in err["message"] and err["type"] == "internal_server_error"
 
 
 def test_check_prompt():
@@ -45,10 +56,12 @@ def test_check_prompt():
         check_prompt([], 1, 10, 100, "prompt")
 
 
-def test_check_api_key():
-    check_api_key("", [])  # no keys configured: open
-    check_api_key("Bearer k1", ["k0", "k1"])
-    for header in ("", "k1", "Bearer k2", "bearer k1"):
+def test_api_keys():
+    ApiKeys([]).check("")  # no keys configured: open
+    keys = ApiKeys(["k0", "k1"])
+    for header in ("Bearer k1", "bearer k0", "BEARER k1", "  Bearer   k1  "):  # the scheme in any case
+        keys.check(header)
+    for header in ("", "k1", "Bearer k2", "Bearer", "Basic k1", "Bearer k1k1", "Bearer \udcff"):
         with pytest.raises(APIError) as e:
-            check_api_key(header, ["k1"])
-        assert e.value.status == 401
+            keys.check(header)
+        assert e.value.status == 401 and e.value.code == "invalid_api_key"

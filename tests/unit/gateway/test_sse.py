@@ -7,13 +7,12 @@ import json
 import time
 
 import pytest
-from starlette.requests import Request
 
 from pdserve.config import GatewayConfig
-from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_service import OpenAIService
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
+from tests.fakes.gateway_client import ScriptedClient, call
 
 TEXTS = ["hello", " world", "", 'quote " back \\ slash', "tab\tnew\nline\r\x00\x1f\x7f", "é ü ß 中文 😀",
          "\u2028\u2029", "</script>", "\x00pdserve-text\x00"]
@@ -30,50 +29,11 @@ def test_token_chunks_are_json_dumps_bytes(choice):
     assert sse_event({"a": None, "b": [1.5, "é"]}) == b'data: {"a": null, "b": [1.5, "\xc3\xa9"]}\n\n'
 
 
-class ScriptedClient:
-    """Every sequence streams the same script of (token id, text) steps, the last one finished."""
-
-    def __init__(self, steps):
-        self.steps = steps
-
-    async def generate(self, req):
-        k = req.params.logprobs
-        for i, (tid, text) in enumerate(self.steps):
-            last = i == len(self.steps) - 1
-            lps = [TokenLogprob(tid, -0.5, 1, ((tid, -0.5), (tid + 1, -1.5)))] if k is not None else []
-            yield RequestOutput(req.request_id, [tid], text, last, "length" if last else None, None, lps,
-                                num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=i + 1)
-            await asyncio.sleep(0)
-
-    async def health(self):
-        return {"unified": True}
-
-
 def _stream(service, path: str, body: dict, arrivals: list | None = None) -> bytes:
-    """POST `body` to the service's route as an ASGI request; the whole response body (each part's
-    `perf_counter` time and bytes appended to `arrivals` as it is sent)."""
-    raw = json.dumps(body).encode()
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json"),
-                                                                         (b"content-length", str(len(raw)).encode())],
-             "asgi": {"spec_version": "2.4"}}
-    sent = []
-
-    async def run():
-        async def receive():
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-            if arrivals is not None and message["type"] == "http.response.body":
-                arrivals.append((time.perf_counter(), message.get("body", b"")))
-
-        route = service.completions if path == "/v1/completions" else service.chat_completions
-        response = await route(Request(scope, receive))
-        assert response.status_code == 200, response.body
-        await response(scope, receive, send)
-
-    asyncio.run(run())
-    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    route = service.completions if path == "/v1/completions" else service.chat_completions
+    status, raw = call(route, path, body, arrivals=arrivals)
+    assert status == 200, raw
+    return raw
 
 
 def _events(stream: bytes) -> list[dict]:

@@ -1,0 +1,95 @@
+"""A request's body, from the socket to a JSON object, bounded at every step.
+
+`read_body` takes at most `limit_bytes` (a declared or actual larger body is a 413) within
+`timeout_s` (a slow sender gets a 408 and holds nothing after). `parse_json_object` turns the
+bytes into a dict or raises `InvalidRequestError`: invalid UTF-8, invalid JSON, NaN or Infinity,
+nesting past the interpreter's limit, integers of more digits than Python converts, strings with
+lone surrogates (JSON's `\\ud800` escapes decode to characters no UTF-8 text can hold), and a
+top level that is not an object. It runs on a worker thread for large bodies (the caller's
+choice): it holds the GIL, but the event loop gets it back every switch interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from starlette.requests import Request
+
+from pdserve.errors import InvalidRequestError
+from pdserve.gateway.errors import APIError
+
+# A \u escape of a surrogate (D800-DFFF) in the raw text: only then can a parsed string hold one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _too_large(limit_bytes: int) -> APIError:
+    return APIError(413, f"request body over {limit_bytes} bytes", "invalid_request_error", "body_too_large")
+
+
+async def read_body(request: Request, limit_bytes: int, timeout_s: float) -> bytes:
+    try:
+        declared = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise InvalidRequestError("the Content-Length header is not a number") from None
+    if declared > limit_bytes:
+        raise _too_large(limit_bytes)
+
+    async def read() -> bytes:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit_bytes:
+                raise _too_large(limit_bytes)
+        return bytes(raw)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", "invalid_request_error",
+                       "request_timeout") from None
+
+
+def _reject_constant(name: str):
+    raise InvalidRequestError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body is nested too deeply") from None
+    except ValueError as e:  # an integer longer than sys.get_int_max_str_digits()
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise InvalidRequestError("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string")
+    return data
+
+
+def _has_lone_surrogate(data) -> bool:
+    """Whether any string (key or value) in `data` cannot be encoded as UTF-8. An explicit stack:
+    the nesting the parser accepted may be deeper than Python's recursion limit here."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if not x.isascii():
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
