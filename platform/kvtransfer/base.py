@@ -75,7 +75,7 @@ class KVExporter:
     def read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
         """All of `open_read`'s blocks gathered into a staging buffer: hand it back with `release_buffer`."""
         with self.open_read(request_id, importer, first_block) as r:
-            return gather_blocks(self.kv, r.block_ids, r.heads, self.buffers.take(r.shape, self.kv.dtype))
+            return gather_blocks(self.kv, r.block_ids, r.heads, self.buffers.take(r.shape, self.kv.dtype, self.kv.device))
 
     def release_buffer(self, buf: torch.Tensor) -> None:
         self.buffers.give(buf)
@@ -118,7 +118,7 @@ class BlockRead:
         if self._run is not None and s1 - s0 == 1:
             return slabs[s0, 0, self._run:self._run + len(self.block_ids)]
         if self._staging is None:
-            self._staging = self._exporter.buffers.take(self.shape, self._exporter.kv.dtype)
+            self._staging = self._exporter.buffers.take(self.shape, self._exporter.kv.dtype, self._exporter.kv.device)
         return gather_blocks(slabs[s0:s1], self.block_ids, self.heads, slab_view(self._staging)[s0:s1])
 
     def close(self) -> None:

@@ -24,24 +24,33 @@ from pdserve.engine.kernels import triton_paged
 
 def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int] | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """`[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous; into `out` when given."""
-    if kv.is_cuda and triton_paged.HAS_TRITON:
-        return triton_paged.gather_blocks(kv, block_ids, heads, out)
+    """`[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous; into `out` when given.
+    On a GPU the copy has finished when this returns: UCX reads the buffer outside torch's streams."""
+    if kv.is_cuda:
+        if triton_paged.HAS_TRITON:
+            out = triton_paged.gather_blocks(kv, block_ids, heads, out)
+        else:
+            src = kv if heads is None else kv[:, :, :, :, heads[0]:heads[1]]
+            index = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
+            out = src.index_select(2, index) if out is None else out.copy_(src.index_select(2, index))
+        torch.cuda.current_stream(kv.device).synchronize()
+        return out
     src = kv if heads is None else kv[:, :, :, :, heads[0]:heads[1]]
     if out is None:
         out = torch.empty((*src.shape[:2], len(block_ids), *src.shape[3:]), dtype=kv.dtype, device=kv.device)
-    if kv.is_cuda:
-        return out.copy_(src.index_select(2, torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)))
     # mode="wrap" (ids checked by _block_index): "raise" would stage the whole result in a temporary.
     np.take(_bits(src), _block_index(block_ids, kv.shape[2]), axis=2, out=_bits(out), mode="wrap")
     return out
 
 
 def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
-    if kv.is_cuda and triton_paged.HAS_TRITON:
-        return triton_paged.scatter_blocks(kv, block_ids, data)
+    """On a GPU the copy has finished when this returns: `data` (a staging buffer) may be reused."""
     if kv.is_cuda:
-        kv.index_copy_(2, torch.as_tensor(block_ids, dtype=torch.long, device=kv.device), data)
+        if triton_paged.HAS_TRITON:
+            triton_paged.scatter_blocks(kv, block_ids, data)
+        else:
+            kv.index_copy_(2, torch.as_tensor(block_ids, dtype=torch.long, device=kv.device), data)
+        torch.cuda.current_stream(kv.device).synchronize()
         return
     _bits(kv)[:, :, _block_index(block_ids, kv.shape[2])] = _bits(data)
 
@@ -120,15 +129,17 @@ class BufferPool:
         self._lock = threading.Lock()
         self.max_buffers = max_buffers
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A buffer of `shape` on the cache's device (a GPU cache stages on the GPU)."""
         numel = 1
         for d in shape:
             numel *= d
+        device = torch.device(device)
         with self._lock:
             for i, buf in enumerate(self._free):
-                if buf.dtype == dtype and buf.numel() >= numel:
+                if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
                     return self._free.pop(i)[:numel].view(shape)
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf

@@ -429,7 +429,7 @@ class UCXImporter(KVImporter):
                 targets.append((slabs[s0, 0, run:run + len(dst)], False))
             else:
                 if staging is None:
-                    staging = self.buffers.take(shape, self.kv.dtype)
+                    staging = self.buffers.take(shape, self.kv.dtype, self.kv.device)
                 targets.append((slab_view(staging)[s0:s1], True))
 
         tasks, is_done = [], False

@@ -3,11 +3,17 @@ tests). Same semantics and layouts as the torch path in `paged_attention.py` and
 `kvtransfer/blocks.py`, which stay the reference:
 
 - `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)`: one query token
-  per sequence. One program per (sequence, KV head) serves that head's group of query heads
-  (GQA), walking the sequence's blocks through its block table with an online softmax in fp32.
+  per sequence, split over the context as flash-decoding does: one program per (sequence, KV
+  head, partition of the context) serves that head's group of query heads (GQA), reading
+  `_TILE_BLOCKS` blocks per iteration through the block table (several loads in flight, one
+  tensor-core product per tile: the group is padded to 16 rows) with an online softmax in fp32;
+  a second kernel merges the partitions. The partition count follows the block table's width,
+  not the batch's longest sequence, so the launch is the same every step (CUDA graphs) and no
+  device sync is needed; partitions past a sequence's end return at once.
 - `paged_prefill_attention(q, k_cache, v_cache, cu_query_lens, context_lens, block_tables, scale)`:
   a varlen batch of prefill chunks in one launch; each chunk attends causally to its cached prefix
-  and itself (its K/V already written). One program per (sequence, query head, BLOCK_M queries).
+  and itself (its K/V already written). One program per (sequence, query head, 64 queries), keys
+  `_TILE_BLOCKS` blocks at a time (64 x 64 tensor-core tiles with 16-token blocks).
 - `gather_blocks(kv, block_ids, heads)` / `scatter_blocks(kv, block_ids, data)`: a request's blocks
   of the whole cache `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` to and from one
   contiguous buffer (an optional KV-head slice), for the KV transfer.
@@ -40,46 +46,76 @@ def _kernels() -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
-                       stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
-                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                                 stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb,
+                                 GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                 HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
+                                 TILE_BLOCKS: tl.constexpr):
         # int64 program ids: offsets into a large cache overflow 32 bits.
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
+        part = tl.program_id(2).to(tl.int64)
+        num_parts = tl.num_programs(2)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
-        s = tl.arange(0, BLOCK_SIZE)
+        t = tl.arange(0, TILE_BLOCKS * BLOCK_SIZE)  # a tile's tokens: block t // BLOCK_SIZE of the tile
         heads = kv_head * GROUP + g
         g_ok = g < GROUP
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None],
-                    other=0.0).to(tl.float32)
         seq_len = tl.load(lens_ptr + seq)
+        first = part * PARTITION_BLOCKS
+        end = tl.minimum(first + PARTITION_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))  # this partition's blocks
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for b in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-            block = tl.load(tables_ptr + seq * stride_tb + b)
-            offs = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-            valid = (b * BLOCK_SIZE + s) < seq_len
-            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_SIZE]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
-        out = acc / l[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        if first < end:
+            q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None],
+                        other=0.0)
+            for it in range(0, PARTITION_BLOCKS, TILE_BLOCKS):
+                b = first + it + t // BLOCK_SIZE
+                block = tl.load(tables_ptr + seq * stride_tb + b, mask=b < end, other=0)
+                valid = (b < end) & (b * BLOCK_SIZE + t % BLOCK_SIZE < seq_len)
+                offs = block[:, None] * stride_cb + (t % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
+                    + d[None, :]
+                k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+                v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+                # "ieee": fp32 inputs must not drop to TF32 on a GPU (bf16/fp16 are unaffected).
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale  # [G, tile]
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the end: nothing seen
+                alpha = tl.exp(m - m_safe)
+                p = tl.exp(scores - m_safe[:, None])
+                l = l * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+                m = m_new
+        # Every partition writes, an empty one (-inf, 0, 0): the merge weighs it by exp(-inf) = 0.
+        # Partial rows are (sequence, query head, partition).
+        row = (seq * tl.num_programs(1) * GROUP + heads) * num_parts + part
+        tl.store(m_ptr + row, m, mask=g_ok)
+        tl.store(l_ptr + row, l, mask=g_ok)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+
+    @triton.jit
+    def _decode_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, num_parts,
+                             BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        parts = tl.arange(0, BLOCK_P)
+        d = tl.arange(0, HEAD_DIM)
+        p_ok = parts < num_parts
+        rows = (seq * tl.num_programs(1) + head) * num_parts + parts
+        m = tl.load(m_ptr + rows, mask=p_ok, other=float("-inf"))
+        l = tl.load(l_ptr + rows, mask=p_ok, other=0.0)
+        acc = tl.load(acc_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=p_ok[:, None], other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))  # the first partition always holds a token: the max is finite
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, cu_ptr, ctx_ptr, out_ptr, scale,
                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        HEAD_DIM: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, TILE_BLOCKS: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         tile = tl.program_id(2)
@@ -91,7 +127,7 @@ def _kernels() -> SimpleNamespace:
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rows_ok = rows < q_len
         d = tl.arange(0, HEAD_DIM)
-        s = tl.arange(0, BLOCK_SIZE)
+        t = tl.arange(0, TILE_BLOCKS * BLOCK_SIZE)  # a tile's keys: block t // BLOCK_SIZE of the tile
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                     mask=rows_ok[:, None], other=0.0)
         pos = context_len - q_len + rows  # absolute positions of these queries
@@ -99,10 +135,13 @@ def _kernels() -> SimpleNamespace:
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)  # causal: no key past it
-        for b in range(0, tl.cdiv(last, BLOCK_SIZE)):
-            block = tl.load(tables_ptr + seq * stride_tb + b)
-            keys = b * BLOCK_SIZE + s
-            offs = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        num_blocks = tl.cdiv(last, BLOCK_SIZE)
+        for tile_start in range(0, num_blocks, TILE_BLOCKS):
+            b = tile_start + t // BLOCK_SIZE
+            block = tl.load(tables_ptr + seq * stride_tb + b, mask=b < num_blocks, other=0)
+            keys = b * BLOCK_SIZE + t % BLOCK_SIZE
+            offs = block[:, None] * stride_cb + (t % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
+                + d[None, :]
             k = tl.load(k_ptr + offs, mask=(keys < context_len)[:, None], other=0.0).to(q.dtype)
             v = tl.load(v_ptr + offs, mask=(keys < context_len)[:, None], other=0.0).to(q.dtype)
             # "ieee": fp32 inputs must not drop to TF32 on a GPU (bf16/fp16 are unaffected).
@@ -142,28 +181,52 @@ def _kernels() -> SimpleNamespace:
             else:
                 tl.store(kv_ptr + src, tl.load(buf_ptr + dst, mask=ok), mask=ok)
 
-    return SimpleNamespace(decode=_decode_kernel, prefill=_prefill_kernel, copy_blocks=_copy_blocks_kernel)
+    return SimpleNamespace(decode_partition=_decode_partition_kernel, decode_merge=_decode_merge_kernel,
+                           prefill=_prefill_kernel, copy_blocks=_copy_blocks_kernel)
+
+
+# Decode: blocks read per iteration (several loads in flight), and at most this many partitions of
+# the context (each a program per sequence and KV head; those past a sequence's end return at once).
+_TILE_BLOCKS = 4
+_MAX_PARTITIONS = 32
+
+
+def decode_partition_blocks(max_blocks_per_seq: int) -> int:
+    """Blocks per partition for a block table `max_blocks_per_seq` wide: 32 (512 tokens of 16) or
+    more, so that no more than `_MAX_PARTITIONS` partitions cover it."""
+    return max(32, _pow2(-(-max_blocks_per_seq // _MAX_PARTITIONS)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[batch, num_heads, head_dim]` -> `[batch, num_heads, head_dim]` (see the module docstring)."""
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           partition_blocks: int | None = None) -> torch.Tensor:
+    """q `[batch, num_heads, head_dim]` -> `[batch, num_heads, head_dim]` (see the module docstring).
+    `partition_blocks` overrides the partition size (tests)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    partition = partition_blocks or decode_partition_blocks(block_tables.shape[1])
+    num_parts = -(-block_tables.shape[1] // partition)
+    # Each partition's running max, sum and weighted values per (sequence, query head), merged below.
+    m = torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     q = q.contiguous()
-    _kernels().decode[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+    k = _kernels()
+    k.decode_partition[(batch, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=_pow2(group), BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+        GROUP=group, BLOCK_G=max(16, _pow2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        PARTITION_BLOCKS=partition, TILE_BLOCKS=min(_TILE_BLOCKS, partition))
+    k.decode_merge[(batch, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_parts,
+                                       BLOCK_P=_pow2(num_parts), HEAD_DIM=head_dim)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, block_m: int = 16, max_query_len: int | None = None) -> torch.Tensor:
+                            scale: float, block_m: int = 64, max_query_len: int | None = None) -> torch.Tensor:
     """q `[total_query_tokens, num_heads, head_dim]` -> same shape (see the module docstring).
     `max_query_len`, when the caller knows it, spares a device sync."""
     _, num_heads, head_dim = q.shape
@@ -176,7 +239,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        TILE_BLOCKS=_TILE_BLOCKS)
     return out
 
 

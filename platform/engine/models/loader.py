@@ -1,9 +1,12 @@
 """Load a local Hugging Face checkpoint into the matching model file.
 
 In: a directory with config.json and one or more *.safetensors files (sharded checkpoints are
-read through model.safetensors.index.json). Out: a model in eval mode on the requested device and
-dtype. Errors: `ModelLoadError` / `UnsupportedModelError` saying what is missing or wrong.
-Nothing is downloaded.
+read through model.safetensors.index.json); or, in place of weights, `random_weights.json`
+(`{"seed": N}`), for which the weights are drawn on the device, the same on every load of the same
+config and seed (`random_weights`): a model at a real one's shapes with no checkpoint to read, as
+vLLM's `load_format: dummy` (benchmarks/gpu_suite.py). Out: a model in eval mode on the requested
+device and dtype. Errors: `ModelLoadError` / `UnsupportedModelError` saying what is missing or
+wrong. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.errors import ModelLoadError
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}
+RANDOM_WEIGHTS_FILE = "random_weights.json"
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -52,6 +56,61 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from e
 
 
+def random_weights(arch: ModelArch, dtype: torch.dtype, device: str | torch.device,
+                   seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a Hugging Face checkpoint of `arch`, by its checkpoint name, drawn on
+    `device` from one seeded generator in a fixed order: the same tensors on every call with the
+    same arguments, so two processes (a prefill and a decode engine) or `transformers` hold the
+    very same weights. Scales as checkpoint.py's "peaked" presets (embedding 1, LM head
+    8/sqrt(hidden), linears 1.5/sqrt(fan-in), norms 1 +- 0.1): with near-uniform next-token
+    distributions, float rounding would flip greedy choices between two runs of one model."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, hd = arch.hidden_size, arch.head_dim
+
+    def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).normal_(mean, std, generator=g)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        return normal(out_features, in_features, std=1.5 / in_features ** 0.5)
+
+    head_std = 8.0 / h ** 0.5
+    yield "model.embed_tokens.weight", normal(arch.vocab_size, h, std=head_std if arch.tie_word_embeddings else 1.0)
+    for i in range(arch.num_layers):
+        pre = f"model.layers.{i}."
+        for proj, heads in (("q", arch.num_heads), ("k", arch.num_kv_heads), ("v", arch.num_kv_heads)):
+            yield pre + f"self_attn.{proj}_proj.weight", linear(heads * hd, h)
+            if arch.qkv_bias:
+                yield pre + f"self_attn.{proj}_proj.bias", normal(heads * hd, std=0.1)
+        yield pre + "self_attn.o_proj.weight", linear(h, arch.num_heads * hd)
+        inter = arch.intermediate_size
+        if arch.is_moe:
+            yield pre + "block_sparse_moe.gate.weight", normal(arch.num_experts, h, std=1.0 / h ** 0.5)
+            for e in range(arch.num_experts):
+                ex = pre + f"block_sparse_moe.experts.{e}."
+                yield ex + "w1.weight", linear(inter, h)
+                yield ex + "w3.weight", linear(inter, h)
+                yield ex + "w2.weight", linear(h, inter)
+        else:
+            yield pre + "mlp.gate_proj.weight", linear(inter, h)
+            yield pre + "mlp.up_proj.weight", linear(inter, h)
+            yield pre + "mlp.down_proj.weight", linear(h, inter)
+        yield pre + "input_layernorm.weight", normal(h, std=0.1, mean=1.0)
+        yield pre + "post_attention_layernorm.weight", normal(h, std=0.1, mean=1.0)
+    yield "model.norm.weight", normal(h, std=0.1, mean=1.0)
+    if not arch.tie_word_embeddings:
+        yield "lm_head.weight", normal(arch.vocab_size, h, std=head_std)
+
+
+def _random_weights_seed(path: Path) -> int:
+    try:
+        seed = json.loads(path.read_text())["seed"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: expected {{\"seed\": <int>}} ({e!r})") from e
+    if not isinstance(seed, int):
+        raise ModelLoadError(f"{path}: seed must be an integer, got {seed!r}")
+    return seed
+
+
 def round_weight_matrices(model: torch.nn.Module, dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
     """Round every weight matrix (linears, experts, embeddings; not norms or biases) to
     `weight_dtype`'s precision, kept in `dtype`. Only bf16 under fp32 is supported: every bf16
@@ -74,13 +133,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: not a directory; pass a local checkpoint directory")
     arch = ModelArch.from_dir(model_dir)
-    files = safetensors_files(model_dir)
     dtype = dtype or arch.dtype
-    model = MODEL_CLASSES[arch.family](arch, max_position or arch.context_len, parallel)
+    model_cls = MODEL_CLASSES[arch.family]
+    if (model_dir / RANDOM_WEIGHTS_FILE).is_file():
+        seed = _random_weights_seed(model_dir / RANDOM_WEIGHTS_FILE)
+        # Built on the device: the fp32 placeholders of an 8B model would take 32 GB of host memory
+        # (freed as each becomes `dtype`), and the weights drawn there never cross to the host.
+        with torch.device(device):
+            model = model_cls(arch, max_position or arch.context_len, parallel)
+        weights = random_weights(arch, dtype, device, seed)
+    else:
+        weights = iter_weights(safetensors_files(model_dir))
+        model = model_cls(arch, max_position or arch.context_len, parallel)
     for p in model.parameters():  # buffers (rotary tables) stay fp32
         p.data = p.data.to(dtype=dtype, device=device)
     model.to(device)
-    model.load_weights(iter_weights(files))
+    model.load_weights(weights)
     if weight_dtype not in (None, dtype):
         round_weight_matrices(model, dtype, weight_dtype)
     model.finalize(packed_dtype=weight_dtype or torch.float32)

@@ -42,20 +42,28 @@ def tables_for(lens, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_torch(device, kv_dtype):
+@pytest.mark.parametrize("partition_blocks", [None, 1, 2])  # one partition (the default here), or several
+def test_decode_attention_matches_torch(device, kv_dtype, partition_blocks):
     k_cache, v_cache = cache(device, kv_dtype)
-    lens = [1, 17, 33, 48]  # one token; mid-block ends; a full last block
+    lens = [1, 17, 33, 48, 80]  # one token; mid-block ends; full last blocks
     tables = tables_for(lens, device)
     seq_lens = torch.tensor(lens, device=device)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, device=device)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
-    got = tk.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    got = tk.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, partition_blocks)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_partitions_cover_any_table_width():
+    assert tk.decode_partition_blocks(1) == 32 and tk.decode_partition_blocks(32 * 32) == 32
+    assert tk.decode_partition_blocks(32 * 32 + 1) == 64  # 128k tokens of 16: 8,192 blocks in 32 partitions
+    assert -(-8192 // tk.decode_partition_blocks(8192)) == 32
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_varlen_batch_matches_torch(device, kv_dtype):
+@pytest.mark.parametrize("block_m", [16, 64])  # several query tiles per chunk, or one
+def test_prefill_attention_varlen_batch_matches_torch(device, kv_dtype, block_m):
     k_cache, v_cache = cache(device, kv_dtype)
     # (cached prefix, chunk): nothing cached; a prefix over several blocks ending mid-block; a
     # chunk of one token after a long prefix.
@@ -74,7 +82,8 @@ def test_prefill_attention_varlen_batch_matches_torch(device, kv_dtype):
                                                     context, 0.25))
         start += q_len
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=device)
-    got = tk.paged_prefill_attention(q, k_cache, v_cache, cu, torch.tensor(contexts, device=device), tables, 0.25)
+    got = tk.paged_prefill_attention(q, k_cache, v_cache, cu, torch.tensor(contexts, device=device), tables, 0.25,
+                                     block_m)
     torch.testing.assert_close(got, torch.cat(expected), atol=2e-5, rtol=2e-5)
 
 

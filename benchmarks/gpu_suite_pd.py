@@ -1,0 +1,377 @@
+"""gpu_suite.py's P/D section: a prefill engine and a decode engine in two processes on one device,
+each prompt's KV pulled from the one to the other as a disaggregated deployment pulls it, without
+Ray Serve (the GPU image has no Ray).
+
+The prefill process (`_prefill_process`) runs an `LLMEngine` on prefill-only requests and a
+`UCXExporter` over its cache; this process runs the decode `LLMEngine`, on the same weights (the
+same random_weights.json), and a `UCXImporter`. The prefill process prefills the prompts and
+leases their blocks; for each prompt the decode engine reserves blocks (`add_prefilled_request`)
+and pulls into them by each path, each pull timed and its bytes checked against the exporter's
+(SHA-256 of the blocks on both sides):
+- CUDA IPC: the prefill process gathers the blocks into one buffer and shares it through
+  `torch.multiprocessing` (an IPC handle on a GPU, shared memory on a CPU); this process copies
+  it into its blocks;
+- UCX (CUDA transports on a GPU, TCP on a CPU), when a UCX check in a process of its own passed
+  and ucxx starts: the pull the decode then runs on. The decode engine's pool is fresh, so each
+  prompt's blocks are one run and UCX receives in place; at the end one prompt is pulled again
+  into every other block of the pool, through the importer's staging buffer.
+A path that fails is recorded (and shown as a failed row) and the others go on. The decode engine
+then decodes the prompts together, and afterwards generates them itself (colocated: prefilled and
+decoded in one engine), the reference the disaggregated greedy tokens must match.
+
+In: the engines' EngineConfig fields, the prompts, the output length. Out: figures and rows on
+the suite's report (pull bytes/s against the copy bandwidth, checksums, token agreement).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+PULL_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 300.0  # the prefill process imports torch, builds its engine (CUDA graphs too), prefills
+
+# UCX started and one tensor sent over it on the engines' device, in a process of its own: a UCX
+# that cannot start on this machine, or crashes starting, then costs the UCX figures only.
+_UCX_CHECK = """
+import asyncio, os, sys, torch
+from pdserve.kvtransfer.ucx_backend import _buffer, ucx_loop  # what the transfers send and receive
+device = sys.argv[1]
+src = torch.arange(1 << 20, device=device).to(torch.bfloat16)  # the device's context before UCX's
+dst = torch.zeros_like(src)
+import ucxx
+
+async def main():
+    received = asyncio.Event()
+
+    async def handler(ep):
+        await ep.recv(_buffer(dst))
+        received.set()
+        await ep.close()
+
+    listener = ucxx.create_listener(handler, port=0)
+    ep = await ucxx.create_endpoint("127.0.0.1", listener.port)
+    await ep.send(_buffer(src))
+    await asyncio.wait_for(received.wait(), 20)
+    listener.close()
+
+ucx_loop().run(main(), 60)
+assert torch.equal(src, dst), "UCX delivered other bytes"
+print("ucx", ucxx.get_ucx_version(), "ok on", device, flush=True)
+os._exit(0)  # not waiting on UCX's threads to end
+"""
+
+
+def _layout(kv: torch.Tensor, model_id: str):
+    """The KV layout of a one-rank engine's cache `[layers, 2, blocks, block_size, heads, head_dim]`."""
+    from pdserve.kvtransfer.protocol import KVLayout
+
+    layers, _, _, block_size, heads, head_dim = kv.shape
+    return KVLayout(model_id, layers, block_size, heads, head_dim, str(kv.dtype).removeprefix("torch."))
+
+
+def _digest(kv: torch.Tensor, block_ids: list[int]) -> str:
+    """SHA-256 of the blocks' bytes, in the transfer layout `[layers, 2, n, block_size, heads, head_dim]`."""
+    from pdserve.kvtransfer.blocks import gather_blocks
+
+    blocks = gather_blocks(kv, block_ids).cpu().contiguous()
+    return hashlib.sha256(blocks.view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _sync(kv: torch.Tensor) -> None:
+    if kv.is_cuda:
+        torch.cuda.synchronize(kv.device)
+
+
+def ucx_check(device: str) -> str | None:
+    """None when UCX moves a tensor on `device`, else what went wrong."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _UCX_CHECK, device], check=False, capture_output=True,
+                              text=True, timeout=120, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return "the UCX check did not finish in 120 s"
+    if done.returncode != 0:
+        return f"the UCX check exited with {done.returncode}: {(done.stderr or done.stdout)[-1500:]}"
+    return None
+
+
+def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
+    """The prefill side: ("prefill", prompts, max_tokens) -> [(request id, first output, UCX handle
+    or None, digest)]; ("gather", request id) -> its blocks in one shared buffer (or what failed),
+    kept until ("release", request id), which also ends the lease; ("stop",) ends the process."""
+    try:
+        from pdserve.config import EngineConfig
+        from pdserve.engine.engine import LLMEngine
+        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.kvtransfer.blocks import gather_blocks
+
+        engine = LLMEngine(EngineConfig(**options))
+        kv, pool = engine.kv_cache.kv, engine.block_pool
+        exporter, ucx_error = None, None
+        try:
+            if use_ucx:
+                from pdserve.kvtransfer.ucx_backend import UCXExporter
+
+                # shared_memory off: on a CPU the blocks would otherwise skip UCX (copied out of
+                # this cache by the importer); on a GPU the cache is not in shared memory anyway.
+                exporter = UCXExporter("prefill-0", kv, _layout(kv, "gpu-suite"), pool.incref, pool.free,
+                                       lease_s=600.0, host="127.0.0.1", shared_memory=False)
+        except Exception as e:  # noqa: BLE001 - CUDA IPC still runs; the report names UCX's failure
+            ucx_error = repr(e)
+        replies.put(("ready", exporter.address if exporter else None, ucx_error))
+        held: dict[str, list[int]] = {}
+        shared: dict[str, torch.Tensor] = {}  # buffers the decode process maps, alive until released
+        while True:
+            cmd = commands.get()
+            if cmd[0] == "prefill":
+                _, prompts, max_tokens = cmd
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                ids = [f"pd-{i}" for i in range(len(prompts))]
+                for rid, prompt in zip(ids, prompts):
+                    engine.add_request(rid, prompt, params, prefill_only=True)
+                firsts = {}
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        firsts[out.request_id] = out
+                results = []
+                for rid in ids:
+                    first = firsts[rid]
+                    held[rid] = first.kv_block_ids
+                    handle = None
+                    if exporter is not None:
+                        handle = exporter.export(rid, first.kv_block_ids, first.num_prompt_tokens).to_dict()
+                        engine.release_kv(rid)  # the lease holds the blocks now
+                    results.append((rid, first, handle, _digest(kv, first.kv_block_ids)))
+                replies.put(("prefilled", results))
+            elif cmd[0] == "gather":
+                rid = cmd[1]
+                try:
+                    shared[rid] = gather_blocks(kv, held[rid])
+                    _sync(kv)
+                    replies.put(("blocks", shared[rid]))
+                except Exception as e:  # noqa: BLE001 - this path fails alone; UCX may still run
+                    replies.put(("blocks", repr(e)))
+            elif cmd[0] == "release":
+                rid = cmd[1]
+                shared.pop(rid, None)
+                held.pop(rid)
+                if exporter is not None:
+                    exporter.ack(rid)
+                else:
+                    engine.release_kv(rid)
+                replies.put(("released", rid))
+            else:
+                if exporter is not None:
+                    exporter.close()
+                os._exit(0)  # not waiting on UCX's threads, which can keep an interpreter from ending
+    except BaseException:  # the decode side reports it
+        replies.put(("error", traceback.format_exc()))
+        raise
+
+
+def _reply(replies, child, kind: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            msg = replies.get(timeout=1.0)
+        except queue.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the prefill process exited ({child.exitcode}) before answering {kind!r}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {kind!r} from the prefill process within {timeout_s:.0f} s") from None
+            continue
+        if msg[0] == "error":
+            raise RuntimeError(f"the prefill process failed:\n{msg[1]}")
+        if msg[0] != kind:
+            raise RuntimeError(f"expected {kind!r} from the prefill process, got {msg[0]!r}")
+        return msg[1:]
+
+
+def _decode_all(engine, tokens: dict[str, list[int]]) -> None:
+    """Step until every request is done, appending each one's tokens."""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+
+
+def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -> None:
+    import torch.multiprocessing as tmp
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    ucx_error = ucx_check(options["device"])
+    log(f"pd: UCX check: {ucx_error or 'ok'}")
+    ctx = tmp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_prefill_process, args=(options, ucx_error is None, commands, replies),
+                        name="gpu-suite-prefill", daemon=True)
+    child.start()
+    importer = None
+    try:
+        engine = LLMEngine(EngineConfig(**options))  # while the prefill process builds its own
+        kv = engine.kv_cache.kv
+        address, exporter_error = _reply(replies, child, "ready", START_TIMEOUT_S)
+        ucx_error = ucx_error or exporter_error
+        if address is not None:
+            try:
+                from pdserve.kvtransfer.ucx_backend import UCXImporter
+
+                importer = UCXImporter(kv, _layout(kv, "gpu-suite"))
+            except Exception as e:  # noqa: BLE001 - as in the prefill process
+                ucx_error = repr(e)
+        rep.figures("pd", model_layers=kv.shape[0], prompts=len(prompts), prompt_tokens=len(prompts[0]),
+                    output_tokens=output_tokens, ucx=importer is not None, ucx_error=ucx_error)
+        log(f"pd: engines ready; UCX {'on' if importer is not None else f'unavailable ({ucx_error})'}")
+        pulls = _Pulls(kv, commands, replies, child, importer, log)
+        if importer is None:
+            pulls.errors["ucx"] = pulls.errors["ucx_scattered"] = ucx_error
+
+        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        commands.put(("prefill", prompts, output_tokens))
+        (results,) = _reply(replies, child, "prefilled", START_TIMEOUT_S)
+        # Disaggregated first, while the decode engine's pool is fresh: each prompt's blocks are
+        # one run there, as on the prefill side, so UCX receives in place (the common case); the
+        # scattered case (staging) follows at the end.
+        disaggregated = {}
+        for (rid, first, handle, digest), prompt in zip(results, prompts):
+            num_local, dst = engine.add_prefilled_request(rid, prompt, params, first)
+            if not dst:
+                raise RuntimeError(f"the decode engine has no free blocks for {rid}")
+            # UCX last, so that the decode runs on its bytes.
+            is_ipc = pulls.pull("cuda_ipc", rid, handle, dst, num_local, digest)
+            is_ucx_tried = "ucx" not in pulls.errors
+            is_ucx = is_ucx_tried and pulls.pull("ucx", rid, handle, dst, num_local, digest)
+            if is_ucx_tried and not is_ucx and is_ipc:  # it zeroed `dst` and may have written part of it
+                is_ipc = pulls.pull("cuda_ipc", rid, handle, dst, num_local, digest)
+            if not (is_ipc or is_ucx):
+                raise RuntimeError(f"no pull of {rid} succeeded: {pulls.errors}")
+            if rid != results[-1][0]:  # the last lease stays, for the scattered pull
+                pulls.release(rid)
+            engine.start_prefilled_request(rid)
+            disaggregated[rid] = list(first.new_token_ids)
+        _decode_all(engine, disaggregated)
+
+        colocated = {f"co-{i}": [] for i in range(len(prompts))}
+        for rid, prompt in zip(colocated, prompts):
+            engine.add_request(rid, prompt, params)
+        _decode_all(engine, colocated)
+
+        rid, first, handle, digest = results[-1]
+        if "ucx_scattered" not in pulls.errors:
+            # Every other block of the (now idle) pool: blocks that are no run, received through a
+            # staging buffer and scattered, as a decode replica's blocks are once it has run a while.
+            pool = engine.block_pool
+            taken = pool.allocate(2 * len(first.kv_block_ids))
+            try:
+                pulls.pull("ucx_scattered", rid, handle, sorted(taken)[::2], 0, digest)
+            finally:
+                pool.free(taken)
+        pulls.release(rid)
+        pulls.report(rep, disaggregated, colocated, output_tokens)
+    finally:
+        if importer is not None:
+            importer.close()
+        if child.is_alive():
+            commands.put(("stop",))
+            child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+class _Pulls:
+    """The decode side's pulls, by path: each timed, its bytes checked against the exporter's. A
+    path that fails once is recorded and not tried again."""
+
+    NAMES = {"cuda_ipc": "CUDA IPC (torch.multiprocessing)", "ucx": "UCX, blocks in one run (in place)",
+             "ucx_scattered": "UCX, scattered blocks (staging buffer)"}
+
+    def __init__(self, kv: torch.Tensor, commands, replies, child, importer, log):
+        self.kv, self.commands, self.replies, self.child, self.importer, self.log = \
+            kv, commands, replies, child, importer, log
+        self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        self.timed: dict[str, list[tuple[float, int]]] = {p: [] for p in self.NAMES}  # [(seconds, bytes)]
+        self.checks: dict[str, list[bool]] = {p: [] for p in self.NAMES}  # pulled bytes equal the exporter's
+        self.errors: dict[str, str | None] = {}  # path -> why it is not tried (again)
+        if not kv.is_cuda:
+            self.NAMES = {**self.NAMES, "cuda_ipc": "torch.multiprocessing shared memory (CPU stand-in for CUDA IPC)"}
+
+    def pull(self, path: str, rid: str, handle: dict | None, dst: list[int], num_local: int, digest: str) -> bool:
+        """One timed, checked pull into `dst`; False (and the path recorded as failed) on an error."""
+        from pdserve.kvtransfer.blocks import scatter_blocks
+        from pdserve.kvtransfer.protocol import KVHandle
+
+        if path in self.errors:
+            return False
+        kv = self.kv
+        kv.index_fill_(2, torch.tensor(dst, device=kv.device), 0)  # a pull that writes nothing fails its check
+        _sync(kv)
+        t = time.perf_counter()
+        try:
+            if path == "cuda_ipc":
+                self.commands.put(("gather", rid))
+                (buf,) = _reply(self.replies, self.child, "blocks", PULL_TIMEOUT_S)
+                if isinstance(buf, str):
+                    raise RuntimeError(f"the prefill process could not share the blocks: {buf}")
+                scatter_blocks(kv, dst, buf)
+                del buf
+            else:
+                self.importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, num_local, ack=False)
+            _sync(kv)
+        except Exception as e:  # noqa: BLE001 - the other paths still run
+            self.log(f"pd: {path} pull of {rid} failed: {e!r}")
+            self.errors[path] = repr(e)[:1000]
+            return False
+        self.timed[path].append((time.perf_counter() - t, len(dst) * self.block_bytes))
+        self.checks[path].append(_digest(kv, dst) == digest)
+        return True
+
+    def release(self, rid: str) -> None:
+        """The prefill process drops the blocks' lease (or hold) and the buffer it shared."""
+        self.commands.put(("release", rid))
+        _reply(self.replies, self.child, "released", PULL_TIMEOUT_S)
+
+    def report(self, rep, disaggregated: dict, colocated: dict, output_tokens: int) -> None:
+        copy_bw = rep.limits.get("copy_bytes_per_s", 0)
+        for path, timed in self.timed.items():
+            metric = f"KV pull over {self.NAMES[path]}, prefill process -> decode process, bytes read + written"
+            if not timed:
+                if self.errors.get(path):  # tried and failed: a row, so that the table shows it
+                    rep.row("pd", metric, 0.0, "GB/s", copy_bw / 1e9, "copy bandwidth", 0.5,
+                            note=f"FAILED: {self.errors[path][:300]}")
+                continue
+            # The first pull opens the connection and maps the other process's memory: left out
+            # of the rate when there are others.
+            steady = timed[1:] or timed
+            seconds, nbytes = sum(s for s, _ in steady), sum(b for _, b in steady)
+            rep.figures("pd", **{f"{path}_pull_ms": [s * 1e3 for s, _ in timed], f"{path}_pull_bytes": timed[0][1],
+                                 f"{path}_kv_bytes_per_s": nbytes / seconds})
+            rep.row("pd", metric, 2 * nbytes / seconds / 1e9, "GB/s", copy_bw / 1e9, "copy bandwidth", 0.5,
+                    note=f"{nbytes / seconds / 1e9:.3g} GB/s of KV; {len(timed)} pulls of "
+                         f"{timed[0][1] / 2**20:.3g} MiB, median {statistics.median(s for s, _ in timed) * 1e3:.2f} ms")
+        checked = [c for cs in self.checks.values() for c in cs]
+        if not self.timed["ucx"]:
+            decoded_from = "cuda_ipc"
+        else:  # UCX's bytes, unless UCX failed on a later prompt: from there on, IPC's
+            decoded_from = "ucx" if "ucx" not in self.errors else "ucx_then_cuda_ipc"
+        rep.figures("pd", checksums_equal={p: c for p, c in self.checks.items() if c}, pull_errors=self.errors,
+                    decoded_from=decoded_from)
+        rep.row("pd", "pulled KV bytes equal the exporter's (SHA-256), all pulls", sum(checked) / len(checked),
+                "of pulls", 1.0, "all", 1.0,
+                note=", ".join(f"{self.NAMES[p]} {sum(c)}/{len(c)}" for p, c in self.checks.items() if c))
+        pairs = [(a, b) for dis, co in zip(disaggregated.values(), colocated.values()) for a, b in zip(dis, co)]
+        lengths_ok = all(len(d) == output_tokens for d in disaggregated.values())
+        agree = sum(a == b for a, b in pairs) / (len(colocated) * output_tokens) if lengths_ok else 0.0
+        rep.figures("pd", tokens_agree=agree, disaggregated_lengths_ok=lengths_ok)
+        rep.row("pd", f"greedy tokens, disaggregated = colocated ({len(colocated)} x {output_tokens} positions)",
+                agree, "of positions", 1.0, "all", 0.99,
+                note=f"decoded on the {self.NAMES.get(decoded_from, 'UCX, then (after it failed) IPC')} pull")

@@ -1,0 +1,94 @@
+"""benchmarks/gpu_suite.py --dry-run: the GPU suite's code at tiny shapes on the CPU, so that it
+cannot rot between GPU lends (issue #47). Every section runs and reports finite figures; the
+engine and `transformers` hold the same weights; the P/D section's pulls carry the exporter's
+bytes, over UCX (TCP here) and the IPC stand-in, and its greedy tokens equal the colocated ones;
+without UCX the P/D section still runs, on the IPC path alone."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ucxx")
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
+SECTIONS = {"machine", "attention", "dense", "moe", "pd"}
+
+pytestmark = pytest.mark.slow
+
+
+def _run(out: Path, *args: str, **env: str) -> dict:
+    done = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), *args], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, **env})
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert (out / "gpu_suite.md").read_text().count("\n| ") >= 2
+    return json.loads((out / "gpu_suite.json").read_text())
+
+
+def _numbers(value):
+    """Every number in a JSON value."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _numbers(v)
+
+
+def _row(report: dict, section: str, starts: str) -> dict:
+    rows = [r for r in report["rows"] if r["section"] == section and r["metric"].startswith(starts)]
+    assert len(rows) == 1, f"{starts!r}: {rows}"
+    return rows[0]
+
+
+def test_every_section_reports_finite_figures(tmp_path):
+    report = _run(tmp_path)
+    assert report["dry_run"] is True
+    assert {"torch", "cuda", "driver", "device_name"} <= set(report["env"])
+    assert {name: s["status"] for name, s in report["sections"].items()} == {name: "ok" for name in SECTIONS}
+    assert {r["section"] for r in report["rows"]} == SECTIONS
+    for name, s in report["sections"].items():
+        assert s["figures"], name
+        assert all(math.isfinite(x) for x in _numbers(s["figures"])), name
+    for r in report["rows"]:
+        assert all(math.isfinite(x) for x in _numbers(r)), r
+        assert r["value"] > 0, r  # nothing failed
+        if r["section"] != "machine":  # the machine's rows are the others' limits, measured in the same run
+            assert r["limit"] and r["ratio"] > 0, r
+
+    dense = report["sections"]["dense"]["figures"]
+    for b in report["shapes"]["throughput_batches"]:
+        assert _row(report, "dense", f"8B-shaped output throughput, batch {b},")["limit_name"] == "transformers generate"
+        assert dense[f"batch{b}_tokens_equal_transformers"] == 1.0  # fp32 on a CPU: the same weights, the same tokens
+
+    pd = report["sections"]["pd"]["figures"]
+    assert pd["ucx"] is True and pd["decoded_from"] == "ucx" and not pd["pull_errors"]
+    for path in ("UCX, blocks in one run", "UCX, scattered blocks", "torch.multiprocessing"):
+        assert _row(report, "pd", f"KV pull over {path}")["value"] > 0
+    assert set(pd["checksums_equal"]) == {"ucx", "ucx_scattered", "cuda_ipc"}
+    assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
+    assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0
+
+
+def test_pd_without_ucx_pulls_over_ipc(tmp_path):
+    report = _run(tmp_path, "--sections", "pd", UCX_TLS="no-such-transport")
+    pd = report["sections"]["pd"]
+    assert pd["status"] == "ok"
+    assert pd["figures"]["ucx"] is False and "UCX check" in pd["figures"]["ucx_error"]
+    assert pd["figures"]["decoded_from"] == "cuda_ipc"
+    for path in ("UCX, blocks in one run", "UCX, scattered blocks"):  # shown as failed, with the reason
+        row = _row(report, "pd", f"KV pull over {path}")
+        assert row["value"] == 0 and row["note"].startswith("FAILED: the UCX check")
+    assert _row(report, "pd", "KV pull over torch.multiprocessing")["value"] > 0
+    assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
+    assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0
