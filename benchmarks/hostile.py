@@ -1,0 +1,157 @@
+"""What the heaviest requests the gateway takes cost a stream beside them (#39).
+
+    python benchmarks/hostile.py              # 3 rounds each way (~3 minutes on 2 cores)
+    python benchmarks/hostile.py --rounds 1
+
+The disaggregated app (tiny-llama, prefill and decode replicas one core each, HAProxy ingress as
+`pdserve serve` starts it) streams one long greedy completion over HTTP; every chunk's arrival is
+timed. After the first `--before` chunks, three clients send, in parallel and `--repeats` times
+each, the heaviest requests the gateway's default bounds let in: a text prompt just under the
+4 MiB body limit (refused by the character bound), 16,000 prompts in one request (refused by the
+count), and a request with the most stop strings allowed (16 of 512 characters, served). The
+figure: the stream's largest inter-chunk gap while they run against its p99 gap before they
+started, in the same stream (target: at most 2x). Control rounds run the same stream with no
+heavy requests, alternating with the measured ones, so the ratio a quiet stream shows is beside
+it. Prints a markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import requests
+
+from machine import machine_line  # this folder's scripts run with it on sys.path
+
+
+HEAVY = ("4mib", "prompts", "stops")
+
+
+def _heavy(model: str, which: tuple[str, ...] = HEAVY) -> list[dict]:
+    bodies = {"4mib": {"model": model, "prompt": "x" * ((4 << 20) - 200), "max_tokens": 2},
+              "prompts": {"model": model, "prompt": [[5]] * 16_000, "max_tokens": 2},
+              "stops": {"model": model, "prompt": "hello", "max_tokens": 8, "stop": ["\u00e9" * 512] * 16}}
+    return [bodies[w] for w in which]
+
+
+def _p99(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else 0.0)
+
+
+def _send(url: str, data: bytes, repeats: int, statuses, go) -> None:
+    """A heavy client, in a process of its own (started before the stream, waiting for `go`):
+    this process's GIL and its fork are then no part of what the stream's gaps show."""
+    go.wait()
+    for _ in range(repeats):
+        statuses.append(requests.post(url, data=data, timeout=120, headers={"Content-Type": "application/json"})
+                        .status_code)
+
+
+def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: int, heavy: bool,
+                 control_window_s: float = 0.0, which: tuple[str, ...] = HEAVY) -> dict:
+    """One stream; with `heavy`, the heavy requests from its `before`-th chunk on, the window
+    lasting until they are all answered; without, a window of `control_window_s` there."""
+    arrivals: list[float] = []
+    window: dict[str, float] = {}
+    ctx = mp.get_context("fork")
+    statuses, go = ctx.Manager().list(), ctx.Event()
+    senders = [ctx.Process(target=_send, args=(f"{base}/v1/completions", json.dumps(body).encode(), repeats, statuses,
+                                               go)) for body in _heavy(model, which)] if heavy else []
+    for t in senders:
+        t.start()
+    body = {"model": model, "prompt": "The lighthouse keeper", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"the stream was refused: {r.status_code} {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            arrivals.append(time.perf_counter())
+            if len(arrivals) == before:
+                window["start"] = arrivals[-1]
+                go.set()
+            if "start" in window and "end" not in window and (
+                    not any(t.is_alive() for t in senders) if heavy else arrivals[-1] - window["start"] >= control_window_s):
+                window["end"] = arrivals[-1]
+    for t in senders:
+        t.join()
+    if "start" not in window:
+        raise RuntimeError(f"the stream ended after {len(arrivals)} chunks, before chunk {before}")
+    window.setdefault("end", arrivals[-1])
+    gaps = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:])]
+    # Before: from chunk 10 (past the first steps' warm-up) to the start of the window.
+    before_gaps = gaps[min(10, before // 2):before - 1] or gaps[:1]
+    during = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]) if window["start"] <= a < window["end"]]
+    return {"heavy": heavy, "chunks": len(arrivals),
+            "window_ms": (window["end"] - window["start"]) * 1e3, "statuses": sorted(statuses),
+            "p99_gap_before_ms": _p99(before_gaps), "max_gap_before_ms": max(before_gaps),
+            "p99_gap_during_ms": _p99(during) if during else None, "max_gap_during_ms": max(during) if during else None,
+            "ratio": (max(during) / _p99(before_gaps)) if during else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds (and as many control rounds)")
+    ap.add_argument("--max-tokens", type=int, default=600, help="the stream's length")
+    ap.add_argument("--before", type=int, default=200, help="chunks before the heavy requests start")
+    ap.add_argument("--repeats", type=int, default=3, help="times each heavy request is sent")
+    ap.add_argument("--heavy", default=",".join(HEAVY), help="which heavy requests, comma-separated (default: all; "
+                                                             "one alone shows what it costs)")
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from pdserve.app import build, resolve_model
+    from pdserve.config import ServeConfig
+    from pdserve.launch import ray_env
+
+    one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
+    config = resolve_model(ServeConfig(name="hostile", prefill=one_core, decode=one_core, transfer={"host": "127.0.0.1"}))
+    for name, value in ray_env(config, None).items():  # as `pdserve serve` starts Ray
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    rows = []
+    try:
+        serve.run(build(config), name=config.name, route_prefix="/")
+        base, model = f"http://127.0.0.1:{port}", config.served_model_name
+        stream_round(base, model, 64, 5, 0, heavy=False)  # warm-up
+        for r in range(args.rounds):  # each measured round, then a control round over as long a window
+            measured = stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True,
+                                    which=tuple(args.heavy.split(",")))
+            control = stream_round(base, model, args.max_tokens, args.before, 0, heavy=False,
+                                   control_window_s=measured["window_ms"] / 1e3)
+            for row in (measured, control):
+                rows.append({"round": r + 1, **row})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"\n{machine_line()}\n`python benchmarks/hostile.py --rounds {args.rounds} --repeats {args.repeats}`\n")
+    print("| round | heavy requests | answers | p99 gap before (ms) | max gap before (ms) | window (ms) "
+          "| p99 gap during (ms) | max gap during (ms) | max during / p99 before |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['round']} | {'yes' if row['heavy'] else 'no (control)'} | "
+              f"{','.join(map(str, row['statuses'])) or '-'} | {row['p99_gap_before_ms']:.1f} | "
+              f"{row['max_gap_before_ms']:.1f} | {row['window_ms']:.0f} | {row['p99_gap_during_ms'] or 0:.1f} | "
+              f"{row['max_gap_during_ms'] or 0:.1f} | {row['ratio'] or 0:.2f} |")
+    print(json.dumps({"benchmark": "hostile", "machine": machine_line(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
