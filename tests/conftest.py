@@ -6,9 +6,14 @@ import os
 import socket
 
 import pytest
+import torch
 
 # Keep the suite's torch to the cores CI has and make runs repeatable.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its interpreter; the mode is read when Triton is imported
+# (its own library's jit functions are made then), so it is set here, before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mixtral")
 

@@ -63,7 +63,9 @@ def _kernels() -> SimpleNamespace:
         g_ok = g < GROUP
         seq_len = tl.load(lens_ptr + seq)
         first = part * PARTITION_BLOCKS
-        end = tl.minimum(first + PARTITION_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))  # this partition's blocks
+        # This partition's blocks. (No tl.cdiv: a Triton imported before TRITON_INTERPRET was set
+        # cannot run its library's jit functions in the interpreter.)
+        end = tl.minimum(first + PARTITION_BLOCKS, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -135,7 +137,7 @@ def _kernels() -> SimpleNamespace:
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)  # causal: no key past it
-        num_blocks = tl.cdiv(last, BLOCK_SIZE)
+        num_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
         for tile_start in range(0, num_blocks, TILE_BLOCKS):
             b = tile_start + t // BLOCK_SIZE
             block = tl.load(tables_ptr + seq * stride_tb + b, mask=b < num_blocks, other=0)
