@@ -1,6 +1,12 @@
 """The output connection's wire format and the items an engine replica's call yields about it
 (see `pdserve.output`): length-prefixed msgpack frames, `encode_output` / `decode_output` for a
 `RequestOutput`, `ChannelOffer`, `ChannelDone`. Pure: no sockets beyond reading one frame.
+
+Every read is bounded before anything is unpacked: the length prefix is checked against the
+reader's limit (a hello may be at most `HELLO_MAX_BYTES`, an output frame `MAX_FRAME_BYTES`)
+and msgpack unpacks with limits no larger than the frame itself. A frame holds whole entries:
+`[request_id, output]`, or `[request_id, {"error": message}]` for a request whose output could not
+travel (larger than a frame): that request alone fails.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import msgpack
 
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 
-VERSION = 1
+VERSION = 2  # 2: the hello carries the replica's secret; error entries
 _LEN = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
+# The hello, {"v", "gateway", "conn", "secret"}, is about 100 bytes; anything larger is refused unread.
+HELLO_MAX_BYTES = 512
 
 
 class OutputChannelError(Exception):
@@ -24,9 +32,11 @@ class OutputChannelError(Exception):
 
 @dataclass(frozen=True)
 class ChannelOffer:
-    """First item of a call whose gateway has no connection to this replica yet: where to connect."""
+    """First item of a call whose gateway has no connection to this replica yet: where to connect,
+    and the replica's secret for the hello (it travels only inside Ray calls)."""
     host: str
     port: int
+    secret: str
 
 
 @dataclass(frozen=True)
@@ -65,8 +75,35 @@ def frame(payload) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader):
+def pack_entry(request_id: str, out: RequestOutput) -> bytes:
+    """One output as a frame entry, packed: a frame is `entries_frame` of such entries."""
+    return msgpack.packb([request_id, encode_output(out)], use_bin_type=True)
+
+
+def pack_error_entry(request_id: str, message: str) -> bytes:
+    return msgpack.packb([request_id, {"error": message}], use_bin_type=True)
+
+
+def entries_frame(entries: list[bytes]) -> bytes:
+    """`[VERSION, [entry, ...]]` from packed entries, without unpacking them again."""
+    packer = msgpack.Packer(use_bin_type=True)
+    body = packer.pack_array_header(2) + packer.pack(VERSION) + packer.pack_array_header(len(entries)) + b"".join(entries)
+    return _LEN.pack(len(body)) + body
+
+
+# A frame's header (length prefix, the two arrays' headers, the version) is under this.
+FRAME_OVERHEAD_BYTES = 16
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES):
+    """One frame, refused unread when its length prefix says more than `max_bytes`; unpacked with
+    msgpack's limits at the frame's own size (no string, array or map longer than the frame)."""
     (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if n > MAX_FRAME_BYTES:
-        raise OutputChannelError(f"frame of {n} bytes over the {MAX_FRAME_BYTES}-byte limit")
-    return msgpack.unpackb(await reader.readexactly(n), raw=False)
+    if n > max_bytes:
+        raise OutputChannelError(f"frame of {n} bytes over the {max_bytes}-byte limit")
+    data = await reader.readexactly(n)
+    try:
+        return msgpack.unpackb(data, raw=False, max_str_len=n, max_bin_len=n,
+                               max_array_len=n, max_map_len=n, max_ext_len=0, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise OutputChannelError(f"a malformed frame ({e})") from None

@@ -13,10 +13,19 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.engine.outputs import RequestOutput
+from pdserve.errors import InvalidRequestError
 from pdserve.output.frames import (VERSION, ChannelDone, ChannelOffer, OutputChannelError, decode_output, frame,
                                    read_frame)
 
 log = logging.getLogger(__name__)
+
+
+class OutputTooLargeError(InvalidRequestError):
+    """The replica could not send one of the request's outputs: larger than a frame (what makes
+    one that large is a long echoed prompt with many logprobs)."""
+
+    def __init__(self, message: str, param: str | None = "logprobs"):
+        super().__init__(message, param)
 
 RETRY_CONNECT_S = 30.0  # an address the gateway could not reach is tried again after this long
 CONNECT_TIMEOUT_S = 10.0  # meanwhile that replica's outputs keep coming on the calls themselves
@@ -55,6 +64,7 @@ class Pending:
 class _Connection:
     conn_id: int
     address: tuple[str, int]
+    secret: str
     pending: set = field(default_factory=set)
     is_open: bool = True
     task: asyncio.Task | None = None
@@ -92,7 +102,7 @@ class OutputChannels:
         address = (offer.host, offer.port)
         if address in self._by_address or time.monotonic() - self._failed_at.get(address, -1e9) < RETRY_CONNECT_S:
             return
-        conn = _Connection(next(self._conn_ids), address)
+        conn = _Connection(next(self._conn_ids), address, offer.secret)
         self._by_address[address] = self._by_id[conn.conn_id] = conn
         conn.task = asyncio.ensure_future(self._run(conn))
 
@@ -114,7 +124,7 @@ class OutputChannels:
         error: BaseException = OutputChannelError(f"the output connection to {conn.address} closed")
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*conn.address), CONNECT_TIMEOUT_S)
-            writer.write(frame({"v": VERSION, "gateway": self.gateway_id, "conn": conn.conn_id}))
+            writer.write(frame({"v": VERSION, "gateway": self.gateway_id, "conn": conn.conn_id, "secret": conn.secret}))
             while True:
                 version, batch = await read_frame(reader)
                 if version != VERSION:
@@ -126,7 +136,10 @@ class OutputChannels:
                     if p.conn is None:
                         p.conn = conn
                         conn.pending.add(p)
-                    p.deliver(decode_output(request_id, out))
+                    if isinstance(out, dict):  # this request's output could not travel: it alone fails
+                        p.fail(OutputTooLargeError(str(out.get("error"))[:300]))
+                    else:
+                        p.deliver(decode_output(request_id, out))
         except asyncio.IncompleteReadError:
             pass
         except (OSError, OutputChannelError, ValueError, asyncio.TimeoutError) as e:

@@ -20,7 +20,7 @@ ALLOWED = {
     "config": set(),
     "engine": {"config", "errors"},  # the model runtime: nothing of serving
     "kvtransfer": {"engine", "errors"},
-    "output": {"engine"},
+    "output": {"engine", "errors"},
     "telemetry": {"config"},
     "bench": set(),
     "protocol": {"engine", "kvtransfer"},

@@ -140,11 +140,11 @@ def test_an_unreachable_replica_is_not_retried_at_once():
         with socket.socket() as s:  # a port nobody listens on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        channels.offer(ChannelOffer("127.0.0.1", port))
+        channels.offer(ChannelOffer("127.0.0.1", port, "s"))
         assert channels.num_connections == 1  # connecting
         while channels.num_connections:
             await asyncio.sleep(0.01)
-        channels.offer(ChannelOffer("127.0.0.1", port))  # refused a moment ago: requests stay on their calls
+        channels.offer(ChannelOffer("127.0.0.1", port, "s"))  # refused a moment ago: requests stay on their calls
         assert channels.num_connections == 0
 
     asyncio.run(main())
