@@ -129,6 +129,7 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
         replies.put(("ready", exporter.address if exporter else None, ucx_error))
         held: dict[str, list[int]] = {}
         shared: dict[str, torch.Tensor] = {}  # buffers the decode process maps, alive until released
+        tokens: dict[str, str] = {}  # each lease's token, for its release
         while True:
             cmd = commands.get()
             if cmd[0] == "prefill":
@@ -148,6 +149,7 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
                     handle = None
                     if exporter is not None:
                         handle = exporter.export(rid, first.kv_block_ids, first.num_prompt_tokens).to_dict()
+                        tokens[rid] = handle["lease_token"]
                         engine.release_kv(rid)  # the lease holds the blocks now
                     results.append((rid, first, handle, _digest(kv, first.kv_block_ids)))
                 replies.put(("prefilled", results))
@@ -164,7 +166,7 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
                 shared.pop(rid, None)
                 held.pop(rid)
                 if exporter is not None:
-                    exporter.ack(rid)
+                    exporter.ack(rid, tokens.pop(rid))
                 else:
                     engine.release_kv(rid)
                 replies.put(("released", rid))

@@ -54,17 +54,18 @@ class KVExporter:
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> p.KVHandle:
         """Pin a finished prefill's blocks under a lease and describe them for the importer."""
-        self.leases.add(request_id, block_ids)
+        lease = self.leases.add(request_id, block_ids)
         return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
-                          time.time() + self.leases.lease_s, self.cache_region)
+                          lease.token, time.time() + self.leases.lease_s, self.cache_region)
 
-    def open_read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> "BlockRead":
+    def open_read(self, request_id: str, token: str, importer: p.KVLayout, first_block: int = 0) -> "BlockRead":
         """A read of the leased blocks from `first_block` on (the importer caches the ones before),
-        only the importer's heads. It holds the blocks until its `close`, ack or expiry notwithstanding."""
+        only the importer's heads. It holds the blocks until its `close`, ack or expiry notwithstanding.
+        Without the lease's token it is as if there were no lease."""
         heads = p.head_slice(self.layout, importer)
-        lease = self.leases.hold(request_id)
+        lease = self.leases.hold(request_id, token)
         if lease is None:
-            if self.leases.was_expired(request_id):
+            if self.leases.was_expired(request_id, token):
                 raise p.LeaseExpiredError(f"the KV lease for request {request_id!r} expired before it was pulled")
             raise p.UnknownRequestError(f"exporter {self.exporter_id} holds no KV blocks for request {request_id!r}")
         if not isinstance(first_block, int) or not 0 <= first_block < len(lease.block_ids):
@@ -72,16 +73,17 @@ class KVExporter:
             raise p.ProtocolError(f"first_block {first_block!r} outside the lease's {len(lease.block_ids)} blocks")
         return BlockRead(self, lease, lease.block_ids[first_block:], heads)
 
-    def read(self, request_id: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
+    def read(self, request_id: str, token: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
         """All of `open_read`'s blocks gathered into a staging buffer: hand it back with `release_buffer`."""
-        with self.open_read(request_id, importer, first_block) as r:
-            return gather_blocks(self.kv, r.block_ids, r.heads, self.buffers.take(r.shape, self.kv.dtype, self.kv.device))
+        with self.open_read(request_id, token, importer, first_block) as r:
+            staging = self.buffers.take(r.shape, self.kv.dtype, self.kv.device)
+            return gather_blocks(self.kv, r.block_ids, r.heads, staging)
 
     def release_buffer(self, buf: torch.Tensor) -> None:
         self.buffers.give(buf)
 
-    def ack(self, request_id: str) -> bool:
-        return self.leases.release(request_id)
+    def ack(self, request_id: str, token: str) -> bool:
+        return self.leases.release(request_id, token)
 
     def close(self) -> None:
         self._closed.set()
@@ -163,7 +165,8 @@ class KVImporter(ABC):
                 on_failure(list(dst_block_ids))
             if isinstance(e, p.KVTransferError):
                 raise
-            raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address} failed: {e!r}") from e
+            raise p.ExporterUnreachableError(
+                f"KV pull of {handle.request_id} from {handle.address} failed: {e!r}") from e
 
     def expected_shape(self, num_blocks: int, heads: tuple[int, int]) -> tuple[int, ...]:
         return (self.kv.shape[0], 2, num_blocks, self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])

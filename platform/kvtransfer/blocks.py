@@ -10,6 +10,8 @@ sending them (`hold`/`unhold`). Pure torch, no sockets.
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -152,12 +154,17 @@ class BufferPool:
 class Lease:
     block_ids: list[int]
     expiry_monotonic_s: float
+    token: str  # 128 random bits: what lets an importer read or release it (the request id does not)
     num_readers: int = 0  # reads in flight (`hold`): the blocks stay pinned until they end
     is_dropped: bool = False  # acked or expired; unpinned once num_readers is 0
 
 
 class LeaseTable:
     """request id -> pinned blocks. `pin`/`unpin` are the engine pool's incref/free; thread-safe.
+
+    Each lease has a random token (in the `KVHandle`, which travels only inside Ray calls): every
+    read and release must show it, compared in constant time. A wrong token is treated as no
+    lease at all, so a request id alone (partly chosen by clients) reveals and unlocks nothing.
 
     A read that sends the blocks over time (chunk by chunk, or straight from the cache) `hold`s the
     lease: an ack or expiry meanwhile ends the lease at once (no new reads), but the blocks return
@@ -168,29 +175,29 @@ class LeaseTable:
                  lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self._pin, self._unpin, self.lease_s, self._clock = pin, unpin, lease_s, clock
         self._leases: dict[str, Lease] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()  # recent, to tell "expired" from "unknown"
+        self._expired: OrderedDict[str, str] = OrderedDict()  # recent ones' tokens: "expired", not "unknown"
         self.num_expired = 0  # leases released by expiry since the start (a metric)
         self._lock = threading.Lock()
 
-    def add(self, request_id: str, block_ids: list[int]) -> float:
-        """Pin the blocks; returns the lease's expiry on the monotonic clock."""
+    def add(self, request_id: str, block_ids: list[int]) -> Lease:
+        """Pin the blocks under a new lease (its token drawn here)."""
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             self._pin(block_ids)
-            lease = Lease(list(block_ids), self._clock() + self.lease_s)
+            lease = Lease(list(block_ids), self._clock() + self.lease_s, secrets.token_hex(16))
             self._leases[request_id] = lease
-            return lease.expiry_monotonic_s
+            return lease
 
-    def get(self, request_id: str) -> Lease | None:
-        """The live lease, or None (an expired one is released on the spot)."""
+    def get(self, request_id: str, token: str) -> Lease | None:
+        """The live lease, or None (an expired one is released on the spot; a wrong token: None)."""
         with self._lock:
-            return self._live(request_id)
+            return self._live(request_id, token)
 
-    def hold(self, request_id: str) -> Lease | None:
+    def hold(self, request_id: str, token: str) -> Lease | None:
         """The live lease with one more reader (its blocks stay pinned until `unhold`), or None."""
         with self._lock:
-            lease = self._live(request_id)
+            lease = self._live(request_id, token)
             if lease is not None:
                 lease.num_readers += 1
             return lease
@@ -202,16 +209,19 @@ class LeaseTable:
             if lease.is_dropped and lease.num_readers == 0:
                 self._unpin(lease.block_ids)
 
-    def was_expired(self, request_id: str) -> bool:
+    def was_expired(self, request_id: str, token: str) -> bool:
         with self._lock:
-            return request_id in self._expired
+            expired = self._expired.get(request_id)
+            return expired is not None and _same(expired, token)
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, token: str) -> bool:
         with self._lock:
-            lease = self._leases.pop(request_id, None)
-            if lease is not None:
-                self._drop(lease)
-            return lease is not None
+            lease = self._leases.get(request_id)
+            if lease is None or not _same(lease.token, token):
+                return False
+            del self._leases[request_id]
+            self._drop(lease)
+            return True
 
     def expire(self) -> list[str]:
         """Release every lease past its expiry; returns their request ids."""
@@ -222,9 +232,11 @@ class LeaseTable:
                 self._drop_expired(rid)
         return gone
 
-    def _live(self, request_id: str) -> Lease | None:
+    def _live(self, request_id: str, token: str) -> Lease | None:
         lease = self._leases.get(request_id)
-        if lease is not None and lease.expiry_monotonic_s <= self._clock():
+        if lease is None or not _same(lease.token, token):
+            return None
+        if lease.expiry_monotonic_s <= self._clock():
             self._drop_expired(request_id)
             return None
         return lease
@@ -235,8 +247,9 @@ class LeaseTable:
             self._unpin(lease.block_ids)
 
     def _drop_expired(self, request_id: str) -> None:
-        self._drop(self._leases.pop(request_id))
-        self._expired[request_id] = None
+        lease = self._leases.pop(request_id)
+        self._drop(lease)
+        self._expired[request_id] = lease.token
         self.num_expired += 1
         while len(self._expired) > 4096:
             self._expired.popitem(last=False)
@@ -244,3 +257,8 @@ class LeaseTable:
     def __len__(self) -> int:
         """Live leases (a dropped one still being read is not counted)."""
         return len(self._leases)
+
+
+def _same(a: str, b) -> bool:
+    """Token equality in constant time (a non-string never matches)."""
+    return isinstance(b, str) and hmac.compare_digest(a.encode(), b.encode())

@@ -20,16 +20,16 @@ class LocalImporter(KVImporter):
     def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
                first_block: int, ack: bool) -> None:
         exporter = self._exporter(handle)
-        data = exporter.read(handle.request_id, self.layout, first_block)
+        data = exporter.read(handle.request_id, handle.lease_token, self.layout, first_block)
         try:
             self.store(dst, data)
         finally:
             exporter.release_buffer(data)
         if ack:
-            exporter.ack(handle.request_id)
+            exporter.ack(handle.request_id, handle.lease_token)
 
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
-        self._exporter(handle).ack(handle.request_id)
+        self._exporter(handle).ack(handle.request_id, handle.lease_token)
 
     def _exporter(self, handle: p.KVHandle) -> KVExporter:
         exporter = self.exporters.get(handle.exporter_id)

@@ -1,7 +1,7 @@
 """KV transfer through the Ray object store: the portable fallback where ucxx is missing.
 
 The exporter lives in a named Ray actor (a prefill replica) that mixes in `RayKVExportMixin`, so
-the actor answers `kv_read(request_id, layout) -> numpy array` and `kv_ack(request_id)`; the
+the actor answers `kv_read(request_id, token, layout) -> numpy array` and `kv_ack(request_id, token)`; the
 handle's address is `ray:<actor name>`. `RayImporter` resolves the actor by name, reads with a
 deadline, scatters into its own blocks and acks. Errors the exporter raises come back typed;
 a dead or unreachable actor becomes `ExporterUnreachableError` (retryable).
@@ -34,8 +34,8 @@ class RayKVExportMixin:
 
     kv_exporter: RayKVExporter
 
-    def kv_read(self, request_id: str, layout: dict, first_block: int = 0) -> np.ndarray:
-        data = self.kv_exporter.read(request_id, p.KVLayout(**layout), first_block)
+    def kv_read(self, request_id: str, token: str, layout: dict, first_block: int = 0) -> np.ndarray:
+        data = self.kv_exporter.read(request_id, token, p.KVLayout(**layout), first_block)
         try:
             # A copy: Ray serialises the return value after this method returns, and the staging
             # buffer goes back to the pool now.
@@ -43,8 +43,8 @@ class RayKVExportMixin:
         finally:
             self.kv_exporter.release_buffer(data)
 
-    def kv_ack(self, request_id: str) -> bool:
-        return self.kv_exporter.ack(request_id)
+    def kv_ack(self, request_id: str, token: str) -> bool:
+        return self.kv_exporter.ack(request_id, token)
 
 
 class RayImporter(KVImporter):
@@ -54,8 +54,8 @@ class RayImporter(KVImporter):
 
         try:
             actor = self._actor(handle)
-            data = ray.get(actor.kv_read.remote(handle.request_id, asdict(self.layout), first_block),
-                           timeout=timeout_s)
+            read = actor.kv_read.remote(handle.request_id, handle.lease_token, asdict(self.layout), first_block)
+            data = ray.get(read, timeout=timeout_s)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, p.KVTransferError):
                 raise e.cause from None
@@ -71,10 +71,10 @@ class RayImporter(KVImporter):
                                   f"expected {self.expected_shape(len(dst), heads)}")
         self.store(dst, tensor)
         if ack:
-            actor.kv_ack.remote(handle.request_id)
+            actor.kv_ack.remote(handle.request_id, handle.lease_token)
 
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
-        self._actor(handle).kv_ack.remote(handle.request_id)
+        self._actor(handle).kv_ack.remote(handle.request_id, handle.lease_token)
 
     @staticmethod
     def _actor(handle: p.KVHandle):

@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 
 _ERRORS = {"unknown": p.UnknownRequestError, "expired": p.LeaseExpiredError, "layout": p.LayoutMismatchError,
            "protocol": p.ProtocolError}
-_MAX_SEND_S = 3600.0  # the most an importer may ask the exporter to keep sending
 _MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
 _PROGRESS_WAIT_MS = 100  # the longest UCX's progress thread sleeps with nothing to do (_start_progress_thread)
 
@@ -238,21 +237,24 @@ class UCXExporter(KVExporter):
         try:
             if isinstance(req, p.ProtocolError):
                 raise req
-            rid = req.get("request_id")
+            rid, token = req.get("request_id"), req.get("lease_token")
             if kind == p.ACK:  # an importer dropping a lease it will not read
-                self.ack(rid)
+                self.ack(rid, token)
                 return False
             if kind != p.READ:
                 raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
             try:
                 importer = p.KVLayout(**req["layout"])
-                send_s = min(max(float(req.get("timeout_s", self.ack_timeout_s)), 0.0), _MAX_SEND_S)
+                # The importer's deadline, held to the exporter's budget: no READ pins blocks longer
+                # than a lease would have held them anyway.
+                send_s = min(max(float(req.get("timeout_s", self.ack_timeout_s)), 0.0),
+                             max(self.leases.lease_s, self.ack_timeout_s))
             except (TypeError, KeyError, ValueError) as e:
                 raise p.ProtocolError(f"malformed READ: {e!r}") from e
             is_local = bool(req.get("local"))
             if is_local and self.cache_region is None:
                 raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
-            read = self.open_read(rid, importer, req.get("first_block", 0))
+            read = self.open_read(rid, token, importer, req.get("first_block", 0))
             if is_local:
                 # The importer copies the blocks out of the cache itself: they stay held until its
                 # ACK/DONE, or until its own deadline has passed (it then discards what it copied).
@@ -267,7 +269,7 @@ class UCXExporter(KVExporter):
                 read = None
                 kind, _ = await asyncio.wait_for(_recv_frame(ep), self.ack_timeout_s)
             if kind == p.ACK:
-                self.ack(rid)
+                self.ack(rid, token)
             is_reusable = kind in (p.ACK, p.DONE)
         except p.KVTransferError as e:
             code = next((c for c, cls in _ERRORS.items() if type(e) is cls), "protocol")
@@ -338,7 +340,7 @@ class UCXImporter(KVImporter):
             host, port = handle.address.rsplit(":", 1)
             ep = await ucxx.create_endpoint(host, int(port))
             try:
-                await _send_frame(ep, p.ACK, {"request_id": handle.request_id})
+                await _send_frame(ep, p.ACK, {"request_id": handle.request_id, "lease_token": handle.lease_token})
             finally:
                 await ep.close()
 
@@ -436,7 +438,8 @@ class UCXImporter(KVImporter):
         try:
             # Every receive is posted now, in the order the exporter sends, so no chunk waits on us.
             tasks.append(asyncio.ensure_future(_send_frame(ep, p.READ, {
-                "request_id": handle.request_id, "layout": asdict(self.layout), "first_block": first_block,
+                "request_id": handle.request_id, "lease_token": handle.lease_token, "layout": asdict(self.layout),
+                "first_block": first_block,
                 "timeout_s": left(), "local": source is not None})))
             tasks.append(asyncio.ensure_future(_recv_frame(ep)))
             tasks.extend(asyncio.ensure_future(ep.recv(_buffer(t))) for t, _ in targets)
@@ -465,7 +468,8 @@ class UCXImporter(KVImporter):
                 await asyncio.wait_for(asyncio.shield(recv), left())
                 if is_staged:  # while the next chunks arrive
                     scatter_blocks(slabs[s0:s1], dst, target)
-            await asyncio.wait_for(_send_frame(ep, p.ACK if ack else p.DONE, {"request_id": handle.request_id}),
+            await asyncio.wait_for(_send_frame(ep, p.ACK if ack else p.DONE, {"request_id": handle.request_id,
+                                                                            "lease_token": handle.lease_token}),
                                    left())
             is_done = True
         finally:

@@ -52,7 +52,7 @@ def test_blocks_arrive_bit_identical(prefill, num_tokens):
 def test_errors_come_back_typed_and_free_blocks(prefill):
     importer = RayImporter(torch.zeros(2, 2, 8, 16, 4, 64), p.KVLayout(**LAYOUT))
     freed = []
-    unknown = p.KVHandle("x", "ray:prefill-ray-0", "nope", (1,), 4, p.KVLayout(**LAYOUT), 0.0)
+    unknown = p.KVHandle("x", "ray:prefill-ray-0", "nope", (1,), 4, p.KVLayout(**LAYOUT), "t", 0.0)
     with pytest.raises(p.UnknownRequestError):
         importer.pull(unknown, [0], on_failure=freed.extend)
     handle = p.KVHandle.from_dict(ray.get(prefill.export.remote("last", 20)))

@@ -209,7 +209,7 @@ def test_two_ranks_read_one_lease_then_release_it(exporter, src):
 
 def test_unknown_request_and_expired_lease(exporter, importer):
     freed = []
-    bogus = p.KVHandle("prefill-0", exporter.address, "nope", (1, 2), 20, p.KVLayout(**LAYOUT), 0.0)
+    bogus = p.KVHandle("prefill-0", exporter.address, "nope", (1, 2), 20, p.KVLayout(**LAYOUT), "t", 0.0)
     with pytest.raises(p.UnknownRequestError):
         importer.pull(bogus, [0, 1], on_failure=freed.extend)
     assert freed == [0, 1]
@@ -219,6 +219,18 @@ def test_unknown_request_and_expired_lease(exporter, importer):
     with pytest.raises(p.LeaseExpiredError) as e:
         importer.pull(idle, _dst(4))
     assert e.value.retryable
+
+
+def test_a_request_id_without_its_lease_token_reads_and_releases_nothing(exporter, importer):
+    handle = exporter.export("guessed", 32)
+    for token in ("0" * 32, handle.lease_token[:-1] + "x", ""):
+        stolen = replace(handle, lease_token=token)
+        with pytest.raises(p.UnknownRequestError):
+            importer.pull(stolen, _dst(2))
+        importer.release(stolen)  # an ACK without the token: ignored
+        assert exporter.free_blocks() == NUM_BLOCKS - 2  # the lease holds
+    importer.pull(handle, _dst(2))  # the owner still reads it, and its ack frees it
+    assert _wait_all_free(exporter, 5) == NUM_BLOCKS
 
 
 def test_layout_mismatch_is_rejected_before_any_byte_moves(exporter, importer):
@@ -315,7 +327,7 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     # An importer that asks for blocks and vanishes before reading them: the lease stays until it
     # expires (2 s here), then the blocks go back to the pool.
     handle = exporter.export("vanishing", 64)
-    read = p.encode_frame(p.READ, {"request_id": "vanishing", "layout": LAYOUT})
+    read = p.encode_frame(p.READ, {"request_id": "vanishing", "lease_token": handle.lease_token, "layout": LAYOUT})
     assert _raw_peer(exporter.address, read, read_reply=False) is None
     assert _wait_all_free(exporter, 6) == NUM_BLOCKS
     with pytest.raises(p.LeaseExpiredError):
@@ -330,7 +342,8 @@ def test_importer_gone_mid_pipeline_the_blocks_return_at_lease_expiry(exporter, 
     """A peer asks for 32 MiB, takes the DATA frame and vanishes: the exporter's sends fail or run
     out of the peer's time, it lets go of the read, and the lease's expiry frees the blocks."""
     handle = exporter.export_scattered("abandoned", 500 * 16)
-    read = p.encode_frame(p.READ, {"request_id": "abandoned", "layout": LAYOUT, "timeout_s": 1.0})
+    read = p.encode_frame(p.READ, {"request_id": "abandoned", "lease_token": handle.lease_token, "layout": LAYOUT,
+                                   "timeout_s": 1.0})
     kind, reply = _raw_peer(exporter.address, read)
     assert kind == p.DATA and reply["num_chunks"] == 2 * LAYOUT["num_layers"]
     assert _wait_all_free(exporter, 10) == NUM_BLOCKS
@@ -350,7 +363,7 @@ def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(expo
     proc.start()
     try:
         kind, address = replies.get(timeout=60)
-        handle = p.KVHandle("stalling", address, "stalled", tuple(range(63)), 1000, p.KVLayout(**LAYOUT),
+        handle = p.KVHandle("stalling", address, "stalled", tuple(range(63)), 1000, p.KVLayout(**LAYOUT), "t",
                             time.time() + 30)
         freed = []
         with pytest.raises(p.ExporterUnreachableError) as e:
@@ -375,8 +388,8 @@ def test_a_local_read_holds_its_blocks_until_the_importers_deadline(shared_expor
     """A peer that asks for a local read and never acks: the exporter answers DATA with no chunks,
     holds the blocks for the peer's time, then lets go, and the lease's expiry frees them."""
     handle = shared_exporter.export("local-abandoned", 10 * 16)
-    read = p.encode_frame(p.READ, {"request_id": "local-abandoned", "layout": LAYOUT, "timeout_s": 1.0,
-                                   "local": True})
+    read = p.encode_frame(p.READ, {"request_id": "local-abandoned", "lease_token": handle.lease_token,
+                                   "layout": LAYOUT, "timeout_s": 1.0, "local": True})
     kind, reply = _raw_peer(shared_exporter.address, read)
     assert kind == p.DATA and reply["local"] and reply["num_chunks"] == 0
     assert shared_exporter.free_blocks() == NUM_BLOCKS - 10

@@ -59,10 +59,10 @@ def test_failures_free_the_importers_blocks(side):
     assert pool.num_free_blocks == 30  # this test's own allocation is still out
     with pytest.raises(p.LeaseExpiredError):
         importer.pull(handle, [0, 1], on_failure=freed.extend)
-    unknown = p.KVHandle("prefill-0", "local:prefill-0", "nope", (1,), 4, LAYOUT, 0.0)
+    unknown = p.KVHandle("prefill-0", "local:prefill-0", "nope", (1,), 4, LAYOUT, "t", 0.0)
     with pytest.raises(p.UnknownRequestError):
         importer.pull(unknown, [3], on_failure=freed.extend)
-    gone = p.KVHandle("prefill-9", "local:prefill-9", "r", (1,), 4, LAYOUT, 0.0)
+    gone = p.KVHandle("prefill-9", "local:prefill-9", "r", (1,), 4, LAYOUT, "t", 0.0)
     with pytest.raises(p.ExporterUnreachableError) as e:
         importer.pull(gone, [4], on_failure=freed.extend)
     assert e.value.retryable
@@ -88,14 +88,14 @@ def test_a_read_yields_chunks_in_place_or_gathered_and_holds_its_blocks():
     pool = BlockPool(64, 16)
     exporter = KVExporter("prefill-0", kv, layout, pool.incref, pool.free)
     run, scattered = list(range(8, 24)), list(range(24, 56, 2))
-    exporter.export("run", run, 256)
-    exporter.export("scattered", scattered, 256)
+    tokens = {"run": exporter.export("run", run, 256).lease_token,
+              "scattered": exporter.export("scattered", scattered, 256).lease_token}
     tp2_rank1 = KVLayout(**{**layout.__dict__, "tp_size": 2, "tp_rank": 1})
     try:
         for rid, ids, importer, heads, num_chunks, is_in_place in (
                 ("run", run, layout, None, 4, True), ("scattered", scattered, layout, None, 4, False),
                 ("run", run, tp2_rank1, (2, 4), 2, False)):
-            with exporter.open_read(rid, importer) as read:
+            with exporter.open_read(rid, tokens[rid], importer) as read:
                 assert len(read.chunks) == num_chunks
                 chunks = [read.chunk(i) for i in range(num_chunks)]
                 shares_cache = [c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr() for c in chunks]
@@ -103,11 +103,11 @@ def test_a_read_yields_chunks_in_place_or_gathered_and_holds_its_blocks():
                 data = torch.cat([c.reshape(-1) for c in chunks]).view(read.shape)
                 assert torch.equal(data, gather_blocks(kv, ids, heads))
         # An ack while a read is still sending: the lease ends, the blocks stay until the read closes.
-        with exporter.open_read("run", layout):
-            assert exporter.ack("run")
+        with exporter.open_read("run", tokens["run"], layout):
+            assert exporter.ack("run", tokens["run"])
             assert pool.num_free_blocks == 64 - 32
             with pytest.raises(p.UnknownRequestError):
-                exporter.open_read("run", layout)
+                exporter.open_read("run", tokens["run"], layout)
         assert pool.num_free_blocks == 64 - 16
     finally:
         exporter.close()

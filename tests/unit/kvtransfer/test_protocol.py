@@ -52,7 +52,7 @@ def test_chunks_cover_every_slab_once_in_order():
 
 
 def test_handle_round_trips_through_plain_data():
-    h = p.KVHandle("prefill-0", "127.0.0.1:1234", "r", (3, 4, 5), 40, LAYOUT, 123.5)
+    h = p.KVHandle("prefill-0", "127.0.0.1:1234", "r", (3, 4, 5), 40, LAYOUT, "ab" * 16, 123.5)
     wire = msgpack.unpackb(msgpack.packb(h.to_dict()))
     assert p.KVHandle.from_dict(wire) == h
     shared = replace(h, cache_region=SharedRegion("host/boot", 77, 11, (1, 6157), 1 << 20))
@@ -136,20 +136,32 @@ def test_leases_pin_release_and_expire():
     pool = BlockPool(8, 4)
     blocks = pool.allocate(3)
     leases = LeaseTable(pool.incref, pool.free, lease_s=30.0, clock=lambda: now[0])
-    leases.add("a", blocks)
+    a = leases.add("a", blocks).token
     pool.free(blocks)  # the engine lets go; the lease still pins them
-    assert pool.num_free_blocks == 5 and leases.get("a").block_ids == blocks
+    assert pool.num_free_blocks == 5 and leases.get("a", a).block_ids == blocks
     with pytest.raises(ValueError):
         leases.add("a", blocks)
-    assert leases.release("a") and not leases.release("a")
+    assert leases.release("a", a) and not leases.release("a", a)
     assert pool.num_free_blocks == 8
-    leases.add("b", pool.allocate(2))
+    b = leases.add("b", pool.allocate(2)).token
     now[0] = 31.0
-    assert leases.expire() == ["b"] and leases.was_expired("b") and not leases.was_expired("a")
+    assert leases.expire() == ["b"] and leases.was_expired("b", b) and not leases.was_expired("a", a)
+    assert not leases.was_expired("b", "0" * 32)  # without the token, not even that it expired
     assert pool.num_free_blocks == 6  # "b"'s blocks are still the test's own allocation
-    leases.add("c", [7])
+    c = leases.add("c", [7]).token
     now[0] = 100.0
-    assert leases.get("c") is None and leases.was_expired("c") and len(leases) == 0
+    assert leases.get("c", c) is None and leases.was_expired("c", c) and len(leases) == 0
+
+
+def test_a_lease_without_its_token_is_no_lease():
+    pool = BlockPool(8, 4)
+    leases = LeaseTable(pool.incref, pool.free, lease_s=30.0)
+    lease = leases.add("a", pool.allocate(2))
+    assert len(lease.token) == 32 and leases.add("b", [5]).token != lease.token  # 128 random bits each
+    for wrong in ("0" * 32, lease.token[:-1], lease.token + "0", "", None, 7):
+        assert leases.get("a", wrong) is None and leases.hold("a", wrong) is None
+        assert not leases.release("a", wrong)
+    assert leases.get("a", lease.token) is lease and leases.release("a", lease.token)
 
 
 def test_a_lease_being_read_keeps_its_blocks_past_ack_and_expiry():
@@ -157,19 +169,19 @@ def test_a_lease_being_read_keeps_its_blocks_past_ack_and_expiry():
     pool = BlockPool(8, 4)
     leases = LeaseTable(pool.incref, pool.free, lease_s=30.0, clock=lambda: now[0])
     blocks = pool.allocate(3)
-    leases.add("a", blocks)
+    a = leases.add("a", blocks).token
     pool.free(blocks)
-    first, second = leases.hold("a"), leases.hold("a")  # two ranks reading one lease
-    assert leases.release("a") and leases.get("a") is None and leases.hold("a") is None
+    first, second = leases.hold("a", a), leases.hold("a", a)  # two ranks reading one lease
+    assert leases.release("a", a) and leases.get("a", a) is None and leases.hold("a", a) is None
     assert pool.num_free_blocks == 5  # still on the wire
     leases.unhold(first)
     assert pool.num_free_blocks == 5
     leases.unhold(second)
     assert pool.num_free_blocks == 8
     blocks = pool.allocate(2)
-    leases.add("b", blocks)
+    b = leases.add("b", blocks).token
     pool.free(blocks)
-    reading = leases.hold("b")
+    reading = leases.hold("b", b)
     now[0] = 31.0
     assert leases.expire() == ["b"] and pool.num_free_blocks == 6
     leases.unhold(reading)

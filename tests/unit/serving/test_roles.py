@@ -72,7 +72,7 @@ def test_failed_prefill_or_pull_falls_back_to_local_compute(pools, tiny_llama):
 
     async def expired_lease(req):  # the handle arrives after its blocks were released
         result = await real(req)
-        prefill.exporter.ack(req.request_id)
+        prefill.exporter.ack(req.request_id, result.kv.lease_token)
         return result
 
     decode.remote_prefill = expired_lease
@@ -125,16 +125,16 @@ def test_leases_pin_and_unpin_without_waiting_for_a_running_step(pools):
     holder.start()
     step_running.wait()
     try:
-        prefill.exporter.export("q", ids, 40)  # a second lease on the same blocks
+        q = prefill.exporter.export("q", ids, 40).lease_token  # a second lease on the same blocks
         assert [pool.ref_counts[b] for b in ids] == refs  # its pin waits for the step's end...
-        prefill.exporter.leases.release("p")  # the first one's ack
+        prefill.exporter.leases.release("p", result.kv.lease_token)  # the first one's ack
         assert [pool.ref_counts[b] for b in ids] == refs  # ...and so does this unpin
     finally:
         step_done.set()
         holder.join()
     asyncio.run(prefill.engine.call(lambda: None))  # engine calls run in order: both have run
     assert [pool.ref_counts[b] for b in ids] == refs  # one pin, one unpin
-    prefill.exporter.leases.release("q")
+    prefill.exporter.leases.release("q", q)
     asyncio.run(prefill.engine.call(lambda: None))
     assert prefill.stats()["num_free_kv_blocks"] == 96
 
