@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 
 from pdserve.config import AutoscalingSpec, PoolConfig, ServeConfig
+from pdserve.errors import ConfigError
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -128,8 +128,11 @@ def build(config: ServeConfig) -> "Application":
 
 
 def build_app(args: dict[str, Any]) -> "Application":
-    """`serve run pdserve.app:build_app model=... mode=colocated` or the `args` of a Serve config."""
-    return build(ServeConfig.model_validate(args))
+    """`serve run pdserve.app:build_app model=... mode=colocated` or the `args` of a Serve config.
+    A config with problems raises `ConfigError` explaining each (Ray Serve shows its message)."""
+    from pdserve.config_check import load
+
+    return build(load(args, "the application's args"))
 
 
 def serve_config(config: ServeConfig) -> dict[str, Any]:
@@ -148,12 +151,22 @@ def serve_config(config: ServeConfig) -> dict[str, Any]:
 
 
 def load_config(path: str | None, **overrides: Any) -> ServeConfig:
-    """A YAML file (or the embedded default) with `gateway` fields overridden, e.g. host and port."""
-    data = yaml.safe_load(Path(path).read_text()) if path else {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a YAML mapping of ServeConfig fields")
-    gateway = {**data.get("gateway", {}), **{k: v for k, v in overrides.items() if v is not None}}
-    return ServeConfig.model_validate({**data, "gateway": gateway})
+    """A YAML file (or the embedded default) with `gateway` fields overridden, e.g. host and port;
+    `ConfigError` explaining every problem (as `pdserve config validate`) when it has any."""
+    from pdserve.config_check import load, parse
+
+    try:
+        text = Path(path).read_text(encoding="utf-8") if path else ""
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
+    data, problems = parse(text)
+    data = {} if data is None else data  # an empty file: the embedded default
+    if problems:
+        raise ConfigError("\n".join(f"{path}: {p}" for p in problems))
+    if isinstance(data, dict) and isinstance(data.get("gateway", {}), dict):
+        gateway = {**data.get("gateway", {}), **{k: v for k, v in overrides.items() if v is not None}}
+        data = {**data, "gateway": gateway}
+    return load(data, path or "the default config")
 
 
 def grpc_options(port: int) -> dict[str, Any]:

@@ -75,12 +75,12 @@ def _config_validate(args) -> int:
 
 def _serve(args) -> int:
     from pdserve.app import load_config
+    from pdserve.errors import AddressUnavailableError, ConfigError
     from pdserve.launch import serve_forever
-    from pdserve.errors import AddressUnavailableError
 
     try:
         serve_forever(load_config(args.config, host=args.host, port=args.port), args.address)
-    except AddressUnavailableError as e:
+    except (AddressUnavailableError, ConfigError) as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 1
     return 0
@@ -90,8 +90,14 @@ def _serve_config(args) -> int:
     import yaml
 
     from pdserve.app import load_config, serve_config
+    from pdserve.errors import ConfigError
 
-    print(yaml.safe_dump(serve_config(load_config(args.config)), sort_keys=False), end="")
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"pdserve serve-config: {e}", file=sys.stderr)
+        return 1
+    print(yaml.safe_dump(serve_config(config), sort_keys=False), end="")
     return 0
 
 

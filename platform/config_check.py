@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pdserve.config import EngineConfig, PoolConfig, ServeConfig
+from pdserve.errors import ConfigError
 
 POOLS = ("prefill", "decode")
 
@@ -187,6 +188,20 @@ def _pool_line(config: ServeConfig, pool: PoolConfig) -> str:
     return f"{count}, {parallel}, per replica: {', '.join(need)}"
 
 
+def load(data: Any, source: str = "config") -> ServeConfig:
+    """`data` as a ServeConfig, or `ConfigError` explaining every problem: what every entry point
+    (`pdserve serve`, `serve-config`, `build_app` under `serve run` and KubeRay) raises."""
+    config, problems = check(data)
+    if problems:
+        raise ConfigError(_report(source, problems))
+    return config
+
+
+def _report(source: str, problems: list[Problem]) -> str:
+    count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+    return "\n".join([f"{source}: {count}", *(f"  {p}".replace("\n", "\n  ") for p in problems)])
+
+
 def validate_text(text: str, source: str = "config") -> tuple[bool, str]:
     """The whole report `pdserve config validate` prints for one file: (is_valid, text)."""
     data, problems = parse(text)
@@ -194,6 +209,5 @@ def validate_text(text: str, source: str = "config") -> tuple[bool, str]:
     if not problems:
         config, problems = check(data)
     if problems:
-        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        return False, "\n".join([f"{source}: {count}", *(f"  {p}".replace("\n", "\n  ") for p in problems)])
+        return False, _report(source, problems)
     return True, "\n".join([f"{source}: valid", *(f"  {line}" for line in summary(config))])

@@ -78,6 +78,10 @@ class UnsupportedModelError(ModelLoadError):
     """The checkpoint's architecture or one of its options is not implemented."""
 
 
+class ConfigError(PdserveError):
+    """A config with problems: the message explains every one (as `pdserve config validate`)."""
+
+
 class AddressUnavailableError(PdserveError):
     """`pdserve serve` cannot listen on its HTTP address: another process holds it, or the host
     is not this machine's, or the port is privileged."""

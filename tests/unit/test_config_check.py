@@ -80,3 +80,30 @@ def test_the_command_exit_status(tmp_path):
     assert failed.returncode == 1
     assert "bad.yaml: 1 problem\n  decode.num_replicas: Input should be greater than or equal to 1 (got -1)" in failed.stderr
     assert "missing.yaml: cannot read it" in failed.stderr
+
+
+BROKEN = "engine:\n  max_num_seqs: 0\nprefill:\n  num_replicas: 0\nmode: split\n"
+
+
+def test_every_entry_point_explains_every_problem(tmp_path, capsys):
+    """`pdserve serve`, `serve-config` and `build_app` report a config's problems as `pdserve config
+    validate` does: all of them, each where it is, and no traceback."""
+    from pdserve.app import build_app, load_config
+    from pdserve.cli import main
+    from pdserve.errors import ConfigError
+
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    for command in (["serve-config", str(path)], ["serve", str(path)]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert "3 problems" in err and "Traceback" not in err
+        for where in ("engine.max_num_seqs", "prefill.num_replicas", "mode"):
+            assert where in err, (command, err)
+    with pytest.raises(ConfigError, match="(?s)3 problems.*engine.max_num_seqs.*prefill.num_replicas"):
+        build_app({"engine": {"max_num_seqs": 0}, "prefill": {"num_replicas": 0}, "mode": "split"})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "missing.yaml"))
+    path.write_text("engine: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(path))
