@@ -138,9 +138,9 @@ class TransferConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["ucx", "local"] = Field(
-        "ucx", description="ucx: ucxx over TCP/shared memory (CPU) or CUDA transports; local: both roles in "
-                           "one process (tests).")
+    backend: Literal["ucx"] = Field(
+        "ucx", description="ucx: ucxx over TCP/shared memory (CPU) or CUDA transports, the one backend pools on "
+                           "Ray Serve use (tests move KV within one process through kvtransfer.local_backend).")
     host: str = Field("auto", description="Address a prefill replica's KV listener advertises; "
                                           "'auto' takes the node's IP as Ray sees it.")
     lease_s: float = Field(30.0, gt=0, description="How long a prefill replica holds exported blocks for a pull.")

@@ -16,18 +16,12 @@ def _ucx():
     return UCXExporter, UCXImporter
 
 
-def _ray():
-    from pdserve.kvtransfer.ray_backend import RayImporter, RayKVExporter
-
-    return RayKVExporter, RayImporter
-
-
 def _local():
     return KVExporter, LocalImporter
 
 
-# backend name -> () -> (exporter class, importer class); ucxx / ray are imported only when chosen.
-BACKENDS = {"ucx": _ucx, "ray": _ray, "local": _local}
+# backend name -> () -> (exporter class, importer class); ucxx is imported only when chosen.
+BACKENDS = {"ucx": _ucx, "local": _local}
 
 
 def exporter_options(backend: str, host: str, shared_memory: bool) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -56,7 +55,7 @@ class KVExporter:
         """Pin a finished prefill's blocks under a lease and describe them for the importer."""
         lease = self.leases.add(request_id, block_ids)
         return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
-                          lease.token, time.time() + self.leases.lease_s, self.cache_region)
+                          lease.token, self.cache_region)
 
     def open_read(self, request_id: str, token: str, importer: p.KVLayout, first_block: int = 0) -> "BlockRead":
         """A read of the leased blocks from `first_block` on (the importer caches the ones before),

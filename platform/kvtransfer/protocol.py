@@ -102,7 +102,6 @@ class KVHandle:
     num_tokens: int
     layout: KVLayout
     lease_token: str  # the lease's capability: READ, ACK and DONE must carry it (never sent but in Ray calls)
-    lease_expiry_unix_s: float
     cache_region: SharedRegion | None = None  # the exporter's cache, when other processes may map it
 
     def to_dict(self) -> dict:

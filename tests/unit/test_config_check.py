@@ -107,3 +107,11 @@ def test_every_entry_point_explains_every_problem(tmp_path, capsys):
     path.write_text("engine: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(str(path))
+
+
+def test_only_the_backend_pools_can_use_is_accepted():
+    """`local` moves KV within one process (tests): in a deployment it crashed the Decode replica."""
+    for backend in ("local", "ray"):
+        config, problems = check({"transfer": {"backend": backend}})
+        assert config is None and [p.path for p in problems] == ["transfer.backend"]
+    assert check({"transfer": {"backend": "ucx"}})[0] is not None

@@ -40,7 +40,7 @@ ALLOWED = {
 # Every other module imports without Ray.
 RAY_GLUE = {"pdserve.prefill.deployment", "pdserve.decode.deployment", "pdserve.gateway.deployment",
             "pdserve.replica.engine_replica", "pdserve.replica.rank_workers", "pdserve.router.request_router",
-            "pdserve.telemetry.metrics", "pdserve.telemetry.status", "pdserve.kvtransfer.ray_backend"}
+            "pdserve.telemetry.metrics", "pdserve.telemetry.status"}
 
 
 def _module_name(path: Path) -> str:

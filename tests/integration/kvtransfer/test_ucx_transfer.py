@@ -209,7 +209,7 @@ def test_two_ranks_read_one_lease_then_release_it(exporter, src):
 
 def test_unknown_request_and_expired_lease(exporter, importer):
     freed = []
-    bogus = p.KVHandle("prefill-0", exporter.address, "nope", (1, 2), 20, p.KVLayout(**LAYOUT), "t", 0.0)
+    bogus = p.KVHandle("prefill-0", exporter.address, "nope", (1, 2), 20, p.KVLayout(**LAYOUT), "t")
     with pytest.raises(p.UnknownRequestError):
         importer.pull(bogus, [0, 1], on_failure=freed.extend)
     assert freed == [0, 1]
@@ -363,8 +363,7 @@ def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(expo
     proc.start()
     try:
         kind, address = replies.get(timeout=60)
-        handle = p.KVHandle("stalling", address, "stalled", tuple(range(63)), 1000, p.KVLayout(**LAYOUT), "t",
-                            time.time() + 30)
+        handle = p.KVHandle("stalling", address, "stalled", tuple(range(63)), 1000, p.KVLayout(**LAYOUT), "t")
         freed = []
         with pytest.raises(p.ExporterUnreachableError) as e:
             importer.pull(handle, _dst(63), timeout_s=2.0, on_failure=freed.extend)

@@ -59,10 +59,10 @@ def test_failures_free_the_importers_blocks(side):
     assert pool.num_free_blocks == 30  # this test's own allocation is still out
     with pytest.raises(p.LeaseExpiredError):
         importer.pull(handle, [0, 1], on_failure=freed.extend)
-    unknown = p.KVHandle("prefill-0", "local:prefill-0", "nope", (1,), 4, LAYOUT, "t", 0.0)
+    unknown = p.KVHandle("prefill-0", "local:prefill-0", "nope", (1,), 4, LAYOUT, "t")
     with pytest.raises(p.UnknownRequestError):
         importer.pull(unknown, [3], on_failure=freed.extend)
-    gone = p.KVHandle("prefill-9", "local:prefill-9", "r", (1,), 4, LAYOUT, "t", 0.0)
+    gone = p.KVHandle("prefill-9", "local:prefill-9", "r", (1,), 4, LAYOUT, "t")
     with pytest.raises(p.ExporterUnreachableError) as e:
         importer.pull(gone, [4], on_failure=freed.extend)
     assert e.value.retryable

@@ -52,7 +52,7 @@ def test_chunks_cover_every_slab_once_in_order():
 
 
 def test_handle_round_trips_through_plain_data():
-    h = p.KVHandle("prefill-0", "127.0.0.1:1234", "r", (3, 4, 5), 40, LAYOUT, "ab" * 16, 123.5)
+    h = p.KVHandle("prefill-0", "127.0.0.1:1234", "r", (3, 4, 5), 40, LAYOUT, "ab" * 16)
     wire = msgpack.unpackb(msgpack.packb(h.to_dict()))
     assert p.KVHandle.from_dict(wire) == h
     shared = replace(h, cache_region=SharedRegion("host/boot", 77, 11, (1, 6157), 1 << 20))
