@@ -186,6 +186,12 @@ class GatewayConfig(BaseModel):
     served_model_name: str | None = Field(None, description="The model name clients send; default: the "
                                                             "checkpoint directory's name.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer tokens; empty: no auth.")
+    cache_isolation: Literal["shared", "per_key"] | None = Field(
+        None, description="Who shares prefix-cache blocks. per_key: only requests of the same API key (each key's "
+                          "blocks are salted with a hash of it, plus the request's own cache_salt), so a tenant "
+                          "learns nothing of another's prompts from cached_tokens or timing; shared: every request "
+                          "(a request's cache_salt still isolates it). None: per_key when api_keys are set, else "
+                          "shared.")
     enable_docs: bool = Field(False, description="Serve FastAPI's /docs, /redoc and /openapi.json (off: they "
                                                  "describe the API to anyone who can reach it).")
     # Bounds on one request, checked before any work (each violation is a 400 naming the `param`).

@@ -234,7 +234,8 @@ class DecodeServer:
         if num_uncached < self.remote_prefill_min_tokens:
             return "local", 0
         if self.remote_prefill_min_tokens:  # (the call waits for a running step to end)
-            num_uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids)
+            num_uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids,
+                                                  req.params.cache_salt)
             if num_uncached < self.remote_prefill_min_tokens:
                 return "local", 0
         limit = self.remote_prefill_max_queued_tokens

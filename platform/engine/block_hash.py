@@ -2,7 +2,9 @@
 the router share (DESIGN.md section 4).
 
 Block i's hash is `xxh3_64(tokens of block i, seed=hash of block i-1)`, so it names the whole prefix
-up to and including block i. Tokens are hashed as explicit little-endian uint32 bytes: the result is
+up to and including block i. The first block's parent is `root_hash(cache_salt)`: requests of
+different salts (tenants) never name a block alike, so they never share one, and cache hits
+tell nothing across salts. Tokens are hashed as explicit little-endian uint32 bytes: the result is
 the same in every process, on every host and under every Python hash seed (no `hash()`).
 """
 
@@ -20,6 +22,11 @@ ROOT_BLOCK_HASH = 0
 _xxh3 = xxhash.xxh3_64_intdigest
 if array.array("I").itemsize != 4:  # pragma: no cover - no mainstream platform
     raise ImportError("block_hashes needs a 4-byte C unsigned int")
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent of a request's first block: ROOT_BLOCK_HASH unsalted, else one derived from the salt."""
+    return ROOT_BLOCK_HASH if not cache_salt else _xxh3(cache_salt.encode("utf-8", "surrogatepass"), ROOT_BLOCK_HASH)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_BLOCK_HASH) -> list[int]:

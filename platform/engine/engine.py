@@ -29,7 +29,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import check_parallel
@@ -195,9 +195,9 @@ class LLMEngine:
         req.num_computed_tokens = req.num_prompt_tokens
         self.scheduler.add_running(req)
 
-    def num_uncached_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+    def num_uncached_prompt_tokens(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """Prompt tokens this engine's prefix cache does not hold (decides local vs. remote prefill)."""
-        hashes = block_hashes(prompt_token_ids, self.kv_cache.block_size)
+        hashes = block_hashes(prompt_token_ids, self.kv_cache.block_size, root_hash(cache_salt))
         return len(prompt_token_ids) - len(self.kv_manager.match_prefix(hashes, len(prompt_token_ids))) * \
             self.kv_cache.block_size
 

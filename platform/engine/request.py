@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.block_hash import ROOT_BLOCK_HASH, block_hashes
+from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -49,7 +49,8 @@ class Request:
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
-        self.block_hashes = block_hashes(self.all_token_ids, self.block_size)
+        self.root_hash = root_hash(self.params.cache_salt)
+        self.block_hashes = block_hashes(self.all_token_ids, self.block_size, self.root_hash)
         if self.params.seed is not None:
             # A signed 64-bit seed (SamplingParams) as the unsigned one torch's generator takes.
             self.generator = torch.Generator().manual_seed(self.params.seed % 2**64)
@@ -75,7 +76,7 @@ class Request:
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self.block_size == 0:
             start = len(self.all_token_ids) - self.block_size
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_BLOCK_HASH
+            parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
             self.block_hashes.extend(block_hashes(self.all_token_ids[start:], self.block_size, parent))
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pdserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 512
 MAX_TOP_K = 2**31 - 1
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 # name -> (lowest, highest, whether the lowest is excluded)
@@ -48,6 +49,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus the top N
     prompt_logprobs: int | None = None  # the same for each prompt token (after the first)
     skip_special_tokens: bool = True
+    # Prefix-cache isolation (vLLM's request field): blocks are shared only between requests of
+    # the same salt (`pdserve.engine.block_hash.root_hash`). Not a sampling setting, but it travels
+    # with the request to every pool as these do.
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -89,6 +94,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
                 bad(name, f"must be an integer between 0 and {_MAX_LOGPROBS}, got {describe_value(value)}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
 
     @property
     def is_greedy(self) -> bool:

@@ -129,10 +129,10 @@ class GrpcGeneration:
     async def _request(self, r: pb.GenerateRequest, context: CallContext | None,
                        rec: RequestRecord) -> tuple[str, GenerateRequest]:
         metadata = dict(context.invocation_metadata()) if context is not None else {}
-        self.service.api_keys.check(metadata.get("authorization", ""))
-        return await self.service.off_loop(r.ByteSize(), self._build, r, rec)
+        salt = self.service.cache_salt(self.service.api_keys.check(metadata.get("authorization", "")), None)
+        return await self.service.off_loop(r.ByteSize(), self._build, r, rec, salt)
 
-    def _build(self, r: pb.GenerateRequest, rec: RequestRecord) -> tuple[str, GenerateRequest]:
+    def _build(self, r: pb.GenerateRequest, rec: RequestRecord, salt: str | None) -> tuple[str, GenerateRequest]:
         """On a worker thread: bound, tokenize and check the request, as the HTTP routes do."""
         service, bounds = self.service, self.service.bounds
         source = r.WhichOneof("input")
@@ -147,7 +147,7 @@ class GrpcGeneration:
         check_prompt(ids, max_tokens, service.max_model_len, service.tokenizer.vocab_size, source)
         optional = {f: getattr(r, f) for f in ("temperature", "top_p", "seed") if r.HasField(f)}
         params = SamplingParams(max_tokens=max_tokens, top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop),
-                                ignore_eos=r.ignore_eos, **optional)
+                                ignore_eos=r.ignore_eos, cache_salt=salt, **optional)
         rid = r.request_id[:128] or uuid.uuid4().hex
         # Client ids may repeat; engine ids must not.
         return rid, GenerateRequest(f"{rid}-{uuid.uuid4().hex[:8]}", ids, params, rec.trace_context,

@@ -123,18 +123,27 @@ class OpenAIService:
     # -- plumbing ------------------------------------------------------------------------------
     async def _read(self, request: Request, model: type[BaseModel], prepare: Callable | None = None):
         """Check the key, read the body, then on a worker thread parse and validate it into
-        `model` and, with `prepare`, return `prepare(body)` (the request's own work: templating,
-        tokenizing, building the sequences) with it: `(body, prepared)`."""
-        self.api_keys.check(request.headers.get("authorization", ""))
+        `model` and, with `prepare`, return `prepare(body, cache_salt)` (the request's own work:
+        templating, tokenizing, building the sequences, under the prefix-cache salt its key and
+        `gateway.cache_isolation` give it) with it: `(body, prepared)`."""
+        key_salt = self.api_keys.check(request.headers.get("authorization", ""))
         raw = await read_body(request, self.config.max_body_bytes, self.config.body_read_timeout_s)
-        return await self.off_loop(len(raw), self._parse, raw, model, prepare)
+        return await self.off_loop(len(raw), self._parse, raw, model, prepare, key_salt)
+
+    def cache_salt(self, key_salt: str | None, requested: str | None) -> str | None:
+        """The salt a request's blocks carry: under per_key isolation its key's (and its own,
+        appended: a client cannot name another key's salt), else the one it asked for."""
+        isolation = self.config.cache_isolation or ("per_key" if self.api_keys else "shared")
+        if isolation == "per_key" and key_salt is not None:
+            return f"{key_salt}:{requested or ''}"
+        return requested
 
     async def off_loop(self, size_bytes: int, fn: Callable, *args):
         """`fn(*args)` on a worker thread: a thread of its own for requests over LARGE_BODY_BYTES."""
         pool = self._large_threads if size_bytes > LARGE_BODY_BYTES else self._threads
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    def _parse(self, raw: bytes, model: type[BaseModel], prepare: Callable | None):
+    def _parse(self, raw: bytes, model: type[BaseModel], prepare: Callable | None, key_salt: str | None = None):
         data = parse_json_object(raw)
         self.bounds.check_counts(data)
         try:
@@ -145,7 +154,9 @@ class OpenAIService:
         if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "NotFoundError", "model_not_found")
-        return body if prepare is None else (body, prepare(body))
+        if prepare is None:
+            return body
+        return body, prepare(body, self.cache_salt(key_salt, getattr(body, "cache_salt", None)))
 
     @staticmethod
     def request_id(request: Request) -> str:
@@ -291,7 +302,7 @@ class OpenAIService:
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage()})
 
-    def _completion_requests(self, rid: str, rec: RequestRecord, body: CompletionRequest):
+    def _completion_requests(self, rid: str, rec: RequestRecord, body: CompletionRequest, salt: str | None):
         """On a worker thread: the sequences of a validated completions request."""
         prompts = body.prompts()
         self.bounds.check_sequences(len(prompts), body.n)
@@ -305,7 +316,8 @@ class OpenAIService:
             self._check_length(ids, max_tokens, "prompt")
         k = body.logprobs
         prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
-        return self._fan_out(rec, rid, prompts, body.n, lambda i: body.sampling_params(max_tokens, k, prompt_k, i))
+        return self._fan_out(rec, rid, prompts, body.n,
+                             lambda i: body.sampling_params(max_tokens, k, prompt_k, i, salt))
 
     def _echo(self, c: _Choice) -> str:
         return self.tokenizer.decode(c.prompt_ids)
@@ -374,7 +386,7 @@ class OpenAIService:
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage()})
 
-    def _chat_requests(self, rid: str, rec: RequestRecord, body: ChatCompletionRequest):
+    def _chat_requests(self, rid: str, rec: RequestRecord, body: ChatCompletionRequest, salt: str | None):
         """On a worker thread: the sequences of a validated chat request, and its top_logprobs."""
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -386,7 +398,7 @@ class OpenAIService:
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._check_length(ids, asked, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return self._fan_out(rec, rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i)), k
+        return self._fan_out(rec, rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i, salt)), k
 
     def _chat_logprobs(self, lps: list[TokenLogprob], k: int) -> dict:
         def entry(tid: int, lp: float) -> dict:
@@ -451,7 +463,7 @@ class OpenAIService:
             return error_response(e)
         return JSONResponse(answer)
 
-    def _tokenize(self, body: TokenizeRequest) -> dict:
+    def _tokenize(self, body: TokenizeRequest, _salt: str | None) -> dict:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
@@ -469,7 +481,7 @@ class OpenAIService:
             return error_response(e)
         return JSONResponse({"prompt": text})
 
-    def _detokenize(self, body: DetokenizeRequest) -> str:
+    def _detokenize(self, body: DetokenizeRequest, _salt: str | None) -> str:
         bad = next((t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary", param="tokens")

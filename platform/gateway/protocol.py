@@ -34,6 +34,7 @@ class _SamplingFields(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: StrictStr | None = Field(None, max_length=256)  # vLLM's: blocks are shared only within a salt
     n: StrictInt = Field(1, ge=1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -45,7 +46,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                        choice: int = 0) -> SamplingParams:
+                        choice: int = 0, cache_salt: str | None = None) -> SamplingParams:
+        """Choice `choice`'s parameters; `cache_salt` is the salt the gateway settled on (see
+        `OpenAIService`), not necessarily the request's own."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
         if max_tokens < 1:
@@ -60,7 +63,7 @@ class _SamplingFields(BaseModel):
         return SamplingParams(max_tokens=max_tokens, seed=seed, stop=self.stop or (),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              skip_special_tokens=self.skip_special_tokens, **set_)
+                              skip_special_tokens=self.skip_special_tokens, cache_salt=cache_salt, **set_)
 
 
 class CompletionRequest(_SamplingFields):

@@ -24,7 +24,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pdserve.config import ServeConfig
 from pdserve.protocol import GenerateRequest
-from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
 from pdserve.telemetry.metrics import router_decision
@@ -109,7 +109,7 @@ class PrefixAwareRouter(_PdserveRouter):
         req = _request_of(pending_request)
         if req is None:  # not a generate call (health, stats): any replica
             return [candidate_replicas]
-        hashes = block_hashes(req.prompt_token_ids, self._block_size)
+        hashes = block_hashes(req.prompt_token_ids, self._block_size, root_hash(req.params.cache_salt))
         ids = list(by_id)
         matched = self._index.match(hashes, ids)
         queued = {}

@@ -2,7 +2,7 @@
 HTTP on 127.0.0.1 with the official `openai` client.
 
 disagg (/disagg): Prefill + Decode, remote prefill from 24 uncached tokens (conditional
-disaggregation below that). colo (/colo): one Unified replica, behind an API key.
+disaggregation below that). colo (/colo): one Unified replica, behind two tenants' API keys.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ ENGINE = {"num_threads": 1, "num_kv_blocks": 192, "block_size": 8, "max_model_le
 POOL = {"ray_actor_options": {"num_cpus": 1}, "max_queued_requests": 300}
 REMOTE_PREFILL_MIN_TOKENS = 24
 API_KEY = "sk-pdserve-test"
+OTHER_KEY = "sk-pdserve-other-tenant"  # a second tenant of the colo app (prefix-cache isolation)
 
 
 def wait_until_serving(base: str, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
@@ -79,7 +80,7 @@ def serve_apps(ray_session, tiny_llama):
                          remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS,
                          transfer={"host": "127.0.0.1", "lease_s": 20})
     colo = ServeConfig(name="colo", model=tiny_llama, engine=ENGINE, mode="colocated", decode=POOL,
-                       gateway={"api_keys": [API_KEY], "max_body_bytes": 65536})
+                       gateway={"api_keys": [API_KEY, OTHER_KEY], "max_body_bytes": 65536})
     serve.run_many([serve.RunTarget(build(disagg), name="disagg", route_prefix="/disagg"),
                     serve.RunTarget(build(colo), name="colo", route_prefix="/colo")])
     base = f"http://127.0.0.1:{port}"

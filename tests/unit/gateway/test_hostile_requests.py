@@ -109,3 +109,23 @@ def test_a_body_that_never_arrives_times_out(tiny_llama):
 
     response = asyncio.run(run())
     assert response.status_code == 408 and json.loads(response.body)["error"]["code"] == "request_timeout"
+
+
+def test_cache_salts_follow_the_key_under_per_key_isolation(tiny_llama):
+    tok = Tokenizer(tiny_llama)
+    keyed = OpenAIService(ScriptedClient([(5, "a")]), tok, "tiny", 256, GatewayConfig(api_keys=["k1", "k2"]))
+    salts = {}
+    for key, asked in (("k1", None), ("k2", None), ("k1", "mine"), ("k2", "mine")):
+        extra = {} if asked is None else {"cache_salt": asked}
+        got, _, sent = post(keyed, "/v1/completions", completion(**extra), key=key)
+        assert got == 200 and sent == 1
+        salts[key, asked] = keyed.client.requests[-1].params.cache_salt
+    assert len(set(salts.values())) == 4  # per key; a salt a client names stays inside its key's
+    assert all("k1" not in s and "k2" not in s for s in salts.values())  # a hash of the key, not the key
+    shared = OpenAIService(ScriptedClient([(5, "a")]), tok, "tiny", 256,
+                           GatewayConfig(api_keys=["k1"], cache_isolation="shared"))
+    post(shared, "/v1/completions", completion(), key="k1")
+    post(shared, "/v1/completions", completion(cache_salt="mine"), key="k1")
+    assert [r.params.cache_salt for r in shared.client.requests] == [None, "mine"]
+    got, answer, _ = post(shared, "/v1/completions", completion(cache_salt="s" * 257), key="k1")
+    assert got == 400 and answer["error"]["param"] == "cache_salt"
