@@ -5,6 +5,9 @@ path) instead of receiving them through a socket.
 `shared_zeros(shape, dtype)` allocates a zero-filled tensor in a memfd, every page taken at once:
 anonymous shared memory, returned to the system with its last mapping, so a process that dies
 leaves no file behind.
+Once the owner has mapped the memfd, it seals it (`F_SEAL_FUTURE_WRITE`, with growing and
+shrinking): its own mapping stays writable, but no process, of the same user or not, can map it
+writable or write to it any more; importers only ever read it.
 `locate(tensor)` describes the region holding a tensor so another process can find it
 (`SharedRegion`: host, pid, fd, file identity, size); `map_region` maps it read-only there through
 `/proc/<pid>/fd/<fd>`, or returns None where that cannot work: another host or container, the
@@ -13,6 +16,7 @@ process gone (its fd number then names nothing, or another file), no permission.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -49,6 +53,12 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+# fcntl's sealing constants (Linux >= 5.1 for F_SEAL_FUTURE_WRITE); Python's fcntl module names
+# them only from 3.8/3.9 on and not F_SEAL_FUTURE_WRITE everywhere.
+_F_ADD_SEALS, _F_GET_SEALS = 1033, 1034
+_F_SEAL_SHRINK, _F_SEAL_GROW, _F_SEAL_FUTURE_WRITE = 0x0002, 0x0004, 0x0010
+SEALS = _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_FUTURE_WRITE
+
 _regions: dict[int, SharedRegion] = {}  # address of a shared tensor's first byte -> its region
 _regions_lock = threading.Lock()
 
@@ -63,9 +73,10 @@ def shared_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":  # noqa: F821
         return torch.zeros(shape, dtype=dtype)
     fd = -1
     try:
-        fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+        fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, nbytes)
         mapping = mmap.mmap(fd, nbytes)
+        fcntl.fcntl(fd, _F_ADD_SEALS, SEALS)  # after our own writable mapping: no one else gets one
         st = os.fstat(fd)
     except OSError as e:
         if fd >= 0:
@@ -118,3 +129,8 @@ def map_region(region: SharedRegion) -> mmap.mmap | None:
         return None
     finally:
         os.close(fd)
+
+
+def seals(fd: int) -> int:
+    """The seals on a memfd (`SEALS` on a KV cache's)."""
+    return fcntl.fcntl(fd, _F_GET_SEALS)

@@ -69,3 +69,54 @@ def test_its_pages_are_taken_at_allocation_not_on_first_write():
     before = _resident_shared_bytes()
     t = shared_zeros((16, 1 << 20), torch.float32)  # 64 MiB
     assert _resident_shared_bytes() - before >= 0.95 * t.numel() * t.element_size()
+
+
+def _write_in_child(region, replies) -> None:
+    """Try every way a process of the same user might write into the region; report what worked."""
+    import mmap as mm
+
+    path = f"/proc/{region.pid}/fd/{region.fd}"
+    worked = []
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        replies.put(["open refused"])
+        return
+    try:
+        try:
+            mm.mmap(fd, region.nbytes, prot=mm.PROT_READ | mm.PROT_WRITE).close()
+            worked.append("writable map")
+        except OSError:
+            pass
+        try:
+            os.pwrite(fd, b"\xff" * 8, 0)
+            worked.append("write")
+        except OSError:
+            pass
+        try:
+            os.ftruncate(fd, region.nbytes * 2)
+            worked.append("grow")
+        except OSError:
+            pass
+        mm.mmap(fd, region.nbytes, prot=mm.PROT_READ).close()  # reading stays allowed
+    finally:
+        os.close(fd)
+    replies.put(worked)
+
+
+def test_no_other_process_can_write_into_the_cache():
+    """The memfd is sealed once the owner has mapped it: another process of the same user can open
+    it but neither map it writable, write to it, nor resize it; the owner still writes."""
+    from pdserve.engine.shared_memory import SEALS, seals
+
+    t = shared_zeros((4, 1024), torch.float32)
+    region = locate(t)
+    assert seals(region.fd) & SEALS == SEALS
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    proc = ctx.Process(target=_write_in_child, args=(region, replies))
+    proc.start()
+    assert replies.get(timeout=60) == []
+    proc.join(10)
+    t[0, 0] = 7.0  # the owner's own mapping is as writable as before
+    assert not t[1:].any() and t[0, 0] == 7.0
