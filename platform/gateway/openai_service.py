@@ -178,8 +178,8 @@ class OpenAIService:
     def _fan_out(self, rec: RequestRecord, rid: str, prompts: list[list[int]], n: int,
                  make_params: Callable[[int], SamplingParams]) -> list[tuple[int, GenerateRequest]]:
         """One sequence per prompt and choice, indexed as OpenAI numbers choices; `make_params(i)`
-        gives choice i's sampling parameters. Each carries the request's deadline."""
-        self.bounds.check_sequences(len(prompts), n)
+        gives choice i's sampling parameters. Each carries the request's deadline. (How many there
+        may be was checked before the prompts were tokenized: `bounds.check_sequences`.)"""
         tag = uuid.uuid4().hex[:8]  # client ids may repeat; engine ids must not
         deadline_s = rec.start_unix_s + self.config.request_timeout_s
         params = [make_params(i) for i in range(n)]
