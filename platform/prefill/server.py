@@ -31,16 +31,19 @@ ExportRanks = Callable[[str, list[int], int], Awaitable[tuple[KVHandle, ...]]]
 
 class PrefillServer:
     def __init__(self, engine_config: EngineConfig, transfer: TransferConfig, exporter_id: str,
-                 host: str = "127.0.0.1", init_method: str | None = None, export_ranks: ExportRanks | None = None):
+                 host: str = "127.0.0.1", init_method: str | None = None, export_ranks: ExportRanks | None = None,
+                 backend: str | None = None):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
-        # export_ranks: lease the same blocks on ranks 1..N-1 (each serves its own KV heads).
+        # export_ranks: lease the same blocks on ranks 1..N-1 (each serves its own KV heads);
+        # backend: the KV backend by name, transfer.backend's unless given ("local": tests, one process).
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         self.export_ranks = export_ranks
         kv = self.engine.engine.kv_cache.kv
         self.layout = layout_of(kv, Path(engine_config.model).name, engine_config.tensor_parallel_size)
         pool = self.engine.engine.block_pool
-        exporter_cls, _ = BACKENDS[transfer.backend]()
-        options = exporter_options(transfer.backend, host, transfer.shared_memory)
+        backend = backend or transfer.backend
+        exporter_cls, _ = BACKENDS[backend]()
+        options = exporter_options(backend, host, transfer.shared_memory)
         # The lease table pins (on this replica's event loop, at export) and unpins (on the
         # exporter's threads, at an ack or expiry) between engine steps, never waiting for one:
         # made mid-step, they run right after it. Waiting out a step, the event loop stopped taking

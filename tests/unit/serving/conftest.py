@@ -16,10 +16,10 @@ def pools(tiny_llama, request):
     """Both roles over the local backend; `indirect` parametrization picks the KV cache's dtype."""
     config = EngineConfig(model=tiny_llama, num_kv_blocks=96, block_size=8,
                           kv_cache_dtype=getattr(request, "param", "auto"))
-    prefill = PrefillServer(config, TransferConfig(backend="local", lease_s=5), "prefill-0")
+    prefill = PrefillServer(config, TransferConfig(lease_s=5), "prefill-0", backend="local")
     importer = lambda e: LocalImporter(e.kv_cache.kv, layout_of(e.kv_cache.kv, Path(tiny_llama).name),  # noqa: E731
                                        {"prefill-0": prefill.exporter})
-    decode = DecodeServer(config, TransferConfig(backend="local"), prefill.prefill, importer,
+    decode = DecodeServer(config, TransferConfig(), prefill.prefill, importer,
                           remote_prefill_min_tokens=16)
     yield prefill, decode
     decode.shutdown()
