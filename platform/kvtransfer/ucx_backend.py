@@ -166,11 +166,18 @@ async def _settle(tasks: list[asyncio.Future], timeout_s: float = 1.0) -> bool:
     return all(t.done() for t in tasks)
 
 
+# Open importer connections one exporter keeps: each decode replica (rank) keeps a few idle ones
+# (`max_idle_per_exporter`), so this is room for dozens of decode replicas, and a bound on what a
+# peer flooding the listener (which listens on every interface: ucxx cannot bind one) can hold.
+MAX_CONNECTIONS = 512
+
+
 class UCXExporter(KVExporter):
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
                  lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 300.0, shared_memory: bool = True):
+                 idle_timeout_s: float = 300.0, shared_memory: bool = True,
+                 max_connections: int = MAX_CONNECTIONS):
         import ucxx
 
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
@@ -178,6 +185,7 @@ class UCXExporter(KVExporter):
         self.cache_region = locate(kv) if shared_memory else None
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
+        self.max_connections = max_connections
         self._loop = ucx_loop()
 
         async def start():
@@ -204,7 +212,11 @@ class UCXExporter(KVExporter):
 
     async def _serve(self, ep) -> None:
         """One connection: reads, one after another, until the importer closes it, a read fails,
-        or it stays idle for `idle_timeout_s`."""
+        or it stays idle for `idle_timeout_s`. Past `max_connections` open ones, refused at once."""
+        if self.num_open_connections >= self.max_connections:
+            log.warning("KV connection refused: %d open already", self.num_open_connections)
+            await self._close(ep)
+            return
         self.num_connections += 1
         self.num_open_connections += 1
         try:

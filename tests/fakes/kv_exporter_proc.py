@@ -28,7 +28,8 @@ def make_cache(num_blocks: int = NUM_BLOCKS):
                        LAYOUT["head_dim"], generator=g)
 
 
-def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shared: bool = False) -> None:
+def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shared: bool = False,
+          max_connections: int | None = None) -> None:
     os.environ.setdefault("UCX_TLS", "tcp")
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
@@ -39,8 +40,9 @@ def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shar
     if shared:
         kv = shared_zeros(kv.shape, kv.dtype).copy_(kv)
     pool = BlockPool(NUM_BLOCKS, LAYOUT["block_size"])
+    cap = {} if max_connections is None else {"max_connections": max_connections}
     exporter = UCXExporter("prefill-0", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=lease_s,
-                           idle_timeout_s=idle_timeout_s)
+                           idle_timeout_s=idle_timeout_s, **cap)
     replies.put(("ready", exporter.address))
     while True:
         cmd = commands.get()

@@ -24,11 +24,12 @@ from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, 
 
 
 class Exporter:
-    def __init__(self, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False):
+    def __init__(self, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False,
+                 max_connections: int | None = None):
         ctx = mp.get_context("spawn")
         self.commands, self.replies, self.shared = ctx.Queue(), ctx.Queue(), shared
-        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s, shared),
-                                daemon=True)
+        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s, shared,
+                                                    max_connections), daemon=True)
         self.proc.start()
         kind, self.address = self.replies.get(timeout=60)
         assert kind == "ready"
@@ -298,6 +299,35 @@ def _raw_peer(address: str, *frames: bytes, read_reply: bool = True):
             ep.abort()
 
     return ucx_loop().run(talk(), 15)  # the importer's loop: one UCX loop per process
+
+
+def test_the_connection_cap_refuses_the_next_peer_and_keeps_serving(src, importer):
+    """Two peers hold connections open and silent: a third is closed at once; once they go, a pull works."""
+    from pdserve.kvtransfer.ucx_backend import ucx_loop
+
+    capped = Exporter(max_connections=2)
+    try:
+        host, port = capped.address.rsplit(":", 1)
+        held = [ucx_loop().run(ucxx.create_endpoint(host, int(port)), 15) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while capped.connections()[1] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        read = p.encode_frame(p.READ, {"request_id": "x", "lease_token": "t", "layout": LAYOUT})
+        with pytest.raises(Exception):  # closed before any answer
+            _raw_peer(capped.address, read)
+        assert capped.connections()[1] == 2
+        for ep in held:
+            ep.abort()
+        deadline = time.monotonic() + 10
+        while capped.connections()[1] > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        handle = capped.export("after-the-cap", 32)
+        importer.pull(handle, _dst(2))
+        assert torch.equal(gather_blocks(importer.kv, _dst(2)), gather_blocks(src, list(handle.block_ids)))
+    finally:
+        capped.stop()
 
 
 def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src, importer):
