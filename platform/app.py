@@ -63,7 +63,8 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
     from pdserve.router.kv_events import stream_name
 
     router = config.router
-    kwargs = {"redis_url": router.redis_url, "stream": stream_name(config.name, deployment),
+    kwargs = {"redis_url": router.redis_url, "redis_password_env": router.redis_password_env,
+              "stream": stream_name(config.name, deployment),
               "block_size": config.engine_config(pool).block_size, "queue_weight": router.queue_weight,
               "max_blocks_per_replica": router.max_blocks_per_replica, "approx_ttl_s": router.approx_ttl_s,
               "pool": deployment.lower(), "model": config.served_model_name}
@@ -119,7 +120,8 @@ def build(config: ServeConfig) -> "Application":
     prefill = None
     if config.mode == "disaggregated":
         prefill = Prefill.options(**_pool_options(config, config.prefill, "Prefill", PREFIX_AWARE_ROUTER)).bind(args)
-        decode = Decode.options(**_pool_options(config, config.decode, "Decode", KV_HEADROOM_ROUTER)).bind(args, prefill)
+        decode_options = _pool_options(config, config.decode, "Decode", KV_HEADROOM_ROUTER)
+        decode = Decode.options(**decode_options).bind(args, prefill)
     else:
         decode = Decode.options(**_pool_options(config, config.decode, "Unified", PREFIX_AWARE_ROUTER)).bind(args)
     gw = config.gateway

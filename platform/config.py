@@ -159,7 +159,11 @@ class RouterConfig(BaseModel):
     redis_url: str | None = Field(
         None, description="Redis that carries the replicas' KV events, e.g. redis://host:6379/0: routing is "
                           "precise while it is reachable, approximate otherwise. None: `pdserve serve` starts a "
-                          "private redis-server on loopback when one is installed; `build_app` routes approximately.")
+                          "private redis-server on loopback when one is installed; `build_app` routes approximately. "
+                          "No password in it: it is rendered into the Serve config (see redis_password_env).")
+    redis_password_env: str = Field(
+        "PDSERVE_REDIS_PASSWORD", description="The environment variable that holds Redis' password, where one is "
+                                              "needed (the Helm chart sets it from a Secret); unset: no password.")
     queue_weight: float = Field(
         3.0, ge=0, description="Prefill cost = uncached prompt tokens + queue_weight x queued prefill tokens. "
                                "1: each request's own shortest wait; higher spreads hot prefixes sooner.")
@@ -167,6 +171,16 @@ class RouterConfig(BaseModel):
         1_000_000, ge=1, description="Blocks a router indexes per replica (least recently used trimmed first).")
     approx_ttl_s: float = Field(120.0, gt=0, description="How long approximate mode trusts its own placements.")
     stats_period_s: float = Field(0.5, gt=0, description="How often replicas report queue and KV figures.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _no_password_in_url(cls, url: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if url is not None and (urlsplit(url).password or urlsplit(url).username):
+            raise ValueError("redis_url carries credentials, which would be written into the Serve config in plain "
+                             "text: put the password in the environment variable redis_password_env names instead")
+        return url
 
 
 class GatewayConfig(BaseModel):

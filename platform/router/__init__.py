@@ -1,7 +1,8 @@
 """Where requests run: the prefix-aware router (DESIGN.md sections 2 and 3).
 
 Pure logic, importable without Ray or Redis:
-- `block_hashes(token_ids, block_size)`: chained hashes of full blocks (the engine's naming, `pdserve.engine.block_hash`).
+- `block_hashes(token_ids, block_size)`: chained hashes of full blocks (the engine's naming,
+  `pdserve.engine.block_hash`).
 - `RadixIndex`: which replica holds which blocks (`insert`, `remove`, `remove_replica`, `match`).
 - `pdserve.router.policy`: how a replica is chosen from the index and the replicas' load.
 - `pdserve.router.kv_events`: the KV-event stream that keeps routers' indexes true (Redis).

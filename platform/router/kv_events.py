@@ -3,11 +3,20 @@
 Each engine replica publishes what its prefix cache gained and lost to one Redis stream per
 deployment; every router instance reads the whole stream. No Ray here, and no pickle on the wire.
 
-Stream entry (XADD fields): `r` the replica id (Ray Serve's replica unique id), `id` the
-replica's event id (1, 2, 3, ... per replica, one per entry) and `ev` a msgpack list of events:
-`[STORED, hashes, parent]` (a chain of block hashes after `parent`, None for a first block),
-`[REMOVED, hashes]`, `[CLEARED]`, or `[SNAPSHOT, hashes, parents]` (everything the replica caches
-now, replacing what a router knew of it).
+Stream entry (XADD fields): `v` the format's version (`VERSION`), `r` the replica id (Ray
+Serve's replica unique id), `id` the replica's event id (1, 2, 3, ... per replica, one per entry)
+and `ev` a msgpack list of events: `[STORED, hashes, parent]` (a chain of block hashes after
+`parent`, None for a first block), `[REMOVED, hashes]`, `[CLEARED]`, `[SNAPSHOT, hashes, parents]`
+(what the replica caches now, replacing what a router knew of it) and `[SNAPSHOT_MORE, hashes,
+parents]` (the rest of a snapshot, in later entries, parents before children).
+
+Every router reads every entry, so entries are bounded: at most `MAX_ENTRY_BYTES` of `ev` (larger
+ones are dropped unread: msgpack's one-byte integers become Python objects ~36 times their size),
+unpacked with limits of the entry's own size; a publisher splits what it has to say to fit.
+Entries of another version, malformed or oversized are counted (`KVEventIndex.rejected`) and
+skipped. A replica answers resync requests at most once per `RESYNC_MIN_INTERVAL_S` (each is a
+snapshot taken under the engine's lock), however many arrive. The Redis password comes from the
+environment variable `router.redis_password_env` names, never from the URL in the Serve config.
 
 A router that sees a replica's event id jump (it missed entries: Redis trimmed or lost them, or
 it started late) asks that replica for a snapshot on the control stream `<stream>:resync`, and
@@ -28,7 +37,13 @@ from pdserve.router.radix_index import RadixIndex
 
 log = logging.getLogger(__name__)
 
-STORED, REMOVED, CLEARED, SNAPSHOT = 0, 1, 2, 3
+STORED, REMOVED, CLEARED, SNAPSHOT, SNAPSHOT_MORE = 0, 1, 2, 3, 4
+VERSION = 1
+MAX_ENTRY_BYTES = 1 << 20
+# Hashes per event in one entry: a 64-bit hash packs into 9 bytes (a snapshot's pairs into 18),
+# so this keeps an entry well under MAX_ENTRY_BYTES.
+_HASHES_PER_ENTRY = 40_000
+RESYNC_MIN_INTERVAL_S = 1.0
 
 
 def stream_name(app: str, deployment: str) -> str:
@@ -57,6 +72,47 @@ def encode_events(events: Iterable) -> list[list]:
     return out
 
 
+def split_events(events: list[list]) -> list[list[list]]:
+    """Wire events as entries: long chains and snapshots cut into parts of `_HASHES_PER_ENTRY`
+    (a snapshot's later parts are SNAPSHOT_MORE), short events gathered, order kept."""
+    entries: list[list[list]] = [[]]
+    size = 0
+    for ev in events:
+        parts = [ev]
+        if ev[0] in (STORED, REMOVED, SNAPSHOT) and len(ev[1]) > _HASHES_PER_ENTRY:
+            n = _HASHES_PER_ENTRY
+            if ev[0] == STORED:  # each part continues the chain after the last hash of the one before
+                parts = [[STORED, ev[1][i:i + n], ev[2] if i == 0 else ev[1][i - 1]] for i in range(0, len(ev[1]), n)]
+            elif ev[0] == REMOVED:
+                parts = [[REMOVED, ev[1][i:i + n]] for i in range(0, len(ev[1]), n)]
+            else:
+                parts = [[SNAPSHOT if i == 0 else SNAPSHOT_MORE, ev[1][i:i + n], ev[2][i:i + n]]
+                         for i in range(0, len(ev[1]), n)]
+        for part in parts:
+            weight = len(part[1]) if len(part) > 1 else 1
+            if entries[-1] and size + weight > _HASHES_PER_ENTRY:
+                entries.append([])
+                size = 0
+            entries[-1].append(part)
+            size += weight
+    return [e for e in entries if e]
+
+
+def topological(pairs: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """A snapshot's (hash, parent) pairs, parents before their children (split over entries, each
+    part is then placed on what the parts before it placed); blocks whose parent is not cached
+    are left out: they can never be matched (a match is a prefix)."""
+    children: dict[int | None, list[int]] = {}
+    for h, parent in pairs:
+        children.setdefault(parent, []).append(h)
+    out, todo = [], [(h, None) for h in children.get(None, [])]
+    while todo:
+        h, parent = todo.pop()
+        out.append((h, parent))
+        todo.extend((c, h) for c in children.get(h, ()))
+    return out
+
+
 def _is_hashes(x) -> bool:
     return isinstance(x, list) and all(type(h) is int for h in x)
 
@@ -66,28 +122,32 @@ def _check_events(events) -> None:
     if not isinstance(events, list):
         raise ValueError("events must be a list")
     for ev in events:
-        ok = isinstance(ev, list) and ev and ev[0] in (STORED, REMOVED, CLEARED, SNAPSHOT)
+        ok = isinstance(ev, list) and ev and ev[0] in (STORED, REMOVED, CLEARED, SNAPSHOT, SNAPSHOT_MORE)
         if ok and ev[0] == STORED:
             ok = len(ev) == 3 and _is_hashes(ev[1]) and (ev[2] is None or type(ev[2]) is int)
         elif ok and ev[0] == REMOVED:
             ok = len(ev) == 2 and _is_hashes(ev[1])
-        elif ok and ev[0] == SNAPSHOT:
+        elif ok and ev[0] in (SNAPSHOT, SNAPSHOT_MORE):
             ok = (len(ev) == 3 and _is_hashes(ev[1]) and isinstance(ev[2], list) and len(ev[2]) == len(ev[1])
                   and all(p is None or type(p) is int for p in ev[2]))
         if not ok:
             raise ValueError(f"malformed event {ev!r:.80}")
 
 
-def apply_snapshot(index: RadixIndex, replica: str, hashes: Sequence[int], parents: Sequence[int | None]) -> None:
-    """Replace what `index` knows of `replica` with a snapshot of (hash, parent) pairs.
+def apply_snapshot(index: RadixIndex, replica: str, hashes: Sequence[int], parents: Sequence[int | None],
+                   clear: bool = True) -> None:
+    """Replace what `index` knows of `replica` with a snapshot of (hash, parent) pairs (with
+    `clear=False`, add a later part of one: its chains hang on blocks the parts before placed).
 
     Blocks whose parent the replica no longer caches can never be matched (a match is a prefix)
     and are left out."""
-    index.clear_replica(replica)
+    if clear:
+        index.clear_replica(replica)
     children: dict[int | None, list[int]] = {}
     for h, p in zip(hashes, parents):
         children.setdefault(p, []).append(h)
-    todo = [(None, h) for h in children.get(None, [])]
+    here = set(hashes)
+    todo = [(p, h) for p, kids in children.items() if p is None or p not in here for h in kids]
     while todo:  # walk each maximal single-child chain and insert it in one go
         parent, h = todo.pop()
         chain = [h]
@@ -97,10 +157,15 @@ def apply_snapshot(index: RadixIndex, replica: str, hashes: Sequence[int], paren
         todo.extend((chain[-1], k) for k in children.get(chain[-1], ()))
 
 
-def _redis(url: str, timeout_s: float):
+def _redis(url: str, timeout_s: float, password_env: str | None = None):
+    """A client of `url`, with the password in the environment variable `password_env` (if set)."""
+    import os
+
     import redis
 
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    password = os.environ.get(password_env) if password_env else None
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                **({"password": password} if password else {}))
 
 
 class KVEventPublisher:
@@ -115,24 +180,27 @@ class KVEventPublisher:
 
     def __init__(self, redis_url: str, stream: str, replica_id: str, take_events: Callable[[], list],
                  snapshot: Callable[[], list[tuple[int, int | None]]], interval_s: float = 0.05,
-                 maxlen: int = 100_000):
+                 maxlen: int = 100_000, password_env: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.stream, self.replica_id = stream, replica_id
         self._take_events, self._snapshot = take_events, snapshot
         self._interval_s, self._maxlen = interval_s, maxlen
-        self._redis = _redis(redis_url, timeout_s=max(2.0, 4 * interval_s))
+        self._redis = _redis(redis_url, timeout_s=max(2.0, 4 * interval_s), password_env=password_env)
         self._seq = 0
         self._need_snapshot = False
+        self._clock, self._last_snapshot_s = clock, -1e9
+        self.num_snapshots = 0
         self._control_id = "$"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{replica_id}", daemon=True)
 
     @classmethod
-    def for_engine(cls, engine, redis_url: str, stream: str, replica_id: str) -> KVEventPublisher:
+    def for_engine(cls, engine, redis_url: str, stream: str, replica_id: str,
+                   password_env: str | None = None) -> KVEventPublisher:
         """Publish an `AsyncLLMEngine`'s KV events (turned on here), taken under its lock."""
         pool = engine.engine.block_pool
         pool.enable_events = True
         return cls(redis_url, stream, replica_id, lambda: engine.locked(pool.take_events),
-                   lambda: engine.locked(pool.snapshot)).start()
+                   lambda: engine.locked(pool.snapshot), password_env=password_env).start()
 
     def start(self) -> KVEventPublisher:
         self._thread.start()
@@ -145,17 +213,22 @@ class KVEventPublisher:
         self._redis.close()
 
     def publish_once(self) -> None:
-        """Publish pending events (and a snapshot when one is owed). Raises redis errors."""
+        """Publish pending events (and a snapshot when one is owed and the last is at least
+        RESYNC_MIN_INTERVAL_S old: a flood of resync requests costs one snapshot a second).
+        Raises redis errors."""
         events = encode_events(self._take_events())
-        if self._need_snapshot:  # taken after the events, so it already holds what they say
-            hashes, parents = zip(*pairs) if (pairs := self._snapshot()) else ((), ())
-            events = [[SNAPSHOT, list(hashes), list(parents)]]
-        if events:
+        now = self._clock()
+        snapshot = self._need_snapshot and now - self._last_snapshot_s >= RESYNC_MIN_INTERVAL_S
+        if snapshot:  # taken after the events, so it already holds what they say
+            pairs = topological(self._snapshot())
+            events = [[SNAPSHOT, [h for h, _ in pairs], [p for _, p in pairs]]]
+            self._last_snapshot_s, self._need_snapshot = now, False
+            self.num_snapshots += 1
+        for entry in split_events(events):
             self._seq += 1
-            self._redis.xadd(self.stream, {"r": self.replica_id, "id": self._seq,
-                                           "ev": msgpack.packb(events)},
+            self._redis.xadd(self.stream, {"v": VERSION, "r": self.replica_id, "id": self._seq,
+                                           "ev": msgpack.packb(entry)},
                              maxlen=self._maxlen, approximate=True)
-        self._need_snapshot = False
 
     def _wait_for_resync_requests(self) -> None:
         """Sleep up to `interval_s` on the control stream; a request for us (or all) owes a snapshot."""
@@ -197,7 +270,7 @@ class KVEventIndex:
 
     def __init__(self, redis_url: str | None, stream: str, max_blocks_per_replica: int | None = None,
                  approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0, block_s: float = 0.5,
-                 resync_every_s: float = 2.0):
+                 resync_every_s: float = 2.0, password_env: str | None = None):
         self.stream = stream
         self.precise = RadixIndex(max_blocks_per_replica)
         # This router's own placements. Approximate mode matches only these (for approx_ttl_s);
@@ -215,8 +288,10 @@ class KVEventIndex:
         self._url, self._block_s = redis_url, block_s
         self._stop = threading.Event()
         self._thread = None
+        # Entries skipped, by why: "version" (another format), "oversized" (dropped unread), "malformed".
+        self.rejected: dict[str, int] = {"version": 0, "oversized": 0, "malformed": 0}
         if redis_url:
-            self._redis = _redis(redis_url, timeout_s=block_s + 2.0)
+            self._redis = _redis(redis_url, timeout_s=block_s + 2.0, password_env=password_env)
             self._thread = threading.Thread(target=self._run, name="kv-event-reader", daemon=True)
 
     @property
@@ -291,7 +366,15 @@ class KVEventIndex:
                     apply_snapshot(index, replica, ev[1], ev[2])
                     in_order = True
                     self._resync_asked.pop(replica, None)
+                elif kind == SNAPSHOT_MORE:
+                    apply_snapshot(index, replica, ev[1], ev[2], clear=False)
             return in_order
+
+    def _reject(self, why: str, detail: str) -> None:
+        self.rejected[why] += 1
+        if self.rejected[why] in (1, 10, 100) or self.rejected[why] % 1000 == 0:  # a flood logs a few lines
+            log.warning("KV events: skipped a %s entry of %s (%s); %d so far", why, self.stream, detail,
+                        self.rejected[why])
 
     def request_resync(self, replica: str) -> None:
         now = time.monotonic()
@@ -302,13 +385,22 @@ class KVEventIndex:
         self._redis.xadd(self.stream + ":resync", {"r": replica}, maxlen=1000, approximate=True)
 
     def _apply_entry(self, fields: dict) -> None:
+        if fields.get(b"v") != str(VERSION).encode():
+            self._reject("version", f"version {fields.get(b'v', b'none')[:20]!r}, this router reads {VERSION}")
+            return
+        raw = fields.get(b"ev", b"")
+        if len(raw) > MAX_ENTRY_BYTES:
+            self._reject("oversized", f"{len(raw)} bytes of events, over {MAX_ENTRY_BYTES}")
+            return
         try:
             replica = fields[b"r"].decode()
             seq = int(fields[b"id"])
-            events = msgpack.unpackb(fields[b"ev"])
+            n = len(raw)
+            events = msgpack.unpackb(raw, max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n,
+                                     max_ext_len=0)
             _check_events(events)
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as e:
-            log.warning("KV events: skipping a malformed entry of %s (%r)", self.stream, e)
+            self._reject("malformed", repr(e)[:200])
             return
         try:
             in_order = self.apply(replica, seq, events)

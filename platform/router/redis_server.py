@@ -16,11 +16,12 @@ def _free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
         self.port = port or _free_port()
+        self.password = password  # required of clients when set (never in the URL: see RouterConfig)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -30,7 +31,8 @@ class LocalRedis:
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--protected-mode", "yes", "--loglevel", "warning"],
+             "--protected-mode", "yes", "--loglevel", "warning",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -39,7 +41,7 @@ class LocalRedis:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (with a password, it says so)
                         return self
             except OSError:
                 time.sleep(0.05)

@@ -96,7 +96,8 @@ class PrefixAwareRouter(_PdserveRouter):
         self._queue_weight = float(kwargs.get("queue_weight", DEFAULT_QUEUE_WEIGHT))
         self._index = KVEventIndex(kwargs.get("redis_url"), kwargs.get("stream", "pdserve:kv-events"),
                                    kwargs.get("max_blocks_per_replica"),
-                                   approx_ttl_s=float(kwargs.get("approx_ttl_s", 120.0))).start()
+                                   approx_ttl_s=float(kwargs.get("approx_ttl_s", 120.0)),
+                                   password_env=kwargs.get("redis_password_env")).start()
         log.info("prefix-aware router for %s: %s mode", kwargs.get("stream"), self._index.mode)
 
     def _replicas_changed(self, ids: set[str]) -> None:
@@ -161,7 +162,7 @@ def start_kv_events(cfg: ServeConfig, engine) -> KVEventPublisher | None:
         return None
     ctx = serve.get_replica_context()
     return KVEventPublisher.for_engine(engine, cfg.router.redis_url, stream_name(cfg.name, ctx.deployment),
-                                       ctx.replica_id.unique_id)
+                                       ctx.replica_id.unique_id, cfg.router.redis_password_env)
 
 
 def routing_stats(stats: dict) -> dict:

@@ -188,3 +188,40 @@ def test_replicas_that_leave_drop_out_of_the_index(redis_server, replicas):
         assert router.precise.replicas == ["r1"]
     finally:
         router.close()
+
+
+def test_a_resync_flood_costs_one_snapshot_a_second(redis_server, replicas):
+    rep = replicas[0]
+    rep.serve(20)
+    rep.publisher.start()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:  # every 5 ms, for every replica: "send a snapshot"
+            client.xadd(STREAM + ":resync", {"r": "*"}, maxlen=1000, approximate=True)
+            time.sleep(0.005)
+        assert 1 <= rep.publisher.num_snapshots <= 3  # at most one a second (and one right away)
+    finally:
+        client.close()
+
+
+def test_the_password_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TEST_KV_EVENTS_PASSWORD", "s3cret")
+    with LocalRedis(password="s3cret") as server:
+        rep = Replica("r0", server.url, seed=0)
+        rep.publisher = KVEventPublisher(server.url, STREAM, "r0", rep._locked(rep.pool.take_events),
+                                         rep._locked(rep.pool.snapshot), interval_s=0.02,
+                                         password_env="TEST_KV_EVENTS_PASSWORD").start()
+        router = KVEventIndex(server.url, STREAM, block_s=0.1, password_env="TEST_KV_EVENTS_PASSWORD").start()
+        stranger = KVEventIndex(server.url, STREAM, block_s=0.1).start()  # no password: approximate
+        try:
+            router.set_replicas(["r0"])
+            rep.serve(30)
+            wait_until(lambda: in_sync(router, rep), what="the index to follow with the password")
+            assert router.mode == "precise"
+            time.sleep(0.5)
+            assert stranger.mode == "approximate"
+        finally:
+            for r in (router, stranger):
+                r.close()
+            rep.publisher.close()

@@ -1,0 +1,85 @@
+"""KV-event stream entries, bounded: what a publisher has to say is cut into entries of a bounded
+size (a snapshot in parts, parents first), and a router skips, unread, entries of another
+version, over the size bound, or malformed, counting each."""
+
+import msgpack
+import pytest
+
+from pdserve.router import kv_events as ke
+from pdserve.router.kv_events import (REMOVED, SNAPSHOT, SNAPSHOT_MORE, STORED, KVEventIndex, apply_snapshot,
+                                      split_events, topological)
+from pdserve.router.radix_index import RadixIndex
+
+
+def _tree(depth: int, fan: int) -> list[tuple[int, int | None]]:
+    """(hash, parent) pairs of a tree of blocks, children listed before their parents."""
+    pairs, level, next_id = [], [None], 1
+    for _ in range(depth):
+        new = []
+        for parent in level:
+            for _ in range(fan):
+                pairs.append((next_id, parent))
+                new.append(next_id)
+                next_id += 1
+        level = new
+    return pairs[::-1]
+
+
+def test_long_events_are_cut_into_bounded_entries(monkeypatch):
+    monkeypatch.setattr(ke, "_HASHES_PER_ENTRY", 10)
+    chain = list(range(100, 125))
+    entries = split_events([[STORED, chain, 7], [REMOVED, list(range(25))], [ke.CLEARED]])
+    assert all(sum(len(e[1]) if len(e) > 1 else 1 for e in entry) <= 10 for entry in entries)
+    stored = [e for entry in entries for e in entry if e[0] == STORED]
+    assert [h for e in stored for h in e[1]] == chain  # in order, each part continuing the last
+    assert [e[2] for e in stored] == [7, chain[9], chain[19]]
+    assert entries[-1][-1] == [ke.CLEARED]
+
+
+def test_a_snapshot_in_parts_builds_what_one_snapshot_builds(monkeypatch):
+    monkeypatch.setattr(ke, "_HASHES_PER_ENTRY", 7)
+    pairs = topological(_tree(depth=3, fan=3) + [(999, 12345)])  # 999's parent is not cached: left out
+    assert len(pairs) == 39 and 999 not in [h for h, _ in pairs]
+    seen = set()
+    for h, parent in pairs:  # parents before children
+        assert parent is None or parent in seen
+        seen.add(h)
+    whole, parts = RadixIndex(), RadixIndex()
+    apply_snapshot(whole, "r", [h for h, _ in pairs], [p for _, p in pairs])
+    entries = split_events([[SNAPSHOT, [h for h, _ in pairs], [p for _, p in pairs]]])
+    kinds = [e[0] for entry in entries for e in entry]
+    assert kinds[0] == SNAPSHOT and set(kinds[1:]) == {SNAPSHOT_MORE} and len(entries) > 2
+    parts.insert("r", [5000, 5001])  # stale: the first part clears it
+    for entry in entries:
+        for kind, hashes, parents in entry:
+            apply_snapshot(parts, "r", hashes, parents, clear=kind == SNAPSHOT)
+    assert parts.blocks("r") == whole.blocks("r") == seen
+
+
+def test_a_router_skips_bad_entries_unread_and_counts_them(monkeypatch):
+    index = KVEventIndex(None, "s")
+    index.set_replicas(["r"])
+    unpacked = []
+    real = msgpack.unpackb
+    monkeypatch.setattr(ke.msgpack, "unpackb", lambda data, **kw: unpacked.append(len(data)) or real(data, **kw))
+    good = {b"v": b"1", b"r": b"r", b"id": b"1", b"ev": msgpack.packb([[STORED, [11, 12], None]])}
+    index._apply_entry(good)
+    bomb = b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x90" * (4 << 20)  # 4 Mi empty arrays
+    for fields in ({**good, b"v": b"2"}, {k: v for k, v in good.items() if k != b"v"},
+                   {**good, b"id": b"2", b"ev": bomb}, {**good, b"id": b"3", b"ev": b"\xc1"},
+                   {**good, b"id": b"4", b"ev": msgpack.packb([[STORED, ["x"], None]])}):
+        index._apply_entry(fields)
+    assert index.rejected == {"version": 2, "oversized": 1, "malformed": 2}
+    assert max(unpacked) < ke.MAX_ENTRY_BYTES  # the bomb was never unpacked
+    assert index.precise.blocks("r") == {11, 12}
+
+
+@pytest.mark.parametrize("url", ["redis://:secret@host:6379/0", "redis://user:secret@host/0", "rediss://u@h/0"])
+def test_credentials_never_go_in_the_url(url):
+    from pydantic import ValidationError
+
+    from pdserve.config import RouterConfig
+
+    with pytest.raises(ValidationError, match="redis_password_env"):
+        RouterConfig(redis_url=url)
+    RouterConfig(redis_url="redis://host:6379/0")
