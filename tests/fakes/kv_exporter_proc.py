@@ -80,9 +80,10 @@ def _voluntary_switches(thread_id: str) -> int:
         return 0
 
 
-def stall(replies, num_blocks: int, num_chunks_sent: int) -> None:
+def stall(replies, num_blocks: int, num_chunks_sent: int, late_s: float | None = None) -> None:
     """Answer every READ with a DATA frame for `num_blocks` blocks and `num_chunks_sent` chunks
-    of zeros, then keep the connection open and send nothing more."""
+    of zeros, then keep the connection open and send nothing more; with `late_s`, send the rest
+    (bytes of 0x7f) that much later, past an importer's deadline."""
     os.environ.setdefault("UCX_TLS", "tcp")
     import asyncio
 
@@ -102,6 +103,13 @@ def stall(replies, num_blocks: int, num_chunks_sent: int) -> None:
             await _send_frame(ep, p.DATA, {"shape": shape, "num_chunks": len(chunks)})
             for s0, s1 in chunks[:num_chunks_sent]:
                 await ep.send(np.zeros((s1 - s0) * slab_bytes, dtype=np.uint8))
+            if late_s is not None:
+                await asyncio.sleep(late_s)
+                try:
+                    for s0, s1 in chunks[num_chunks_sent:]:
+                        await ep.send(np.full((s1 - s0) * slab_bytes, 0x7F, dtype=np.uint8))
+                except Exception:  # noqa: BLE001 - the importer aborted: what it must have done
+                    pass
             await asyncio.sleep(3600)
 
         listener = ucxx.create_listener(handler, port=0)

@@ -18,7 +18,7 @@ os.environ.setdefault("UCX_TLS", "tcp")
 ucxx = pytest.importorskip("ucxx")
 
 from pdserve.kvtransfer import protocol as p  # noqa: E402
-from pdserve.kvtransfer.blocks import block_run, gather_blocks  # noqa: E402
+from pdserve.kvtransfer.blocks import block_run, gather_blocks, scatter_blocks  # noqa: E402
 from pdserve.kvtransfer.ucx_backend import UCXImporter  # noqa: E402
 from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, stall  # noqa: E402
 
@@ -404,6 +404,29 @@ def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(expo
     h = exporter.export_scattered("after-stall", 1000)
     importer.pull(h, _dst(63))
     assert torch.equal(gather_blocks(importer.kv, _dst(63)), gather_blocks(src, list(h.block_ids)))
+
+
+@pytest.mark.parametrize("dst", [list(range(100, 163)), _dst(63)], ids=["in place", "staged"])
+def test_a_timed_out_pull_never_writes_into_blocks_it_gave_back(importer, dst):
+    """The exporter sends the rest of the blocks after the importer's deadline: by then the pull
+    has failed, cancelled its receives and handed its blocks back, and the caller reused them (a
+    canary pattern here). The late bytes land nowhere: the canary survives."""
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    proc = ctx.Process(target=stall, args=(replies, 63, 1, 3.0), daemon=True)
+    proc.start()
+    try:
+        kind, address = replies.get(timeout=60)
+        handle = p.KVHandle("late", address, "late", tuple(range(63)), 1000, p.KVLayout(**LAYOUT), "t")
+        with pytest.raises(p.ExporterUnreachableError):
+            importer.pull(handle, dst, timeout_s=1.5)
+        canary = torch.full_like(gather_blocks(importer.kv, dst), -123.0)  # the blocks, reused
+        scatter_blocks(importer.kv, dst, canary)
+        time.sleep(3.0)  # the late chunks come and go
+        assert torch.equal(gather_blocks(importer.kv, dst), canary)
+    finally:
+        proc.kill()
+        proc.join(10)
 
 
 @pytest.fixture(scope="module")
