@@ -130,6 +130,7 @@ def _group_properties() -> Schema:
         # the resource flags, with a message naming the values to use instead.)
         "rayStartParams": _string_map(),
         "customResources": _string_map(), "labels": _string_map(), "annotations": _string_map(),
+        "rdma": {"type": "boolean"},
     }
 
 
@@ -144,6 +145,7 @@ def values_schema() -> Schema:
     image = _closed({"repository": {"type": "string", "minLength": 1}, "tag": string,
                      "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}})
     monitor = _closed({"enabled": boolean, "interval": string, "labels": _string_map()})
+    pods_in = _closed({"namespace": string, "podLabels": _string_map()})
     named_items = lambda *required: {"type": "array", "items": {"type": "object", "required": list(required)}}
     definitions = {
         **config_definitions(),
@@ -175,7 +177,7 @@ def values_schema() -> Schema:
                                         "clusterUpgradeOptions": {"type": "object"}}),
             "initializingTimeout": {"type": "string", "pattern": "^([0-9]+|([0-9]+(\\.[0-9]+)?(ms|s|m|h))+)$"},
             "excludeHeadPodFromServeSvc": boolean,
-            "ports": _closed({"http": port, "grpc": port, "dashboard": port, "metrics": port}),
+            "ports": _closed({"http": port, "grpc": port, "dashboard": port, "dashboardAgent": port, "metrics": port}),
             "grpc": _closed({"enabled": boolean}),
             "autoscaler": _closed({"enabled": boolean, "upscalingMode": {"enum": ["Conservative", "Default", "Aggressive"]},
                                    "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
@@ -199,15 +201,21 @@ def values_schema() -> Schema:
             "podSecurityContext": {"type": "object"},
             "securityContext": {"type": "object"},
             "serviceAccountName": string,
+            "ray": _closed({"auth": _closed({"mode": {"enum": ["token", "disabled"]}, "existingSecret": string})}),
             "apiKeys": _closed({"keys": {"type": "array", "items": {"type": "string", "pattern": "^[^,\\s]+$"}},
                                 "existingSecret": string, "secretKey": {"type": "string", "minLength": 1}}),
-            "redis": _closed({"enabled": boolean, "externalUrl": {"type": "string", "pattern": "^(rediss?://.+)?$"},
+            "redis": _closed({"enabled": boolean,
+                              # No credentials in the URL: the password goes in auth.existingSecret.
+                              "externalUrl": {"type": "string", "pattern": "^(rediss?://[^@]+)?$"},
+                              "auth": _closed({"enabled": boolean, "existingSecret": string,
+                                               "secretKey": {"type": "string", "minLength": 1}}),
                               "image": image, "args": {"type": "array", "items": string},
                               "resources": {"type": "object"}, "nodeSelector": _string_map(),
-                              "tolerations": {"type": "array"}, "affinity": {"type": "object"}}),
+                              "tolerations": {"type": "array"}, "affinity": {"type": "object"},
+                              "podSecurityContext": {"type": "object"}, "securityContext": {"type": "object"}}),
             "serveService": _closed({"type": service_type, "annotations": _string_map()}),
             "services": _closed({
-                "dashboard": _closed({"enabled": boolean, "type": service_type, "annotations": _string_map()}),
+                "dashboard": _closed({"enabled": boolean, "annotations": _string_map()}),
                 "metrics": _closed({"enabled": boolean, "annotations": _string_map()})}),
             "ingress": _closed({
                 "enabled": boolean, "className": string, "annotations": _string_map(),
@@ -217,6 +225,13 @@ def values_schema() -> Schema:
                         "path": string, "pathType": {"enum": ["Prefix", "Exact", "ImplementationSpecific"]}}}}}}},
                 "tls": {"type": "array"}}),
             "monitoring": _closed({"serviceMonitor": monitor, "podMonitor": monitor}),
+            "networkPolicy": _closed({
+                "enabled": boolean, "apiFrom": {"type": "array", "items": {"type": "object"}},
+                "ingressController": pods_in, "kuberayOperator": pods_in, "monitoring": pods_in,
+                "egress": _closed({"restrict": boolean,
+                                   "kubernetesApiCidrs": {"type": "array", "items": {"type": "string", "pattern": "/"}},
+                                   "kubernetesApiPorts": {"type": "array", "items": port},
+                                   "dns": pods_in, "extra": {"type": "array", "items": {"type": "object"}}})}),
         },
     }
 

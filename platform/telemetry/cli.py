@@ -31,7 +31,9 @@ def _status(args) -> int:
     try:
         ray.init(address=args.address, log_to_driver=False, logging_level="error")
     except ConnectionError as e:
-        print(f"no Ray cluster at {args.address!r} ({e}); start one with `pdserve serve`, or pass --address")
+        print(f"no Ray cluster at {args.address!r} ({e}); start one with `pdserve serve`, or pass --address. "
+              "A cluster with Ray's token authentication (the Helm chart's default) also wants RAY_AUTH_MODE=token "
+              "and its RAY_AUTH_TOKEN: run `pdserve status` inside the head pod, which has both (NOTES.txt says how)")
         return 1
     try:
         while True:

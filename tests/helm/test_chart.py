@@ -13,7 +13,7 @@ from tests.helm.conftest import CHART, CONFIGS, EXAMPLES, NAMESPACE, RELEASE, ex
 from tests.helm.kube_schemas import KUBE_VERSION, core_errors, crd_errors
 
 CASES = {"defaults": {}, **{name: example_values(name) for name in EXAMPLES}}
-CORE_KINDS = {"Service", "Deployment", "Secret", "Ingress"}
+CORE_KINDS = {"Service", "Deployment", "Secret", "Ingress", "NetworkPolicy"}
 # Everything optional switched on, so every template is rendered and checked at least once.
 EVERYTHING = {
     "apiKeys": {"keys": ["sk-one", "sk-two"]},
@@ -26,6 +26,12 @@ EVERYTHING = {
     "env": [{"name": "HF_HOME", "value": "/models/hf"}],
     "sharedMemorySize": "16Gi",
     "imagePullSecrets": [{"name": "regcred"}],
+    "services": {"dashboard": {"enabled": True}},
+    "ray": {"auth": {"existingSecret": "ray-token"}},
+    "pools": {"decode": {"rdma": True}},
+    "networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+                      "egress": {"restrict": True, "kubernetesApiCidrs": ["10.96.0.1/32"],
+                                 "extra": [{"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"port": 4318}]}]}},
 }
 
 
@@ -136,4 +142,4 @@ def test_serve_config_is_what_pdserve_serve_config_prints(render, case):
 def test_a_config_map_and_its_text_render_the_same(render):
     name = "llama3-8b-h100-a100.yaml"
     as_map = {"config": yaml.safe_load((CONFIGS / name).read_text())}
-    assert render(as_map).objects == render(example_values(name)).objects
+    assert render(as_map).stable_objects == render(example_values(name)).stable_objects

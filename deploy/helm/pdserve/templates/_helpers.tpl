@@ -65,6 +65,33 @@ YAML; callers read it back with fromYaml (a fresh copy every time, so .Values is
 {{- if eq (get $config "mode" | default "disaggregated") "colocated" -}}decode{{- else -}}prefill decode{{- end -}}
 {{- end -}}
 
+{{/* Selector of the release's Ray pods (head and workers of every cluster KubeRay runs for it,
+   the old and the new one during an upgrade): labels the chart writes into the pod templates. */}}
+{{- define "pdserve.rayPodSelector" -}}
+matchLabels:
+  {{- include "pdserve.selectorLabels" . | nindent 2 }}
+matchExpressions:
+  - {key: app.kubernetes.io/component, operator: In, values: [ray-head, ray-worker]}
+{{- end -}}
+
+{{- define "pdserve.redisSelector" -}}
+matchLabels:
+  {{- include "pdserve.selectorLabels" . | nindent 2 }}
+  app.kubernetes.io/component: redis
+{{- end -}}
+
+{{/* Whether the routers need Redis' password ("true" or empty): the bundled Redis with auth, or an
+   external one whose password is in auth.existingSecret. */}}
+{{- define "pdserve.redisAuth" -}}
+{{- if and (include "pdserve.redisUrl" .) .Values.redis.auth.enabled -}}
+{{- if or .Values.redis.auth.existingSecret (not .Values.redis.externalUrl) -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.redisSecretName" -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
 {{/* The Redis URL handed to the routers: external, bundled, or none (then the config's own). */}}
 {{- define "pdserve.redisUrl" -}}
 {{- if .Values.redis.externalUrl -}}
@@ -215,6 +242,7 @@ affinity: {{- $spec.affinity | default dict | toYaml | nindent 2 }}
 rayStartParams: {{- $spec.rayStartParams | default dict | toYaml | nindent 2 }}
 labels: {{- $spec.labels | default dict | toYaml | nindent 2 }}
 annotations: {{- $spec.annotations | default dict | toYaml | nindent 2 }}
+rdma: {{ $spec.rdma | default false }}
 {{- end -}}
 
 {{/* Every worker group, in their fixed order: the pools' (prefill, decode), then extraWorkerGroups. */}}
@@ -234,9 +262,17 @@ annotations: {{- $spec.annotations | default dict | toYaml | nindent 2 }}
 {{- toYaml (dict "groups" $groups) -}}
 {{- end -}}
 
-{{/* Environment of every Ray container: Ray's worker niceness (unless null), the API keys (when set)
-   and the values' env (last: a variable set there wins). */}}
+{{/* Environment of every Ray container: Ray's worker niceness (unless null), the transport limits
+   `pdserve serve` sets (launch.ray_env: gRPC messages up to gateway.max_body_bytes, HAProxy's
+   client timeout at gateway.request_timeout_s; the defaults are GatewayConfig's, and tests/helm
+   checks they stay equal), the API keys and Redis' password (when set, from their Secrets), and
+   the values' env (last: a variable set there wins). */}}
 {{- define "pdserve.rayEnv" -}}
+{{- $gateway := get (include "pdserve.userConfig" . | fromYaml) "gateway" | default dict }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ get $gateway "max_body_bytes" | default 4194304 | int | quote }}
+- name: RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
+  value: {{ get $gateway "request_timeout_s" | default 600 | float64 | ceil | int | quote }}
 {{- if not (kindIs "invalid" .Values.rayWorkerNiceness) }}
 - name: RAY_worker_niceness
   value: {{ .Values.rayWorkerNiceness | quote }}
@@ -248,49 +284,106 @@ annotations: {{- $spec.annotations | default dict | toYaml | nindent 2 }}
       name: {{ .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "pdserve.fullname" .)) }}
       key: {{ .Values.apiKeys.secretKey }}
 {{- end }}
+{{- if include "pdserve.redisAuth" . }}
+- name: {{ get (get (include "pdserve.userConfig" . | fromYaml) "router" | default dict) "redis_password_env" | default "PDSERVE_REDIS_PASSWORD" }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisSecretName" . }}
+      key: {{ .Values.redis.auth.secretKey }}
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
 
-{{/* Pod-level settings every Ray pod shares. */}}
+{{/* Pod-level settings every Ray pod shares. Only the head calls the Kubernetes API (KubeRay's
+   autoscaler runs beside it): no other pod gets a service-account token. Input: dict "root" "head". */}}
 {{- define "pdserve.rayPodSpec" -}}
-{{- with .Values.imagePullSecrets }}
+{{- $root := .root -}}
+{{- with $root.Values.imagePullSecrets }}
 imagePullSecrets: {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.serviceAccountName }}
+{{- with $root.Values.serviceAccountName }}
 serviceAccountName: {{ . }}
 {{- end }}
-{{- with .Values.podSecurityContext }}
+automountServiceAccountToken: {{ and .head $root.Values.autoscaler.enabled }}
+{{- with $root.Values.podSecurityContext }}
 securityContext: {{- toYaml . | nindent 2 }}
 {{- end }}
 volumes:
   - name: dshm
     emptyDir:
       medium: Memory
-      {{- with .Values.sharedMemorySize }}
+      {{- with $root.Values.sharedMemorySize }}
       sizeLimit: {{ . }}
       {{- end }}
-{{- with .Values.volumes }}
+  - {name: tmp, emptyDir: {}}
+  - {name: cache, emptyDir: {}}
+{{- with $root.Values.volumes }}
 {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
-{{/* Container-level settings every Ray container shares. */}}
+{{/* What a Ray container writes, on a read-only root: /tmp (Ray's session directory, HAProxy's
+   files, compilers' temporaries) and the caches, the image's model under ~/.cache/pdserve kept. */}}
+{{- define "pdserve.writableMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: cache, mountPath: /home/ray/.cache/pdserve/kernels, subPath: pdserve-kernels}
+- {name: cache, mountPath: /home/ray/.cache/huggingface, subPath: huggingface}
+- {name: cache, mountPath: /home/ray/.triton, subPath: triton}
+{{- end -}}
+
+{{/* A Ray container's securityContext: the values', plus IPC_LOCK for a pool on RDMA.
+   Input: dict "root" "rdma". */}}
+{{- define "pdserve.raySecurityContext" -}}
+{{- $context := deepCopy (.root.Values.securityContext | default dict) -}}
+{{- if .rdma -}}
+{{- $capabilities := get $context "capabilities" | default dict -}}
+{{- $_ := set $capabilities "add" (append (get $capabilities "add" | default list) "IPC_LOCK" | uniq) -}}
+{{- $_ := set $context "capabilities" $capabilities -}}
+{{- end -}}
+{{- toYaml $context -}}
+{{- end -}}
+
+{{/* Container-level settings every Ray container shares. Input: dict "root" "rdma". */}}
 {{- define "pdserve.rayContainer" -}}
-image: {{ include "pdserve.image" . }}
-imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- $env := include "pdserve.rayEnv" . }}
+{{- $root := .root -}}
+image: {{ include "pdserve.image" $root }}
+imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+{{- $env := include "pdserve.rayEnv" $root }}
 {{- if $env }}
 env: {{- $env | trim | nindent 2 }}
 {{- end }}
-{{- with .Values.securityContext }}
+{{- $context := include "pdserve.raySecurityContext" . | fromYaml }}
+{{- with $context }}
 securityContext: {{- toYaml . | nindent 2 }}
 {{- end }}
 volumeMounts:
   - name: dshm
     mountPath: /dev/shm
-{{- with .Values.volumeMounts }}
+  {{- include "pdserve.writableMounts" . | nindent 2 }}
+{{- with $root.Values.volumeMounts }}
 {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* The Redis container's start: the password (when there is one) into a config file that only
+   the redis user reads, then redis-server with the values' args ("$@"). Redis' config syntax
+   takes a double-quoted string with \" and \\ escaped. */}}
+{{- define "pdserve.redisStart" -}}
+umask 077
+{{- if include "pdserve.redisAuth" . }}
+printf 'requirepass "%s"\n' "$(sed 's/[\\"]/\\&/g' /run/pdserve/redis-password/password)" > /run/pdserve/redis-config/redis.conf
+{{- else }}
+: > /run/pdserve/redis-config/redis.conf
+{{- end }}
+exec redis-server /run/pdserve/redis-config/redis.conf "$@"
+{{- end -}}
+
+{{- define "pdserve.redisPing" -}}
+{{- if include "pdserve.redisAuth" . -}}
+REDISCLI_AUTH="$(cat /run/pdserve/redis-password/password)" redis-cli ping | grep -q PONG
+{{- else -}}
+redis-cli ping | grep -q PONG
+{{- end -}}
 {{- end -}}

@@ -44,6 +44,13 @@ Each failure says what to change. pdserve's own checks run again when the app de
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- with get (get $config "gateway" | default dict) "api_keys" -}}
+{{- fail "config.gateway.api_keys: API keys given in the config would be rendered into the RayService's serveConfigV2 and shown on the Ray dashboard; put them in apiKeys.keys (the chart keeps them in a Secret) or apiKeys.existingSecret" -}}
+{{- end -}}
+{{- $egress := .Values.networkPolicy.egress -}}
+{{- if and .Values.networkPolicy.enabled $egress.restrict .Values.autoscaler.enabled (not $egress.kubernetesApiCidrs) -}}
+{{- fail "networkPolicy.egress.restrict cuts the autoscaler in the head off the Kubernetes API: set networkPolicy.egress.kubernetesApiCidrs to the API server's addresses (kubectl get endpoints kubernetes -n default), or autoscaler.enabled=false" -}}
+{{- end -}}
 {{- range $key := .Values.apiKeys.keys -}}
 {{- if or (contains "," $key) (ne $key (trim $key)) (not $key) -}}
 {{- fail "apiKeys.keys: a key must be non-empty, without commas or surrounding spaces (they travel comma-separated in PDSERVE_API_KEYS)" -}}
