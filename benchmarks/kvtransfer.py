@@ -2,7 +2,7 @@
 and pdserve's local pull (the exporter's cache in shared memory, copied out by the importer)
 against one memcpy of the same bytes, between the same two processes, in one run, timed in turns.
 
-    python benchmarks/kvtransfer.py [--repeats 10]
+    python benchmarks/kvtransfer.py [--repeats 10] [--netns]
 
 Payloads: the KV of a 2,048-token prompt of the ~56M benchmark model (8 layers, 4 KV heads, head
 dim 64, fp32, block size 16: 32 MiB) and a 64 MiB one (4,096 tokens), each in blocks that are one
@@ -13,6 +13,10 @@ decode replica does (the local pull sends only its READ and ACK over it); the me
 copies the bytes between two buffers of the importer's process. Besides the time, each path's CPU
 time in the importer's process (what a pull takes from the decode replica's engine). Prints a
 markdown table and one JSON line.
+
+--netns (root): the two processes on two nodes of a network-namespace lab (tests/harness/netns.py),
+so every byte crosses two veths and a bridge, as between pods on different hosts; the local
+pull and the memcpy then have no link to cross and are left out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import socket
 import statistics
 import struct
+import sys
 import time
 
 os.environ.setdefault("UCX_TLS", "tcp")
@@ -34,12 +39,22 @@ PAYLOADS = {"2048-token KV (32 MiB)": (2048, 1), "64 MiB": (4096, 1), "2048-toke
 NUM_BLOCKS = 4096 // 16 + 8  # also holds 2,048 tokens at every other block
 
 
+def _netns_lab():
+    """tests/harness/netns.py (the repository's root on sys.path)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.harness import netns
+
+    return netns
+
+
 def _block_ids(tokens: int, stride: int) -> list[int]:
     return list(range(0, tokens // 16 * stride, stride))
 
 
-def _server(replies, repeats: int) -> None:
+def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.0.1") -> None:
     """The sending process: a pdserve exporter, a raw ucxx listener and a TCP listener."""
+    if netns:  # first: numpy, torch and UCX start threads, and setns moves only the calling one
+        _netns_lab().enter(netns)
     import numpy as np
     import torch
     import ucxx
@@ -51,7 +66,7 @@ def _server(replies, repeats: int) -> None:
 
     kv = torch.randn(8, 2, NUM_BLOCKS, 16, 4, 64)
     pool = BlockPool(NUM_BLOCKS, 16)
-    exporters = {"ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600),
+    exporters = {"ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600, host=host),
                  "local": UCXExporter("bench-shared", shared_zeros(kv.shape, kv.dtype).copy_(kv), KVLayout(**LAYOUT),
                                       pool.incref, pool.free, lease_s=600)}
     handles = {}
@@ -63,7 +78,7 @@ def _server(replies, repeats: int) -> None:
     buf = np.frombuffer(payload, dtype=np.uint8)
 
     tcp = socket.socket()
-    tcp.bind(("127.0.0.1", 0))
+    tcp.bind((host, 0))
     tcp.listen(16)
 
     def tcp_loop():
@@ -118,7 +133,20 @@ def _measure(fns: dict, nbytes: int, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--netns", action="store_true", help="run the two processes on two nodes of a namespace lab (root)")
     args = ap.parse_args()
+    lab = host = None
+    if args.netns:
+        netns = _netns_lab()
+        if (why := netns.unavailable()) is not None:
+            raise SystemExit(f"--netns {why}")
+        lab = netns.Lab()
+        prefill, decode = lab.add_node("prefill"), lab.add_node("decode")
+        host = prefill.ip
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # in this namespace, out of the lab's reach when it closes
+        netns.enter(decode.netns)  # before any thread starts (below: numpy, torch, UCX)
 
     import numpy as np
     import torch
@@ -129,7 +157,9 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     replies = ctx.Queue()
-    server = ctx.Process(target=_server, args=(replies, args.repeats), daemon=True)
+    server = ctx.Process(target=_server, args=(replies, args.repeats, prefill.netns if lab else None, host or "127.0.0.1"),
+                         daemon=True)
+    host = host or "127.0.0.1"
     server.start()
     handles, ucx_port, tcp_port = replies.get(timeout=120)
     kv = torch.zeros(8, 2, NUM_BLOCKS, 16, 4, 64)
@@ -142,7 +172,7 @@ def main() -> None:
 
     def raw_ucxx(nbytes: int):
         async def go():
-            ep = await ucxx.create_endpoint("127.0.0.1", ucx_port)
+            ep = await ucxx.create_endpoint(host, ucx_port)
             await ep.send(np.array([nbytes], dtype=np.uint64))
             await ep.recv(raw_out[:nbytes])
             await ep.send(np.ones(1, dtype=np.uint8))
@@ -150,7 +180,7 @@ def main() -> None:
         ucx_loop().run(go())  # the importer's loop: one UCX loop per process
 
     def plain_tcp(nbytes: int):
-        with socket.create_connection(("127.0.0.1", tcp_port)) as s:
+        with socket.create_connection((host, tcp_port)) as s:
             s.sendall(struct.pack("<Q", nbytes))
             view, got = memoryview(tcp_out)[:nbytes], 0
             while got < nbytes:
@@ -161,23 +191,33 @@ def main() -> None:
         nbytes = tokens * 8 * 2 * 4 * 64 * 4
         queues = {path: [KVHandle.from_dict(h) for h in hs] for path, hs in handles[name].items()}
         dst = _block_ids(tokens, stride)
-        timed = _measure({"pdserve_ucx": lambda: importer.pull(queues["ucx"].pop(), dst),
-                          "raw_ucxx": lambda: raw_ucxx(nbytes), "plain_tcp": lambda: plain_tcp(nbytes),
-                          "pdserve_local": lambda: importer.pull(queues["local"].pop(), dst),
-                          "memcpy": lambda: np.copyto(raw_out[:nbytes], copy_src[:nbytes])}, nbytes, args.repeats)
+        paths = {"pdserve_ucx": lambda: importer.pull(queues["ucx"].pop(), dst),
+                 "raw_ucxx": lambda: raw_ucxx(nbytes), "plain_tcp": lambda: plain_tcp(nbytes)}
+        if not lab:
+            paths.update({"pdserve_local": lambda: importer.pull(queues["local"].pop(), dst),
+                          "memcpy": lambda: np.copyto(raw_out[:nbytes], copy_src[:nbytes])})
+        timed = _measure(paths, nbytes, args.repeats)
         record[name] = {"bytes": nbytes, **timed}
         for label, key in (("pdserve UCX pull", "pdserve_ucx"), ("raw ucxx send/recv", "raw_ucxx"),
                            ("plain TCP socket", "plain_tcp"), ("pdserve local pull", "pdserve_local"),
                            ("memcpy in the importer", "memcpy")):
+            if key not in timed:
+                continue
             r = timed[key]
             rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['cpu_p50_ms']:.1f} |")
-        for ours, base in (("pdserve_ucx", "raw_ucxx"), ("pdserve_local", "memcpy")):
+        for ours, base in (("pdserve_ucx", "raw_ucxx"), ("pdserve_ucx", "plain_tcp"), ("pdserve_local", "memcpy")):
+            if ours not in timed:
+                continue
             rows.append(f"| {name} | {ours} / {base} | {timed[ours]['gb_s'] / timed[base]['gb_s']:.0%} | | | |")
-    assert importer.num_shared_memory_pulls == len(PAYLOADS) * (args.repeats + 1), "a local pull went over UCX"
+    expected_local = 0 if lab else len(PAYLOADS) * (args.repeats + 1)
+    assert importer.num_shared_memory_pulls == expected_local, "a pull took the wrong path"
     importer.close()
     server.kill()
-    print(f"command: python benchmarks/kvtransfer.py --repeats {args.repeats}; UCX_TLS={os.environ['UCX_TLS']}\n")
+    if lab:
+        lab.close()
+    print(f"command: python benchmarks/kvtransfer.py --repeats {args.repeats}{' --netns' if lab else ''}; "
+          f"UCX_TLS={os.environ['UCX_TLS']}\n")
     print("| payload | path | GB/s (p50) | p50 ms | p99 ms | importer CPU ms (p50) |\n|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(json.dumps({"bench": "kvtransfer", "results": record}))

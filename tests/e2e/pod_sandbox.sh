@@ -14,6 +14,11 @@ ray start --head --num-cpus 3 --dashboard-host 127.0.0.1 --disable-usage-stats \
     --resources '{"pdserve_prefill": 1, "pdserve_decode": 1}' > /tmp/ray-start.log 2>&1 \
     || { cat /tmp/ray-start.log; echo "ray: failed"; exit 92; }
 echo "ray: started"
+# The dashboard comes up after `ray start` returns; KubeRay retries until it answers, so do we.
+for _ in $(seq 1 120); do
+  [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8265/api/version)" != "000" ] && break
+  sleep 1
+done
 serve deploy -a http://127.0.0.1:8265 "$SERVE_CONFIG" > /tmp/deploy.log 2>&1 || { cat /tmp/deploy.log; exit 93; }
 for _ in $(seq 1 150); do
   curl -sf http://127.0.0.1:8000/v1/models > /dev/null && break

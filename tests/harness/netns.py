@@ -1,0 +1,158 @@
+"""Nodes on real (virtual) links for fault tests and benchmarks (issue #42): one network namespace
+per node, each joined by a veth pair to a bridge in the root namespace, which holds the bridge's
+address (where a Ray head in the root namespace listens). Every byte between two nodes then
+crosses two veths and the bridge, where the lab can shape it: a rate limit (tc tbf), random loss
+and partitions between two nodes only (nftables, so the head stays reachable from both).
+
+Namespaces share the hostname, the boot id and IPC: a test must force the network path itself
+(`transfer.shared_memory: false`, `UCX_TLS=tcp`), or KV never crosses the link. Needs root, `ip`
+and (for loss and partitions) `nft`; `unavailable()` says why a machine cannot, for a skip. The
+lab only touches what it created: names carry a per-lab tag, and `close()` removes them all."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+CLONE_NEWNET = 0x40000000
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot host a lab (None when it can)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth pairs, nftables)"
+    for tool, package in (("ip", "iproute2"), ("nft", "nftables"), ("tc", "iproute2"), ("nsenter", "util-linux")):
+        if not shutil.which(tool):
+            return f"needs `{tool}` (apt-get install {package})"
+    return None
+
+
+def enter(netns: str) -> None:
+    """Move this process into network namespace `netns`. Call it before any thread starts (torch,
+    UCX and Ray start threads): setns moves the calling thread only."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns}")
+    finally:
+        os.close(fd)
+
+
+# The lab's own commands run in the namespace it was made in (through nsenter and a descriptor of
+# that namespace), so a process that has entered a node's namespace can still shape and close it.
+_ROOT_NS: int | None = None
+
+
+def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    global _ROOT_NS
+    if _ROOT_NS is None:
+        _ROOT_NS = os.open("/proc/self/ns/net", os.O_RDONLY)
+    return subprocess.run(["nsenter", f"--net=/proc/self/fd/{_ROOT_NS}", *argv], pass_fds=(_ROOT_NS,),
+                          check=check, capture_output=True, text=True, input=input)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _nft(netns: str, script: str) -> None:
+    _run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=script)
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    netns: str
+    ip: str
+    veth: str  # the root-side end of its link
+
+    def command(self, argv: list[str]) -> list[str]:
+        """argv, run inside this node's namespace."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+
+class Lab:
+    """A bridge and its nodes. Use as a context manager: everything is removed on exit."""
+
+    def __init__(self, tag: str | None = None):
+        self.tag = tag or f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
+        self.bridge = f"pdbr{self.tag}"
+        # 10.200-249.x.0/24, chosen per lab so two labs on one machine do not meet.
+        self.subnet = f"10.{200 + int(self.tag) % 50}.{int(self.tag) // 50 % 250}"
+        self.head_ip = f"{self.subnet}.1"
+        self.nodes: dict[str, Node] = {}
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.head_ip}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def add_node(self, name: str) -> Node:
+        index = len(self.nodes)
+        node = Node(name, f"pdns{self.tag}-{index}", f"{self.subnet}.{11 + index}", f"pdve{self.tag}{index}")
+        _ip("netns", "add", node.netns)
+        _ip("link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", node.netns)
+        _ip("link", "set", node.veth, "master", self.bridge, "up")
+        _ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
+        _ip("-n", node.netns, "link", "set", "eth0", "up")
+        _ip("-n", node.netns, "link", "set", "lo", "up")
+        _ip("-n", node.netns, "route", "add", "default", "via", self.head_ip)
+        _nft(node.netns, "table inet pdserve_lab {\n"
+                         "  set cut { type ipv4_addr; }\n"
+                         "  chain out { type filter hook output priority 0; ip daddr @cut drop; }\n"
+                         "  chain in { type filter hook input priority 0; ip saddr @cut drop; }\n"
+                         "}\n")
+        self.nodes[name] = node
+        return node
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def partition(self, a: Node, b: Node) -> None:
+        """Drop every packet between a and b (both directions); each still reaches the others."""
+        for node, peer in ((a, b), (b, a)):
+            _nft(node.netns, f"add element inet pdserve_lab cut {{ {peer.ip} }}\n")
+
+    def heal(self, a: Node, b: Node) -> None:
+        for node, peer in ((a, b), (b, a)):
+            _nft(node.netns, f"delete element inet pdserve_lab cut {{ {peer.ip} }}\n")
+
+    def loss(self, node: Node, percent: int) -> None:
+        """Drop `percent`% of the packets `node` sends, at random (0 removes the rule)."""
+        _nft(node.netns, "flush chain inet pdserve_lab loss\n" if percent == 0 else
+             "add chain inet pdserve_lab loss { type filter hook output priority 1; }\n"
+             "flush chain inet pdserve_lab loss\n"
+             f"add rule inet pdserve_lab loss meta oifname \"eth0\" numgen random mod 100 < {percent} drop\n")
+
+    def rate(self, node: Node, mbit: int | None) -> None:
+        """Limit what `node` sends to `mbit` Mbit/s (None removes the limit)."""
+        base = ["ip", "netns", "exec", node.netns, "tc", "qdisc"]
+        _run([*base, "del", "dev", "eth0", "root"], check=False)
+        if mbit:
+            _run([*base, "add", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb",
+                  "latency", "100ms"])
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill what still runs in the nodes, then remove the nodes and the bridge."""
+        for node in self.nodes.values():
+            pids = _run(["ip", "netns", "pids", node.netns], check=False).stdout.split()
+            for pid in pids:
+                if int(pid) != os.getpid():
+                    try:
+                        os.kill(int(pid), 9)
+                    except ProcessLookupError:
+                        pass
+            _run(["ip", "netns", "del", node.netns], check=False)
+            _run(["ip", "link", "del", node.veth], check=False)
+        _run(["ip", "link", "del", self.bridge], check=False)
+        self.nodes.clear()
+
+    def __enter__(self) -> "Lab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

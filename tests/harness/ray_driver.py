@@ -1,0 +1,44 @@
+"""The lab cluster's driver (tests/harness/ray_lab.py): `python -m tests.harness.ray_driver ADDRESS`,
+then one JSON command per stdin line, one JSON reply per stdout line ({"result": ...} or
+{"error": "..."}). Commands: deploy {config, http_port}, stats {app, pool}."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+
+def main(address: str) -> None:
+    import ray
+    from ray import serve
+
+    from pdserve.app import build
+    from pdserve.config import ServeConfig
+
+    ray.init(address=address, log_to_driver=False, logging_level="error")
+    out = sys.stdout
+    sys.stdout = sys.stderr  # replies only on the real stdout
+
+    def deploy(config: dict, http_port: int) -> None:
+        serve.start(http_options={"host": "0.0.0.0", "port": http_port})
+        cfg = ServeConfig.model_validate(config)
+        serve.run(build(cfg), name=cfg.name, route_prefix="/", blocking=False)
+
+    def stats(app: str, pool: str) -> dict:
+        return serve.get_deployment_handle(pool, app).stats.remote().result(timeout_s=30)
+
+    ops = {"deploy": deploy, "stats": stats}
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            reply = {"result": ops[command.pop("op")](**command)}
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails with it
+            reply = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+        out.write(json.dumps(reply, default=str) + "\n")
+        out.flush()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
