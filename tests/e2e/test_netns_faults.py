@@ -6,11 +6,18 @@ output connection and Ray call between the pools crosses veths and a bridge the 
   shared memory); their greedy outputs equal a short prompt's decode-side run of the same text.
 - A 5 s partition between the prefill and decode nodes (nftables, the head still reachable from
   both): no request outlives its deadline, each one finishes or fails with a retryable status;
-  once the link heals, service comes back and no replica holds a block or a lease."""
+  once the link heals, service comes back and no replica holds a block or a lease.
+- 2% loss on the link between prefill and decode: every request succeeds with the outputs of
+  the loss-free run.
+- kill -9 of the prefill replica with pulls in flight: every request completes (prefilled on
+  the decode replica instead), Serve's replacement serves, and no block or lease is left."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -53,9 +60,9 @@ def lab_app(tiny_llama):
             lab.close()
 
 
-def _complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = REQUEST_TIMEOUT_S + 15):
+def _complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = REQUEST_TIMEOUT_S + 15, **extra):
     return requests.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                         "temperature": 0}, timeout=timeout)
+                                                         "temperature": 0, **extra}, timeout=timeout)
 
 
 def _wait_until_serving(base: str, timeout_s: float) -> float:
@@ -126,3 +133,70 @@ def test_a_partition_between_prefill_and_decode_ends_every_request_in_time(lab_a
     for pool, s in stats.items():
         assert s["num_free_kv_blocks"] == s["num_kv_blocks"], (pool, s)
         assert not s.get("num_kv_leases") and s["num_unfinished_requests"] == 0, (pool, s)
+
+
+def test_loss_on_the_kv_link_changes_no_output(lab_app):
+    cluster, driver, base = lab_app
+    prefill, decode = cluster.nodes["prefill"], cluster.nodes["decode"]
+    prompts = [f"loss {i}: {LONG_PROMPT}" for i in range(6)]
+
+    def run(salt: str) -> list[str]:  # a new cache_salt: nothing cached, every prompt prefilled and pulled again
+        with cf.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda p: _complete(base, p, 16, cache_salt=salt), prompts))
+        assert [a.status_code for a in answers] == [200] * len(prompts), [a.text[:200] for a in answers]
+        return [a.json()["choices"][0]["text"] for a in answers]
+
+    clean = run("clean")
+    before = driver.call("stats", app="lab", pool="Decode")
+    for node, peer in ((prefill, decode), (decode, prefill)):
+        cluster.lab.loss(node, 2, peer)
+    try:
+        lossy = run("lossy")
+    finally:
+        for node in (prefill, decode):
+            cluster.lab.loss(node, 0)
+    after = driver.call("stats", app="lab", pool="Decode")
+    assert lossy == clean
+    assert after["num_remote_prefills"] - before["num_remote_prefills"] == len(prompts)
+    assert after["num_failed_pulls"] == before["num_failed_pulls"]
+
+
+def _replica_pids(node, deployment: str) -> list[int]:
+    """PIDs of the Serve replicas of `deployment` running in `node`'s namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"ServeReplica:lab:{deployment}".encode() in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
+    cluster, driver, base = lab_app
+    [pid] = _replica_pids(cluster.nodes["prefill"], "Prefill")
+    before = driver.call("stats", app="lab", pool="Decode")
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_complete, base, f"kill {i}: {LONG_PROMPT}", 16) for i in range(8)]
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        answers = [f.result() for f in futures]
+    # Each affected request is prefilled on the decode replica instead.
+    assert [a.status_code for a in answers] == [200] * 8, [a.text[:300] for a in answers]
+    # Serve replaces the replica, and remote prefill comes back.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if _replica_pids(cluster.nodes["prefill"], "Prefill") and _complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
+            after = driver.call("stats", app="lab", pool="Decode")
+            if after["num_pulled_blocks"] > before["num_pulled_blocks"] and \
+                    driver.call("stats", app="lab", pool="Prefill")["num_unfinished_requests"] == 0:
+                break
+        time.sleep(1)
+    else:
+        pytest.fail("no new prefill replica served within 120 s")
+    stats = _idle(driver)
+    for pool, s in stats.items():
+        assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and not s.get("num_kv_leases"), (pool, s)

@@ -119,12 +119,14 @@ class Lab:
         for node, peer in ((a, b), (b, a)):
             _nft(node.netns, f"delete element inet pdserve_lab cut {{ {peer.ip} }}\n")
 
-    def loss(self, node: Node, percent: int) -> None:
-        """Drop `percent`% of the packets `node` sends, at random (0 removes the rule)."""
-        _nft(node.netns, "flush chain inet pdserve_lab loss\n" if percent == 0 else
-             "add chain inet pdserve_lab loss { type filter hook output priority 1; }\n"
-             "flush chain inet pdserve_lab loss\n"
-             f"add rule inet pdserve_lab loss meta oifname \"eth0\" numgen random mod 100 < {percent} drop\n")
+    def loss(self, node: Node, percent: int, peer: Node | None = None) -> None:
+        """Drop `percent`% of the packets `node` sends (to `peer` only, when given), at random;
+        0 removes the rule."""
+        to = f"ip daddr {peer.ip} " if peer else ""
+        _nft(node.netns, "add chain inet pdserve_lab loss { type filter hook output priority 1; }\n"
+                         "flush chain inet pdserve_lab loss\n"
+                         + (f"add rule inet pdserve_lab loss oifname \"eth0\" {to}numgen random mod 100 < {percent} drop\n"
+                            if percent else ""))
 
     def rate(self, node: Node, mbit: int | None) -> None:
         """Limit what `node` sends to `mbit` Mbit/s (None removes the limit)."""
