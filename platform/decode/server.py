@@ -83,9 +83,20 @@ class DecodeServer:
         self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
         self.num_local_prefills_for_queue = 0
+        # What a fault must bring back to 0: calls in progress (waiting on prefill, pulling or
+        # decoding) and pulls whose copies may still be landing in this cache.
+        self.num_in_flight_requests = self.num_open_kv_pulls = 0
 
     async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
+        self.num_in_flight_requests += 1
+        try:
+            async for out in self._generate(req, forward):
+                yield out
+        finally:
+            self.num_in_flight_requests -= 1
+
+    async def _generate(self, req: GenerateRequest, forward: Forward | None) -> AsyncIterator[RequestOutput]:
         where, num_uncached = await self._where_to_prefill(req)
         if where != "remote":
             overflow = where != "local"
@@ -179,6 +190,8 @@ class DecodeServer:
                 if timeout_s <= 0:
                     raise DeadlineExceededError("the request's deadline passed before its KV pull")
             pull = asyncio.ensure_future(self._pull(result, dst, num_local, timeout_s))
+            self.num_open_kv_pulls += 1
+            pull.add_done_callback(self._pull_ended)
             started = time.perf_counter()
             try:
                 await asyncio.shield(pull)
@@ -198,6 +211,9 @@ class DecodeServer:
                 self.engine.call_soon(engine.abort_request, req.request_id)
                 raise
         return recompute
+
+    def _pull_ended(self, _pull: asyncio.Future) -> None:
+        self.num_open_kv_pulls -= 1
 
     async def _pull(self, result: PrefillResult, dst: list[int], first_block: int, timeout: float) -> None:
         """Every rank of this replica pulls its KV heads from the prefill rank that holds them,
@@ -252,7 +268,8 @@ class DecodeServer:
                 "num_local_prefills_for_queue": self.num_local_prefills_for_queue,
                 "num_pulled_blocks": self.num_pulled_blocks,
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,
-                "num_failed_pulls": self.num_failed_pulls,
+                "num_failed_pulls": self.num_failed_pulls, "num_open_kv_pulls": self.num_open_kv_pulls,
+                "num_in_flight_requests": self.num_in_flight_requests,
                 "num_shared_memory_pulls": self.importer.num_shared_memory_pulls if self.importer else 0}
 
     def shutdown(self) -> None:

@@ -177,6 +177,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # recent ones' tokens: "expired", not "unknown"
         self.num_expired = 0  # leases released by expiry since the start (a metric)
+        self.num_open_reads = 0  # reads holding blocks now (a fault must bring this back to 0)
         self._lock = threading.Lock()
 
     def add(self, request_id: str, block_ids: list[int]) -> Lease:
@@ -200,12 +201,14 @@ class LeaseTable:
             lease = self._live(request_id, token)
             if lease is not None:
                 lease.num_readers += 1
+                self.num_open_reads += 1
             return lease
 
     def unhold(self, lease: Lease) -> None:
         with self._lock:
             lease.num_readers -= 1
             assert lease.num_readers >= 0, "unhold without hold"
+            self.num_open_reads -= 1
             if lease.is_dropped and lease.num_readers == 0:
                 self._unpin(lease.block_ids)
 

@@ -87,7 +87,7 @@ class PrefillServer:
 
     def stats(self) -> dict:
         leases = self.exporter.leases
-        return {**self.engine.stats(), "num_kv_leases": len(leases),
+        return {**self.engine.stats(), "num_kv_leases": len(leases), "num_open_kv_reads": leases.num_open_reads,
                 "num_expired_kv_leases": leases.num_expired}
 
     def shutdown(self, drain_s: float = 0.0) -> None:

@@ -53,6 +53,10 @@ def series() -> SimpleNamespace:
         running=gauge("running_sequences", "Sequences in the running batch."),
         kv_usage=gauge("kv_cache_usage", "Share of KV-cache blocks held by requests (0..1)."),
         kv_leases=gauge("kv_leases", "KV leases a prefill replica holds for decode replicas to pull."),
+        open_kv_reads=gauge("open_kv_reads", "Reads of a prefill replica's leased KV blocks in flight."),
+        open_kv_pulls=gauge("open_kv_pulls", "A decode replica's KV pulls in flight."),
+        in_flight_requests=gauge("in_flight_requests", "Calls a decode replica is serving (waiting on prefill, "
+                                                       "pulling or decoding)."),
         prefix_hits=counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."),
         prefix_queries=counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
         preemptions=counter("preemptions", "Requests preempted (recomputed later) for lack of KV blocks."),
@@ -121,6 +125,11 @@ _COUNTED = {"num_prefix_hit_tokens": "prefix_hits", "num_prefix_query_tokens": "
             "num_failed_pulls": "transfer_failures", "num_expired_kv_leases": "leases_expired"}
 
 
+# What a replica holds now, by stats key: each must come back to 0 once its requests end.
+_GAUGED = {"num_kv_leases": "kv_leases", "num_open_kv_reads": "open_kv_reads", "num_open_kv_pulls": "open_kv_pulls",
+           "num_in_flight_requests": "in_flight_requests"}
+
+
 class ReplicaMetrics:
     """An engine replica's series, from its stats() (call `publish` periodically) and its pulls."""
 
@@ -134,8 +143,9 @@ class ReplicaMetrics:
         s.waiting_tokens.set(stats["queued_prefill_tokens"], tags=tags)
         s.running.set(stats["num_running"], tags=tags)
         s.kv_usage.set(stats["kv_usage"], tags=tags)
-        if "num_kv_leases" in stats:
-            s.kv_leases.set(stats["num_kv_leases"], tags=tags)
+        for key, name in _GAUGED.items():
+            if key in stats:
+                getattr(s, name).set(stats[key], tags=tags)
         for key, name in _COUNTED.items():
             if key in stats:
                 delta = stats[key] - self._last.get(key, 0)

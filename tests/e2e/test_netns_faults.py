@@ -81,9 +81,15 @@ def _idle(driver, timeout_s: float = 40) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = {pool: driver.call("stats", app="lab", pool=pool) for pool in ("Prefill", "Decode")}
-        if all(s["num_free_kv_blocks"] == s["num_kv_blocks"] and not s.get("num_kv_leases")
-               and s["num_unfinished_requests"] == 0 for s in stats.values()) or time.monotonic() > deadline:
+        if all(_holds_nothing(s) for s in stats.values()) or time.monotonic() > deadline:
             return stats
+
+
+def _holds_nothing(s: dict) -> bool:
+    """A replica's accounting after its requests ended: no blocks, leases, reads, pulls, calls."""
+    return (s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_unfinished_requests"] == 0
+            and not s.get("num_kv_leases") and not s.get("num_open_kv_reads") and not s.get("num_open_kv_pulls")
+            and not s.get("num_in_flight_requests"))
 
 
 def test_kv_crosses_the_link_and_outputs_match(lab_app):
@@ -98,7 +104,7 @@ def test_kv_crosses_the_link_and_outputs_match(lab_app):
     assert after["num_pulled_bytes"] > before["num_pulled_bytes"], "no KV was pulled from the prefill node"
     assert after["num_shared_memory_pulls"] == 0, "KV went through shared memory, not the link"
     stats = _idle(driver)
-    assert all(s["num_free_kv_blocks"] == s["num_kv_blocks"] and not s.get("num_kv_leases") for s in stats.values())
+    assert all(_holds_nothing(s) for s in stats.values()), stats
 
 
 @pytest.mark.parametrize("partition_s", [5, 12])  # 12: past the KV lease (10 s), well before the deadline
@@ -130,9 +136,7 @@ def test_a_partition_between_prefill_and_decode_ends_every_request_in_time(lab_a
     recovered_s = _wait_until_serving(base, 60)
     print(f"partition: {[(s, round(t, 1)) for s, t in results]}, service back {recovered_s:.1f} s after the heal")
     stats = _idle(driver)
-    for pool, s in stats.items():
-        assert s["num_free_kv_blocks"] == s["num_kv_blocks"], (pool, s)
-        assert not s.get("num_kv_leases") and s["num_unfinished_requests"] == 0, (pool, s)
+    assert all(_holds_nothing(s) for s in stats.values()), stats
 
 
 def test_loss_on_the_kv_link_changes_no_output(lab_app):
@@ -198,5 +202,4 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
     else:
         pytest.fail("no new prefill replica served within 120 s")
     stats = _idle(driver)
-    for pool, s in stats.items():
-        assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and not s.get("num_kv_leases"), (pool, s)
+    assert all(_holds_nothing(s) for s in stats.values()), stats

@@ -173,11 +173,11 @@ def test_a_lease_being_read_keeps_its_blocks_past_ack_and_expiry():
     pool.free(blocks)
     first, second = leases.hold("a", a), leases.hold("a", a)  # two ranks reading one lease
     assert leases.release("a", a) and leases.get("a", a) is None and leases.hold("a", a) is None
-    assert pool.num_free_blocks == 5  # still on the wire
+    assert pool.num_free_blocks == 5 and leases.num_open_reads == 2  # still on the wire
     leases.unhold(first)
-    assert pool.num_free_blocks == 5
+    assert pool.num_free_blocks == 5 and leases.num_open_reads == 1
     leases.unhold(second)
-    assert pool.num_free_blocks == 8
+    assert pool.num_free_blocks == 8 and leases.num_open_reads == 0
     blocks = pool.allocate(2)
     b = leases.add("b", blocks).token
     pool.free(blocks)
@@ -185,4 +185,4 @@ def test_a_lease_being_read_keeps_its_blocks_past_ack_and_expiry():
     now[0] = 31.0
     assert leases.expire() == ["b"] and pool.num_free_blocks == 6
     leases.unhold(reading)
-    assert pool.num_free_blocks == 8
+    assert pool.num_free_blocks == 8 and leases.num_open_reads == 0

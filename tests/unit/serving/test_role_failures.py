@@ -52,7 +52,8 @@ def _assert_nothing_held(prefill, decode):
     for server in (decode, prefill):  # engine calls run in order: aborts and releases have run
         asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
-    assert prefill.stats()["num_kv_leases"] == 0
+    assert prefill.stats()["num_kv_leases"] == 0 and prefill.stats()["num_open_kv_reads"] == 0
+    assert decode.stats()["num_open_kv_pulls"] == 0 and decode.stats()["num_in_flight_requests"] == 0
     assert decode.engine.is_healthy and prefill.engine.is_healthy
 
 
