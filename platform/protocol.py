@@ -37,9 +37,6 @@ class PrefillResult:
     """A prefill replica's answer: the first token and, unless that ended the request, the KV."""
     first: RequestOutput
     kv: KVHandle | None = None  # rank 0's lease (the whole KV when the prefill replica has one rank)
-    # The request's RNG after sampling the first token, so seeded sampling continues on decode
-    # exactly as it would have in one engine.
-    generator_state: bytes | None = None
     rank_kv: tuple[KVHandle, ...] = ()  # ranks 1..N-1 of a tensor-parallel prefill replica
 
     @property

@@ -34,7 +34,6 @@ from dataclasses import replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
-import torch
 
 from pdserve.config import EngineConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine, Forward
@@ -175,11 +174,9 @@ class DecodeServer:
     async def _import(self, req: GenerateRequest, result: PrefillResult) -> bool:
         """Reserve blocks for what this cache lacks and pull them. True: the pull failed, so the
         prompt must be recomputed here."""
-        state = (torch.frombuffer(bytearray(result.generator_state), dtype=torch.uint8)
-                 if result.generator_state is not None else None)
         engine = self.engine.engine
         num_local, dst = await self.engine.call(engine.add_prefilled_request, req.request_id, req.prompt_token_ids,
-                                                req.params, result.first, state, req.deadline_s)
+                                                req.params, result.first, req.deadline_s)
         recompute = dst is None  # no free blocks now: queue it here instead
         if not dst:  # every block is cached here already, or none is free
             await self._release(result)

@@ -154,8 +154,7 @@ class LLMEngine:
         self._track_deadline(req)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              first: RequestOutput, generator_state: torch.Tensor | None = None,
-                              deadline_s: float | None = None) -> tuple[int, list[int] | None]:
+                              first: RequestOutput, deadline_s: float | None = None) -> tuple[int, list[int] | None]:
         """Take over a request another engine prefilled (decode role), up to its first token.
 
         Reuses this cache's prefix of the prompt and allocates blocks for the rest; returns
@@ -167,8 +166,6 @@ class LLMEngine:
         """
         req = self._new_request(request_id, prompt_token_ids, params, deadline_s)
         try:
-            if generator_state is not None and req.generator is not None:
-                req.generator.set_state(generator_state)
             self._process_token(req, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None)
         except Exception as e:  # noqa: BLE001 - this request's alone
             del self._detokenizers[request_id]
@@ -327,13 +324,12 @@ class LLMEngine:
 
     def _process(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         text = self._process_token(req, token_id, logprob)
-        kv_block_ids = generator_state = None
+        kv_block_ids = None
         if not req.is_finished and req.prefill_only:
             req.finish(None)  # finished here, to be continued by a decode engine
             del self._detokenizers[req.request_id]
             self.scheduler.finish(req, keep_blocks=True)
             kv_block_ids = self._held_kv[req.request_id] = list(self.kv_manager.get_block_table(req.request_id))
-            generator_state = req.generator.get_state() if req.generator is not None else None
         elif req.is_finished:
             text += self._detokenizers.pop(req.request_id).flush()
             self.scheduler.finish(req)
@@ -343,8 +339,7 @@ class LLMEngine:
         return RequestOutput(req.request_id, [token_id], text, req.is_finished, req.finish_reason,
                              req.stop_reason, [logprob] if logprob is not None else [],
                              req.prompt_logprobs if first and req.params.prompt_logprobs is not None else None,
-                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, kv_block_ids,
-                             generator_state)
+                             req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, kv_block_ids)
 
     def _process_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> str:
         """Append a sampled token, apply the stop conditions; returns the new text."""

@@ -6,10 +6,6 @@ pools (`pdserve.protocol`) and the gateway can carry them without loading the en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -37,7 +33,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Prefill role: the prompt's KV blocks, kept for export (finished with finish_reason None).
     kv_block_ids: list[int] | None = None
-    generator_state: torch.Tensor | None = None  # its seeded RNG, to continue on decode
 
     @property
     def needs_decode(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
 
 from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.engine.outputs import TokenLogprob
@@ -40,7 +39,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     # Prefill role: stop after the first token and keep the prompt's KV blocks for export.
     prefill_only: bool = False
     # Yield to decodes: prefill only in steps with nothing to decode until this long after arrival.
@@ -51,9 +49,6 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.root_hash = root_hash(self.params.cache_salt)
         self.block_hashes = block_hashes(self.all_token_ids, self.block_size, self.root_hash)
-        if self.params.seed is not None:
-            # A signed 64-bit seed (SamplingParams) as the unsigned one torch's generator takes.
-            self.generator = torch.Generator().manual_seed(self.params.seed % 2**64)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -96,17 +96,14 @@ class ModelRunner:
         return [s for s in sampled if s.request.request_id not in failed] + list(failed.values())
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        # Seeded rows' generators as they were: a row sampled again alone draws what it would have.
-        states = [r.generator.get_state() if r.generator is not None else None for r in requests]
+        # A seeded row draws by its position (sampler.counter_seed): sampled again alone, it draws the same.
         try:
             tokens, logprobs = self.sampler(logits, requests)
         except Exception:  # noqa: BLE001 - pinned to the rows that raise alone, below
-            return [self._sample_alone(logits[i:i + 1], r, state) for i, (r, state) in enumerate(zip(requests, states))]
+            return [self._sample_alone(logits[i:i + 1], r) for i, r in enumerate(requests)]
         return [SampledToken(r, t, lp) for r, t, lp in zip(requests, tokens, logprobs)]
 
-    def _sample_alone(self, logits: torch.Tensor, r: Request, state: torch.Tensor | None) -> SampledToken:
-        if state is not None:
-            r.generator.set_state(state)
+    def _sample_alone(self, logits: torch.Tensor, r: Request) -> SampledToken:
         try:
             [token], [logprob] = self.sampler(logits, [r])
         except Exception as e:  # noqa: BLE001 - this request's alone

@@ -3,8 +3,10 @@
 Order (as vLLM): penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample
 (a top-k of the vocabulary's size or more is no filter).
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A request with a seed
-draws E from its own generator, consumed once per token, so its samples do not depend on what else
-is in the batch. Log-probabilities are those of the model's raw logits (vLLM's default).
+draws E from a generator seeded by its seed and the position of the token being drawn
+(`counter_seed`), so its samples depend neither on what else is in the batch nor on which engine
+draws them: a decode replica continues a sequence another engine began, the prefill replica that
+drew its first token or a replica that died mid-stream, with no generator state carried over. Log-probabilities are those of the model's raw logits (vLLM's default).
 
 In: logits `[batch, vocab]` and the `Request`s they belong to (in the same order). Out: token ids
 and, where asked, `TokenLogprob`s. It does not know about stop conditions.
@@ -59,10 +61,22 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(requests):
-            if r.generator is not None and not params[i].is_greedy:
-                noise[i].exponential_(generator=r.generator)
+            if params[i].seed is not None and not params[i].is_greedy:
+                position = torch.Generator(device=noise.device).manual_seed(counter_seed(params[i].seed,
+                                                                                      r.num_output_tokens))
+                noise[i].exponential_(generator=position)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, argmax(logits), sampled)
+
+
+def counter_seed(seed: int, position: int) -> int:
+    """The 64-bit seed of output position `position` of a sequence seeded `seed` (a signed 64-bit
+    integer, SamplingParams): splitmix64 of the seed advanced `position + 1` steps, so nearby seeds
+    and positions give unrelated streams."""
+    x = (seed + 0x9E3779B97F4A7C15 * (position + 1)) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
 
 
 def needs_only_argmax(requests: list[Request]) -> bool:

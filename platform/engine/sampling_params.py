@@ -7,8 +7,8 @@ temperature 1, top_p 1, no top_k/min_p, no penalties. The rules:
 - integers are Python ints, never bools (`True` is an int in Python); numbers are finite;
 - `top_k`: -1 or 0 (disabled) or 1..2**31-1; one above the vocabulary means every token (the
   sampler clamps it);
-- `seed`: a signed 64-bit integer, [-2**63, 2**63-1] (vLLM's rule); the request's generator is
-  seeded with `seed % 2**64`;
+- `seed`: a signed 64-bit integer, [-2**63, 2**63-1] (vLLM's rule); each token is drawn from a
+  generator seeded by the seed and the token's position (`sampler.counter_seed`);
 - `stop_token_ids`: non-negative integers (the engine, which knows the vocabulary, checks that
   they lie inside it).
 

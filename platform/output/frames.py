@@ -56,7 +56,7 @@ def _from_logprob(x: list) -> TokenLogprob:
 
 def encode_output(out: RequestOutput) -> list:
     """A decode-side output as plain msgpack types (no KV ids or RNG state: those stay in prefill)."""
-    assert out.kv_block_ids is None and out.generator_state is None, "prefill-only fields on the output channel"
+    assert out.kv_block_ids is None, "prefill-only fields on the output channel"
     prompt = None if out.prompt_logprobs is None else [None if lp is None else _logprob(lp)
                                                        for lp in out.prompt_logprobs]
     return [out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.stop_reason,

@@ -80,10 +80,10 @@ class PrefillServer:
             handle = self.exporter.export(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
         finally:  # after the pin: the lease holds the blocks now
             self.engine.call_soon(self.engine.engine.release_kv, req.request_id)
-        state = first.generator_state
-        # To the client this is the first chunk of a stream that decode continues.
-        first.finished, first.kv_block_ids, first.generator_state = False, None, None
-        return PrefillResult(first, handle, bytes(state.numpy()) if state is not None else None, rank_kv)
+        # To the client this is the first chunk of a stream that decode continues (a seeded one
+        # draws by position there: no sampler state travels).
+        first.finished, first.kv_block_ids = False, None
+        return PrefillResult(first, handle, rank_kv)
 
     def stats(self) -> dict:
         leases = self.exporter.leases

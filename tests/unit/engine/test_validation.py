@@ -10,8 +10,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.llm import LLM
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import apply_filters, token_logprob
+from pdserve.engine.sampler import apply_filters, counter_seed, token_logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
 
@@ -63,13 +62,14 @@ def test_huge_integers_give_short_messages():
         assert len(str(e.value)) < 120
 
 
-def test_the_seed_range_maps_onto_the_generator():
-    """A signed 64-bit seed seeds the request's generator with seed % 2**64: the extremes are valid
-    and distinct, and -1 is 2**64 - 1."""
-    def seed_of(seed):
-        return Request("r", [1], SamplingParams(seed=seed), block_size=16).generator.initial_seed()
-
-    assert seed_of(-1) == 2**64 - 1 and seed_of(INT64_MIN) == 2**63 and seed_of(INT64_MAX) == INT64_MAX
+def test_the_seed_range_maps_onto_generator_seeds():
+    """Every signed 64-bit seed, at every position, gives a seed torch's generator takes; the
+    extremes and neighbouring positions give distinct ones."""
+    seeds = {(seed, position): counter_seed(seed, position)
+             for seed in (INT64_MIN, -1, 0, 1, INT64_MAX) for position in (0, 1, 2**20)}
+    assert all(0 <= v < 2**64 for v in seeds.values()) and len(set(seeds.values())) == len(seeds)
+    for v in seeds.values():
+        torch.Generator().manual_seed(v)
 
 
 def test_stop_token_ids_must_lie_in_the_vocabulary(tiny_llama):
