@@ -270,8 +270,10 @@ class KVEventIndex:
 
     def __init__(self, redis_url: str | None, stream: str, max_blocks_per_replica: int | None = None,
                  approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0, block_s: float = 0.5,
-                 resync_every_s: float = 2.0, password_env: str | None = None):
-        self.stream = stream
+                 resync_every_s: float = 2.0, password_env: str | None = None,
+                 on_reject: Callable[[str], None] | None = None):
+        # on_reject(why): told of every skipped entry (the router counts them as a metric).
+        self.stream, self._on_reject = stream, on_reject
         self.precise = RadixIndex(max_blocks_per_replica)
         # This router's own placements. Approximate mode matches only these (for approx_ttl_s);
         # precise mode also counts them for pending_ttl_s, until the replica's events catch up
@@ -372,6 +374,8 @@ class KVEventIndex:
 
     def _reject(self, why: str, detail: str) -> None:
         self.rejected[why] += 1
+        if self._on_reject is not None:
+            self._on_reject(why)
         if self.rejected[why] in (1, 10, 100) or self.rejected[why] % 1000 == 0:  # a flood logs a few lines
             log.warning("KV events: skipped a %s entry of %s (%s); %d so far", why, self.stream, detail,
                         self.rejected[why])

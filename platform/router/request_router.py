@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -27,7 +28,7 @@ from pdserve.protocol import GenerateRequest
 from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
-from pdserve.telemetry.metrics import router_decision
+from pdserve.telemetry.metrics import kv_event_rejected, router_decision
 from pdserve.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class PrefixAwareRouter(_PdserveRouter):
         self._index = KVEventIndex(kwargs.get("redis_url"), kwargs.get("stream", "pdserve:kv-events"),
                                    kwargs.get("max_blocks_per_replica"),
                                    approx_ttl_s=float(kwargs.get("approx_ttl_s", 120.0)),
-                                   password_env=kwargs.get("redis_password_env")).start()
+                                   password_env=kwargs.get("redis_password_env"),
+                                   on_reject=partial(kv_event_rejected, self._pool, self._model)).start()
         log.info("prefix-aware router for %s: %s mode", kwargs.get("stream"), self._index.mode)
 
     def _replicas_changed(self, ids: set[str]) -> None:

@@ -68,6 +68,8 @@ def series() -> SimpleNamespace:
         router_decisions=counter("router_decisions", "Placements: matched (longest prefix), spread (a shorter "
                                  "match for load), cold (no match), headroom (decode); by router mode.",
                                  "decision", "mode"),
+        kv_events_rejected=counter("kv_events_rejected", "Redis KV-event entries a router skipped: version (another "
+                                   "format), oversized (dropped unread), malformed.", "reason"),
         autoscaling_decisions=counter("autoscaling_decisions", "Policy decisions: up, down, hold.", "app",
                                       "direction"),
         autoscaling_target=gauge("autoscaling_target_replicas", "Replicas a pool's policy asks for.", "app"),
@@ -160,6 +162,10 @@ class ReplicaMetrics:
 def router_decision(pool: str, replica: str, model: str, decision: str, mode: str) -> None:
     series().router_decisions.inc(1, tags={"pool": pool, "replica": replica, "model": model,
                                            "decision": decision, "mode": mode})
+
+
+def kv_event_rejected(pool: str, model: str, reason: str) -> None:
+    series().kv_events_rejected.inc(1, tags={"pool": pool, "replica": "", "model": model, "reason": reason})
 
 
 def autoscaling_decision(pool: str, app: str, current: int, target: int) -> None:

@@ -57,7 +57,8 @@ def test_a_snapshot_in_parts_builds_what_one_snapshot_builds(monkeypatch):
 
 
 def test_a_router_skips_bad_entries_unread_and_counts_them(monkeypatch):
-    index = KVEventIndex(None, "s")
+    told = []
+    index = KVEventIndex(None, "s", on_reject=told.append)
     index.set_replicas(["r"])
     unpacked = []
     real = msgpack.unpackb
@@ -70,6 +71,7 @@ def test_a_router_skips_bad_entries_unread_and_counts_them(monkeypatch):
                    {**good, b"id": b"4", b"ev": msgpack.packb([[STORED, ["x"], None]])}):
         index._apply_entry(fields)
     assert index.rejected == {"version": 2, "oversized": 1, "malformed": 2}
+    assert sorted(told) == ["malformed", "malformed", "oversized", "version", "version"]  # the metric's increments
     assert max(unpacked) < ke.MAX_ENTRY_BYTES  # the bomb was never unpacked
     assert index.precise.blocks("r") == {11, 12}
 
