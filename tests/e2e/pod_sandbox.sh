@@ -6,8 +6,14 @@
 # everything dies with the namespace.
 set -u
 ip link set lo up
+# $KEEP: paths under a writable mount that must stay visible (a checkout under /tmp, where the
+# test's pdserve comes from; in the image it is in site-packages): bound back after the tmpfs.
+mkdir -p /run/pdserve-sandbox && mount --rbind / /run/pdserve-sandbox
 mount -o remount,bind,ro / || { echo "sandbox: cannot remount / read-only"; exit 90; }
 for dir in $WRITABLE; do mount -t tmpfs tmpfs "$dir"; done
+for path in ${KEEP:-}; do
+  mkdir -p "$path" && mount --bind "/run/pdserve-sandbox$path" "$path" && mount -o remount,bind,ro "$path"
+done
 touch /usr/.pdserve-probe 2>/dev/null && { echo "sandbox: root still writable"; exit 91; }
 echo "sandbox: ready"
 ray start --head --num-cpus 3 --dashboard-host 127.0.0.1 --disable-usage-stats \

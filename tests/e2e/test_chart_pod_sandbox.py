@@ -25,6 +25,13 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
                                 reason="needs root and unshare (mount, PID and network namespaces)")
 
 
+def _sources() -> list[Path]:
+    """Where this pdserve and its tests come from (a checkout may live under /tmp)."""
+    import pdserve.config
+
+    return [Path(pdserve.config.__file__).resolve().parent, Path(__file__).resolve().parents[2]]
+
+
 def test_a_chart_pod_serves_on_a_read_only_root_with_ray_token_auth():
     helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (the dev extra)")
     with helm.Chart.load(CHART) as chart:
@@ -41,7 +48,8 @@ def test_a_chart_pod_serves_on_a_read_only_root_with_ray_token_auth():
     serve_config.write_text(rayservice["spec"]["serveConfigV2"])
     env = {**os.environ, **{e["name"]: e["value"] for e in head["env"] if "value" in e},
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex,  # what KubeRay's authOptions sets
-           "WRITABLE": " ".join(writable), "SERVE_CONFIG": str(serve_config)}
+           "WRITABLE": " ".join(writable), "SERVE_CONFIG": str(serve_config),
+           "KEEP": " ".join(str(p) for p in _sources() if any(p.is_relative_to(w) for w in map(Path, writable)))}
     env.pop("RAY_ADDRESS", None)
     try:
         result = subprocess.run(["unshare", "--mount", "--pid", "--net", "--fork", "--mount-proc", str(SANDBOX)],
