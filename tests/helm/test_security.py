@@ -263,11 +263,22 @@ def test_credentials_in_the_redis_url_are_refused(helm, render):
         render({"redis": {"externalUrl": "redis://:hunter2@cache.example:6379/0"}})
 
 
-@pytest.mark.skipif(not shutil.which("redis-server"), reason="apt-get install redis-server")
-def test_the_rendered_redis_start_runs_redis_with_the_password(render, tmp_path):
-    """The Deployment's own start script and probe, run against the real redis-server with a
-    password that needs Redis' quoting; pdserve's routers then connect with it from the env."""
+def test_the_rendered_redis_start_runs_redis_with_the_password(render, tmp_path, monkeypatch):
+    """The Deployment's own start script and probe, run against the real server (redis-server, or
+    the Valkey pdserve finds, under the image's names) with a password that needs Redis' quoting;
+    pdserve's routers then connect with it from the env."""
     from pdserve.router.kv_events import _redis
+    from pdserve.router.redis_server import INSTALL_HINT, find_server
+
+    server_binary = find_server()
+    if server_binary is None:
+        pytest.skip(INSTALL_HINT)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cli = Path(server_binary).with_name(Path(server_binary).name.replace("-server", "-cli"))
+    (bin_dir / "redis-server").symlink_to(server_binary)
+    (bin_dir / "redis-cli").symlink_to(cli)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
 
     deployment = render().objects[("Deployment", f"{FULLNAME}-redis")]
     [container] = deployment["spec"]["template"]["spec"]["containers"]
