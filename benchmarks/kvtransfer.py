@@ -157,8 +157,8 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     replies = ctx.Queue()
-    server = ctx.Process(target=_server, args=(replies, args.repeats, prefill.netns if lab else None, host or "127.0.0.1"),
-                         daemon=True)
+    server = ctx.Process(target=_server, daemon=True,
+                         args=(replies, args.repeats, prefill.netns if lab else None, host or "127.0.0.1"))
     host = host or "127.0.0.1"
     server.start()
     handles, ucx_port, tcp_port = replies.get(timeout=120)

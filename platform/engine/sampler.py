@@ -6,7 +6,8 @@ Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A 
 draws E from a generator seeded by its seed and the position of the token being drawn
 (`counter_seed`), so its samples depend neither on what else is in the batch nor on which engine
 draws them: a decode replica continues a sequence another engine began, the prefill replica that
-drew its first token or a replica that died mid-stream, with no generator state carried over. Log-probabilities are those of the model's raw logits (vLLM's default).
+drew its first token or a replica that died mid-stream, with no generator state carried over.
+Log-probabilities are those of the model's raw logits (vLLM's default).
 
 In: logits `[batch, vocab]` and the `Request`s they belong to (in the same order). Out: token ids
 and, where asked, `TokenLogprob`s. It does not know about stop conditions.
