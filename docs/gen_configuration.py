@@ -7,6 +7,7 @@ test fails when the file is stale:
 
 from __future__ import annotations
 
+import types
 import typing
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return " | ".join(f"`{a!r}`".replace("'", '"') for a in typing.get_args(annotation))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(annotation))
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation))

@@ -90,54 +90,52 @@ class DecodeServer:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
         self.num_in_flight_requests += 1
         try:
-            async for out in self._generate(req, forward):
+            where, num_uncached = await self._where_to_prefill(req)
+            if where != "remote":
+                overflow = where != "local"
+                self.num_local_prefills_for_queue += overflow
+                pause_s = self.overflow_prefill_pause_s if overflow else 0
+                async for out in self._prefill_here(req, where, forward, pause_s):
+                    yield out
+                return
+            self.remote_queued_tokens += num_uncached
+            try:
+                result = await self._remote_prefill_in_time(req)
+            except RequestError:  # the request's own fault or fate: prefilling it here would end the same way
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead or failing prefill replica: prefill here instead
+                result = e
+            finally:
+                self.remote_queued_tokens -= num_uncached
+            if isinstance(result, Exception):
+                log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id,
+                            result)
+                async for out in self._prefill_here(req, "local after a failed remote prefill", forward):
+                    yield out
+                return
+            self.num_remote_prefills += 1
+            if result.kv is None:  # the first token ended it
+                yield result.first
+                return
+            try:
+                if self.early_first_token:
+                    yield result.first
+                with span("pdserve.kv_transfer", req.trace_context, request_id=req.request_id,
+                          backend=type(self.importer).__name__) as s:
+                    recompute = await self._import(req, result)
+                    s.set_attribute("recompute", recompute)
+            except BaseException:  # the client left, the import failed or the deadline passed: free both sides
+                self.engine.call_soon(self.engine.engine.abort_request, req.request_id)
+                await self._release(result)
+                raise
+            # Resumed between two steps: unless it went out early, the first token leaves as the step
+            # that computes the second begins, so the stream runs at the batch's pace from token one.
+            first = None if self.early_first_token else result.first
+            async for out in self._decode(req, "recomputed" if recompute else "remote",
+                                          self.engine.resume(req.request_id, recompute, first, forward)):
                 yield out
         finally:
             self.num_in_flight_requests -= 1
-
-    async def _generate(self, req: GenerateRequest, forward: Forward | None) -> AsyncIterator[RequestOutput]:
-        where, num_uncached = await self._where_to_prefill(req)
-        if where != "remote":
-            overflow = where != "local"
-            self.num_local_prefills_for_queue += overflow
-            async for out in self._prefill_here(req, where, forward, self.overflow_prefill_pause_s if overflow else 0):
-                yield out
-            return
-        self.remote_queued_tokens += num_uncached
-        try:
-            result = await self._remote_prefill_in_time(req)
-        except RequestError:  # the request's own fault or fate: prefilling it here would end the same way
-            raise
-        except Exception as e:  # noqa: BLE001 - a dead or failing prefill replica: prefill here instead
-            result = e
-        finally:
-            self.remote_queued_tokens -= num_uncached
-        if isinstance(result, Exception):
-            log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id, result)
-            async for out in self._prefill_here(req, "local after a failed remote prefill", forward):
-                yield out
-            return
-        self.num_remote_prefills += 1
-        if result.kv is None:  # the first token ended it
-            yield result.first
-            return
-        try:
-            if self.early_first_token:
-                yield result.first
-            with span("pdserve.kv_transfer", req.trace_context, request_id=req.request_id,
-                      backend=type(self.importer).__name__) as s:
-                recompute = await self._import(req, result)
-                s.set_attribute("recompute", recompute)
-        except BaseException:  # the client left, the import failed or the deadline passed: free both sides
-            self.engine.call_soon(self.engine.engine.abort_request, req.request_id)
-            await self._release(result)
-            raise
-        # Resumed between two steps: unless it went out early, the first token leaves as the step
-        # that computes the second begins, so the stream runs at the batch's pace from token one.
-        first = None if self.early_first_token else result.first
-        async for out in self._decode(req, "recomputed" if recompute else "remote",
-                                      self.engine.resume(req.request_id, recompute, first, forward)):
-            yield out
 
     async def _remote_prefill_in_time(self, req: GenerateRequest) -> PrefillResult:
         """The prefill call, cancelled (so stopped on the prefill replica) when the deadline passes."""

@@ -7,6 +7,7 @@ objects. checkov, the common IaC scanner, finds nothing on the chart's plain obj
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import yaml
 
 from pdserve.config import GatewayConfig, ServeConfig
 from pdserve.launch import GRPC_MAX_MESSAGE_ENV, HA_PROXY_CLIENT_TIMEOUT_ENV, ray_env
+from tests.conftest import free_port
 from tests.helm.conftest import EXAMPLES, NAMESPACE, REPO, RELEASE, example_values
 from tests.helm.kube_rules import Pod, admits, restricted_violations, selects
 
@@ -34,7 +36,7 @@ def _pods(rendered) -> dict[str, tuple[dict, dict]]:
     cluster = rendered.rayservice["spec"]["rayClusterConfig"]
     kuberay_labels = {"ray.io/cluster": f"{FULLNAME}-x7k2p", "ray.io/is-ray-node": "yes"}
     head = cluster["headGroupSpec"]["template"]
-    head_spec = json.loads(json.dumps(head["spec"]))
+    head_spec = copy.deepcopy(head["spec"])
     if cluster.get("enableInTreeAutoscaling"):
         options = cluster["autoscalerOptions"]
         head_spec["containers"].append({"name": "autoscaler", "securityContext": options.get("securityContext"),
@@ -288,7 +290,7 @@ def test_the_rendered_redis_start_runs_redis_with_the_password(render, tmp_path,
     password = 'pa"ss\\word with spaces'
     (root / "redis-password" / "password").write_text(password + "\n")
     script = container["args"][0].replace("/run/pdserve", str(root))
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(["/bin/sh", "-c", script, *container["args"][1:], "--port", str(port),
                                "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
     try:
@@ -311,14 +313,6 @@ def test_the_rendered_redis_start_runs_redis_with_the_password(render, tmp_path,
     finally:
         server.terminate()
         server.wait(10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_api_keys_come_only_from_the_secret(helm, render):

@@ -268,7 +268,8 @@ rdma: {{ $spec.rdma | default false }}
    checks they stay equal), the API keys and Redis' password (when set, from their Secrets), and
    the values' env (last: a variable set there wins). */}}
 {{- define "pdserve.rayEnv" -}}
-{{- $gateway := get (include "pdserve.userConfig" . | fromYaml) "gateway" | default dict }}
+{{- $config := include "pdserve.userConfig" . | fromYaml }}
+{{- $gateway := get $config "gateway" | default dict }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ get $gateway "max_body_bytes" | default 4194304 | int | quote }}
 - name: RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
@@ -285,7 +286,7 @@ rdma: {{ $spec.rdma | default false }}
       key: {{ .Values.apiKeys.secretKey }}
 {{- end }}
 {{- if include "pdserve.redisAuth" . }}
-- name: {{ get (get (include "pdserve.userConfig" . | fromYaml) "router" | default dict) "redis_password_env" | default "PDSERVE_REDIS_PASSWORD" }}
+- name: {{ get (get $config "router" | default dict) "redis_password_env" | default "PDSERVE_REDIS_PASSWORD" }}
   valueFrom:
     secretKeyRef:
       name: {{ include "pdserve.redisSecretName" . }}
