@@ -12,7 +12,11 @@ parents]` (the rest of a snapshot, in later entries, parents before children).
 
 Every router reads every entry, so entries are bounded: at most `MAX_ENTRY_BYTES` of `ev` (larger
 ones are dropped unread: msgpack's one-byte integers become Python objects ~36 times their size),
-unpacked with limits of the entry's own size; a publisher splits what it has to say to fit.
+unpacked with limits of the entry's own size; a publisher splits what it has to say to fit. A router
+reads the stream through a script that runs in Redis (`_READ_SCRIPT`): an entry over the bound
+comes back as a stub naming its size, and one read returns at most `MAX_READ_BYTES`, so no writer
+to the stream can make a router hold more than that, whatever Redis holds. Scripts cannot block,
+so routers poll (every `poll_s`, as often as replicas publish).
 Entries of another version, malformed or oversized are counted (`KVEventIndex.rejected`) and
 skipped. A replica answers resync requests at most once per `RESYNC_MIN_INTERVAL_S` (each is a
 snapshot taken under the engine's lock), however many arrive. The Redis password comes from the
@@ -44,6 +48,30 @@ MAX_ENTRY_BYTES = 1 << 20
 # so this keeps an entry well under MAX_ENTRY_BYTES.
 _HASHES_PER_ENTRY = 40_000
 RESYNC_MIN_INTERVAL_S = 1.0
+MAX_READ_BYTES = 8 << 20
+_READ_COUNT = 500  # entries per read, at most
+_FIELDS_BYTES = 1024  # room for an entry's other fields beside `ev`
+
+# The entries after ARGV[1] (at most ARGV[2]), in XRANGE's shape; an entry whose fields add up to
+# more than ARGV[3] bytes as the stub {oversized: <bytes>}; no more than ARGV[4] bytes of fields in all
+# (one entry at least). The bytes never leave Redis.
+_READ_SCRIPT = """
+local entries = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
+local max_entry, max_read = tonumber(ARGV[3]), tonumber(ARGV[4])
+local out, total = {}, 0
+for _, e in ipairs(entries) do
+  local size = 0
+  for _, f in ipairs(e[2]) do size = size + #f end
+  if size > max_entry then
+    out[#out + 1] = {e[1], {'oversized', tostring(size)}}
+  else
+    if total + size > max_read and #out > 0 then break end
+    total = total + size
+    out[#out + 1] = e
+  end
+end
+return out
+"""
 
 
 def stream_name(app: str, deployment: str) -> str:
@@ -269,7 +297,7 @@ class KVEventIndex:
     the stream while `match` runs on the caller's thread."""
 
     def __init__(self, redis_url: str | None, stream: str, max_blocks_per_replica: int | None = None,
-                 approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0, block_s: float = 0.5,
+                 approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0, poll_s: float = 0.05,
                  resync_every_s: float = 2.0, password_env: str | None = None,
                  on_reject: Callable[[str], None] | None = None):
         # on_reject(why): told of every skipped entry (the router counts them as a metric).
@@ -287,13 +315,14 @@ class KVEventIndex:
         self._replicas: set[str] | None = None
         self._connected = False
         self._last_expire = 0.0
-        self._url, self._block_s = redis_url, block_s
+        self._url, self._poll_s = redis_url, poll_s
         self._stop = threading.Event()
         self._thread = None
         # Entries skipped, by why: "version" (another format), "oversized" (dropped unread), "malformed".
         self.rejected: dict[str, int] = {"version": 0, "oversized": 0, "malformed": 0}
         if redis_url:
-            self._redis = _redis(redis_url, timeout_s=block_s + 2.0, password_env=password_env)
+            self._redis = _redis(redis_url, timeout_s=2.0, password_env=password_env)
+            self._read = self._redis.register_script(_READ_SCRIPT)
             self._thread = threading.Thread(target=self._run, name="kv-event-reader", daemon=True)
 
     @property
@@ -389,6 +418,9 @@ class KVEventIndex:
         self._redis.xadd(self.stream + ":resync", {"r": replica}, maxlen=1000, approximate=True)
 
     def _apply_entry(self, fields: dict) -> None:
+        if b"oversized" in fields:  # the read script's stub: the entry stayed in Redis
+            self._reject("oversized", f"{fields[b'oversized'][:20].decode(errors='replace')} bytes, over {MAX_ENTRY_BYTES}")
+            return
         if fields.get(b"v") != str(VERSION).encode():
             self._reject("version", f"version {fields.get(b'v', b'none')[:20]!r}, this router reads {VERSION}")
             return
@@ -423,17 +455,19 @@ class KVEventIndex:
                 if first:  # a new reader may have missed anything: every replica sends a snapshot
                     self._redis.xadd(self.stream + ":resync", {"r": "*"}, maxlen=1000, approximate=True)
                     first = False
-                reply = self._redis.xread({self.stream: last_id}, block=int(self._block_s * 1000), count=500)
+                entries = self._read(keys=[self.stream], args=[last_id, _READ_COUNT, MAX_ENTRY_BYTES + _FIELDS_BYTES,
+                                                               MAX_READ_BYTES])
                 if not self._connected:
                     log.info("KV events: reading %s; routing is precise", self.stream)
                 self._connected = True
                 backoff = 0.1
-                for _, entries in reply or ():
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        self._apply_entry(fields)
+                for entry_id, flat in entries:
+                    last_id = entry_id.decode()
+                    self._apply_entry(dict(zip(flat[::2], flat[1::2])))
                 for replica in list(self._resync_asked):  # a request may be lost: ask again
                     self.request_resync(replica)
+                if len(entries) < _READ_COUNT:  # caught up: wait for more
+                    self._stop.wait(self._poll_s)
             except Exception as e:  # noqa: BLE001 - redis down: approximate until it is back
                 if self._connected:
                     log.warning("KV events: lost redis (%r); routing is approximate until it is back", e)

@@ -39,7 +39,7 @@ def routed(serve_apps, tiny_llama):
                           router={"redis_url": redis.url, "stats_period_s": 0.5})
         serve.run(build(cfg), name="routed", route_prefix="/routed")
         # An observer on the same KV-event stream the routers read: who holds which prefix.
-        observer = KVEventIndex(redis.url, stream_name("routed", "Prefill"), block_s=0.1).start()
+        observer = KVEventIndex(redis.url, stream_name("routed", "Prefill"), poll_s=0.02).start()
         client = openai.OpenAI(base_url=f"{serve_apps['base']}/routed/v1", api_key="unused", max_retries=0,
                                timeout=120)
         aclient = openai.AsyncOpenAI(base_url=f"{serve_apps['base']}/routed/v1", api_key="unused",

@@ -87,7 +87,7 @@ def replicas(redis_server):
 def test_two_routers_fed_by_one_stream_converge(redis_server, replicas):
     for r in replicas:
         r.publisher.start()
-    routers = [KVEventIndex(redis_server.url, STREAM, block_s=0.1).start() for _ in range(2)]
+    routers = [KVEventIndex(redis_server.url, STREAM, poll_s=0.02).start() for _ in range(2)]
     try:
         for _ in range(5):
             for r in replicas:
@@ -114,7 +114,7 @@ def test_a_gap_is_detected_and_repaired_from_the_replica(redis_server, replicas)
     wait_until(lambda: client.xlen(STREAM) >= 3, what="three entries")
     entries = client.xrange(STREAM)
     client.xdel(STREAM, entries[1][0])  # the router will never see event id 2
-    router = KVEventIndex(redis_server.url, STREAM, block_s=0.1)
+    router = KVEventIndex(redis_server.url, STREAM, poll_s=0.02)
     applied = []
     apply = router.apply
     router.apply = lambda replica, seq, events: applied.append((seq, apply(replica, seq, events))) or applied[-1][1]
@@ -136,7 +136,7 @@ def test_malformed_entries_are_skipped(redis_server, replicas):
     client.xadd(STREAM, {"r": "r0", "id": "x", "ev": b"\xc1"})
     client.xadd(STREAM, {"r": "r0", "id": 99, "ev": msgpack.packb([[0, "not hashes", None]])})
     client.xadd(STREAM, {"nothing": "useful"})
-    router = KVEventIndex(redis_server.url, STREAM, block_s=0.1).start()
+    router = KVEventIndex(redis_server.url, STREAM, poll_s=0.02).start()
     try:
         rep.serve(30)
         wait_until(lambda: in_sync(router, rep), what="the index to follow despite bad entries")
@@ -146,10 +146,39 @@ def test_malformed_entries_are_skipped(redis_server, replicas):
         client.close()
 
 
+def test_oversized_entries_stay_in_redis_and_a_read_is_bounded(redis_server, replicas):
+    """A writer to the stream (a pod with the password) adds entries over the bound and a run of
+    entries just under it: the big ones reach the router only as stubs, each read returns at most
+    MAX_READ_BYTES, and the index still follows."""
+    from pdserve.router import kv_events as ke
+
+    rep = replicas[0]
+    rep.publisher.start()
+    client = redis.Redis.from_url(redis_server.url)
+    for i in range(3):
+        client.xadd(STREAM, {"v": 1, "r": "r0", "id": 10_000 + i, "ev": b"\x90" * (4 << 20)})
+    for i in range(12):  # 0.9 MiB each, under the bound: read, then refused as malformed
+        client.xadd(STREAM, {"v": 1, "r": "r0", "id": 20_000 + i, "ev": b"\xc1" * (900 << 10)})
+    router = KVEventIndex(redis_server.url, STREAM, poll_s=0.02)
+    replies = []
+    read = router._read
+    router._read = lambda **kw: replies.append(r := read(**kw)) or r
+    router.start()
+    try:
+        rep.serve(30)
+        wait_until(lambda: in_sync(router, rep), what="the index to follow despite the big entries")
+        assert router.rejected["oversized"] == 3 and router.rejected["malformed"] == 12
+        sizes = [sum(len(f) for _, flat in reply for f in flat) for reply in replies]
+        assert max(sizes) <= ke.MAX_READ_BYTES < 12 * (900 << 10)  # the run took two reads at least
+    finally:
+        router.close()
+        client.close()
+
+
 def test_killing_redis_keeps_routing_and_precise_mode_comes_back(redis_server, replicas):
     for r in replicas:
         r.publisher.start()
-    router = KVEventIndex(redis_server.url, STREAM, block_s=0.1).start()
+    router = KVEventIndex(redis_server.url, STREAM, poll_s=0.02).start()
     try:
         replicas[0].serve(30)
         wait_until(lambda: in_sync(router, replicas[0]), what="precise index")
@@ -177,7 +206,7 @@ def test_replicas_that_leave_drop_out_of_the_index(redis_server, replicas):
     for r in replicas:
         r.publisher.start()
         r.serve(20)
-    router = KVEventIndex(redis_server.url, STREAM, block_s=0.1).start()
+    router = KVEventIndex(redis_server.url, STREAM, poll_s=0.02).start()
     try:
         for r in replicas:
             wait_until(lambda: in_sync(router, r), what=f"{r.name} indexed")
@@ -212,8 +241,8 @@ def test_the_password_comes_from_the_environment(monkeypatch):
         rep.publisher = KVEventPublisher(server.url, STREAM, "r0", rep._locked(rep.pool.take_events),
                                          rep._locked(rep.pool.snapshot), interval_s=0.02,
                                          password_env="TEST_KV_EVENTS_PASSWORD").start()
-        router = KVEventIndex(server.url, STREAM, block_s=0.1, password_env="TEST_KV_EVENTS_PASSWORD").start()
-        stranger = KVEventIndex(server.url, STREAM, block_s=0.1).start()  # no password: approximate
+        router = KVEventIndex(server.url, STREAM, poll_s=0.02, password_env="TEST_KV_EVENTS_PASSWORD").start()
+        stranger = KVEventIndex(server.url, STREAM, poll_s=0.02).start()  # no password: approximate
         try:
             router.set_replicas(["r0"])
             rep.serve(30)
