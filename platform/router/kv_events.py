@@ -54,21 +54,26 @@ _FIELDS_BYTES = 1024  # room for an entry's other fields beside `ev`
 
 # The entries after ARGV[1] (at most ARGV[2]), in XRANGE's shape; an entry whose fields add up to
 # more than ARGV[3] bytes as the stub {oversized: <bytes>}; no more than ARGV[4] bytes of fields in all
-# (one entry at least). The bytes never leave Redis.
+# (one entry at least). The bytes never leave Redis. XRANGE copies what it returns into the script,
+# so it takes a few entries at a time: a read costs Redis about what it returns.
 _READ_SCRIPT = """
-local entries = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
-local max_entry, max_read = tonumber(ARGV[3]), tonumber(ARGV[4])
-local out, total = {}, 0
-for _, e in ipairs(entries) do
-  local size = 0
-  for _, f in ipairs(e[2]) do size = size + #f end
-  if size > max_entry then
-    out[#out + 1] = {e[1], {'oversized', tostring(size)}}
-  else
-    if total + size > max_read and #out > 0 then break end
-    total = total + size
-    out[#out + 1] = e
+local max_count, max_entry, max_read = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local out, total, last = {}, 0, ARGV[1]
+while #out < max_count do
+  local entries = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', math.min(16, max_count - #out))
+  for _, e in ipairs(entries) do
+    local size = 0
+    for _, f in ipairs(e[2]) do size = size + #f end
+    if size > max_entry then
+      out[#out + 1] = {e[1], {'oversized', tostring(size)}}
+    else
+      if total + size > max_read and #out > 0 then return out end
+      total = total + size
+      out[#out + 1] = e
+    end
+    last = e[1]
   end
+  if #entries < 16 then return out end
 end
 return out
 """
@@ -380,8 +385,10 @@ class KVEventIndex:
             if self._replicas is not None and replica not in self._replicas:
                 return True  # a replica that left (or is not ours yet): nothing to route to
             last = self._last_seq.get(replica)
-            if last is not None and seq <= last:
-                return True  # already seen
+            # A replica numbers its entries 1, 2, 3, ... and the stream is read once, in order: any
+            # other step (a lost entry, or a forged one: a writer with the password) is a gap, and
+            # the replica's next snapshot repairs it. Trusting a number that went back would let
+            # one forged high number hide the replica's real entries.
             in_order = seq == 1 if last is None else seq == last + 1
             self._last_seq[replica] = seq
             index = self.precise
@@ -430,10 +437,14 @@ class KVEventIndex:
             return
         try:
             replica = fields[b"r"].decode()
+            if self._replicas is not None and replica not in self._replicas:
+                return  # a replica that left (or is not ours yet): nothing to route to, so not unpacked
             seq = int(fields[b"id"])
             n = len(raw)
-            events = msgpack.unpackb(raw, max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n,
-                                     max_ext_len=0)
+            # No honest list is longer than a publisher's parts (split_events): a longer one fails
+            # here, before it becomes a million Python objects.
+            events = msgpack.unpackb(raw, max_str_len=0, max_bin_len=0, max_map_len=0, max_ext_len=0,
+                                     max_array_len=min(n, _HASHES_PER_ENTRY))
             _check_events(events)
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as e:
             self._reject("malformed", repr(e)[:200])

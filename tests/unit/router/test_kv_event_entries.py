@@ -76,6 +76,34 @@ def test_a_router_skips_bad_entries_unread_and_counts_them(monkeypatch):
     assert index.precise.blocks("r") == {11, 12}
 
 
+def test_lists_longer_than_a_publishers_parts_and_strangers_entries_are_not_unpacked(monkeypatch):
+    index = KVEventIndex(None, "s")
+    index.set_replicas(["r"])
+    unpacked = []
+    real = msgpack.unpackb
+    monkeypatch.setattr(ke.msgpack, "unpackb", lambda data, **kw: unpacked.append(len(data)) or real(data, **kw))
+    entry = {b"v": b"1", b"r": b"r", b"id": b"1"}
+    longest = list(range(ke._HASHES_PER_ENTRY))
+    index._apply_entry({**entry, b"ev": msgpack.packb([[STORED, longest, None]])})  # the largest honest part
+    assert index.precise.num_blocks("r") == ke._HASHES_PER_ENTRY
+    index._apply_entry({**entry, b"id": b"2", b"ev": msgpack.packb([[STORED, longest + [-1], None]])})
+    assert index.rejected["malformed"] == 1 and index.precise.num_blocks("r") == ke._HASHES_PER_ENTRY
+    index._apply_entry({**entry, b"r": b"stranger", b"ev": msgpack.packb([[STORED, [1], None]])})
+    assert len(unpacked) == 2  # the stranger's entry was never unpacked
+
+
+def test_a_forged_high_entry_number_does_not_hide_the_replicas_later_entries():
+    index = KVEventIndex(None, "s")
+    index.set_replicas(["r"])
+    assert index.apply("r", 1, [[STORED, [1, 2], None]])
+    assert not index.apply("r", 10**9, [[STORED, [666], None]])  # forged: a gap, so a resync is asked
+    assert not index.apply("r", 2, [[STORED, [3], 2]])  # the replica's own next entry still applies
+    assert index.precise.match([1, 2, 3], ["r"]) == {"r": 3}
+    assert index.apply("r", 3, [[SNAPSHOT, [1, 2, 3], [None, 1, 2]]])  # the snapshot repairs the rest
+    assert index.precise.blocks("r") == {1, 2, 3}
+    assert index.apply("r", 4, [[STORED, [4], 3]])
+
+
 @pytest.mark.parametrize("url", ["redis://:secret@host:6379/0", "redis://user:secret@host/0", "rediss://u@h/0"])
 def test_credentials_never_go_in_the_url(url):
     from pydantic import ValidationError
