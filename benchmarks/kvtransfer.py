@@ -10,7 +10,9 @@ run on both sides (sent and received in place), and the 2,048-token KV again in 
 on both sides (every other block: gathered and scattered chunk by chunk). Raw ucxx and the socket
 open a connection per transfer and move the same number of bytes; pdserve's pulls keep theirs, as a
 decode replica does (the local pull sends only its READ and ACK over it); the memcpy
-copies the bytes between two buffers of the importer's process. Besides the time, each path's CPU
+copies the bytes between two buffers of the importer's process. The cost of the lease tokens (#40):
+the same pull from an exporter whose lease table ignores them (`_TokenlessLeases`, here only), with
+handles that carry none. Besides the time, each path's CPU
 time in the importer's process (what a pull takes from the decode replica's engine). Prints a
 markdown table and one JSON line.
 
@@ -51,6 +53,23 @@ def _block_ids(tokens: int, stride: int) -> list[int]:
     return list(range(0, tokens // 16 * stride, stride))
 
 
+def _tokenless_leases(table):
+    """`table`'s class without the token check: a read or ack naming a request id is enough (what a
+    pull cost before #40; a baseline here, never in pdserve)."""
+
+    class TokenlessLeases(type(table)):
+        def _live(self, request_id, token):
+            lease = self._leases.get(request_id)
+            return super()._live(request_id, lease.token if lease else token)
+
+        def release(self, request_id, token):
+            lease = self._leases.get(request_id)
+            return super().release(request_id, lease.token if lease else token)
+
+    table.__class__ = TokenlessLeases
+    return table
+
+
 def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.0.1") -> None:
     """The sending process: a pdserve exporter, a raw ucxx listener and a TCP listener."""
     if netns:  # first: numpy, torch and UCX start threads, and setns moves only the calling one
@@ -68,12 +87,17 @@ def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.
     pool = BlockPool(NUM_BLOCKS, 16)
     exporters = {"ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600, host=host),
                  "local": UCXExporter("bench-shared", shared_zeros(kv.shape, kv.dtype).copy_(kv), KVLayout(**LAYOUT),
-                                      pool.incref, pool.free, lease_s=600)}
+                                      pool.incref, pool.free, lease_s=600),
+                 "ucx_tokenless": UCXExporter("bench-tokenless", kv, KVLayout(**LAYOUT), pool.incref, pool.free,
+                                              lease_s=600, host=host)}
+    _tokenless_leases(exporters["ucx_tokenless"].leases)
     handles = {}
     for name, (tokens, stride) in PAYLOADS.items():
         blocks = _block_ids(tokens, stride)
         handles[name] = {path: [e.export(f"{name}-{i}", blocks, tokens).to_dict() for i in range(repeats + 2)]
                          for path, e in exporters.items()}
+        for h in handles[name]["ucx_tokenless"]:
+            h["lease_token"] = ""
     payload = np.random.bytes(64 << 20)
     buf = np.frombuffer(payload, dtype=np.uint8)
 
@@ -192,13 +216,16 @@ def main() -> None:
         queues = {path: [KVHandle.from_dict(h) for h in hs] for path, hs in handles[name].items()}
         dst = _block_ids(tokens, stride)
         paths = {"pdserve_ucx": lambda: importer.pull(queues["ucx"].pop(), dst),
+                 "pdserve_ucx_tokenless": lambda: importer.pull(queues["ucx_tokenless"].pop(), dst),
                  "raw_ucxx": lambda: raw_ucxx(nbytes), "plain_tcp": lambda: plain_tcp(nbytes)}
         if not lab:
             paths.update({"pdserve_local": lambda: importer.pull(queues["local"].pop(), dst),
                           "memcpy": lambda: np.copyto(raw_out[:nbytes], copy_src[:nbytes])})
         timed = _measure(paths, nbytes, args.repeats)
         record[name] = {"bytes": nbytes, **timed}
-        for label, key in (("pdserve UCX pull", "pdserve_ucx"), ("raw ucxx send/recv", "raw_ucxx"),
+        for label, key in (("pdserve UCX pull", "pdserve_ucx"),
+                           ("pdserve UCX pull, no lease tokens", "pdserve_ucx_tokenless"),
+                           ("raw ucxx send/recv", "raw_ucxx"),
                            ("plain TCP socket", "plain_tcp"), ("pdserve local pull", "pdserve_local"),
                            ("memcpy in the importer", "memcpy")):
             if key not in timed:
@@ -206,7 +233,8 @@ def main() -> None:
             r = timed[key]
             rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['cpu_p50_ms']:.1f} |")
-        for ours, base in (("pdserve_ucx", "raw_ucxx"), ("pdserve_ucx", "plain_tcp"), ("pdserve_local", "memcpy")):
+        for ours, base in (("pdserve_ucx", "pdserve_ucx_tokenless"), ("pdserve_ucx", "raw_ucxx"),
+                           ("pdserve_ucx", "plain_tcp"), ("pdserve_local", "memcpy")):
             if ours not in timed:
                 continue
             rows.append(f"| {name} | {ours} / {base} | {timed[ours]['gb_s'] / timed[base]['gb_s']:.0%} | | | |")

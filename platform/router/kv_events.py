@@ -51,6 +51,9 @@ RESYNC_MIN_INTERVAL_S = 1.0
 MAX_READ_BYTES = 8 << 20
 _READ_COUNT = 500  # entries per read, at most
 _FIELDS_BYTES = 1024  # room for an entry's other fields beside `ev`
+# Blocks applied or dropped per hold of the router's lock (a few ms at most), so `match` never
+# waits behind a whole entry.
+_APPLY_PIECE = 4096
 
 # The entries after ARGV[1] (at most ARGV[2]), in XRANGE's shape; an entry whose fields add up to
 # more than ARGV[3] bytes as the stub {oversized: <bytes>}; no more than ARGV[4] bytes of fields in all
@@ -380,7 +383,11 @@ class KVEventIndex:
     # ---- the stream's side
 
     def apply(self, replica: str, seq: int, events: list) -> bool:
-        """Apply one stream entry. Returns False when entries were missed (a resync is due)."""
+        """Apply one stream entry. Returns False when entries were missed (a resync is due).
+
+        The lock is taken per piece of `_APPLY_PIECE` blocks (an entry holds up to
+        `_HASHES_PER_ENTRY`), so `match` never waits long behind a large snapshot, nor behind a
+        flood of forged ones."""
         with self._lock:
             if self._replicas is not None and replica not in self._replicas:
                 return True  # a replica that left (or is not ours yet): nothing to route to
@@ -391,22 +398,30 @@ class KVEventIndex:
             # one forged high number hide the replica's real entries.
             in_order = seq == 1 if last is None else seq == last + 1
             self._last_seq[replica] = seq
-            index = self.precise
-            for ev in events:
-                kind = ev[0]
-                if kind == STORED:
-                    index.insert(replica, ev[1], parent=ev[2])
-                elif kind == REMOVED:
-                    index.remove(replica, ev[1])
-                elif kind == CLEARED:
-                    index.clear_replica(replica)
-                elif kind == SNAPSHOT:
-                    apply_snapshot(index, replica, ev[1], ev[2])
-                    in_order = True
-                    self._resync_asked.pop(replica, None)
-                elif kind == SNAPSHOT_MORE:
-                    apply_snapshot(index, replica, ev[1], ev[2], clear=False)
-            return in_order
+        index, n = self.precise, _APPLY_PIECE
+        for ev in events:
+            kind = ev[0]
+            if kind in (CLEARED, SNAPSHOT):
+                while True:
+                    with self._lock:
+                        if index.drop_oldest(replica, n) == 0:
+                            index.clear_replica(replica)  # known, and empty
+                            break
+            hashes = ev[1] if len(ev) > 1 else []
+            for i in range(0, len(hashes), n):  # a snapshot's pieces, like its parts, parents first
+                with self._lock:
+                    if self._replicas is not None and replica not in self._replicas:
+                        return True  # it left meanwhile
+                    if kind == STORED:
+                        index.insert(replica, hashes[i:i + n], parent=ev[2] if i == 0 else hashes[i - 1])
+                    elif kind == REMOVED:
+                        index.remove(replica, hashes[i:i + n])
+                    else:
+                        apply_snapshot(index, replica, hashes[i:i + n], ev[2][i:i + n], clear=False)
+            if kind == SNAPSHOT:
+                in_order = True
+                self._resync_asked.pop(replica, None)
+        return in_order
 
     def _reject(self, why: str, detail: str) -> None:
         self.rejected[why] += 1

@@ -205,6 +205,20 @@ class RadixIndex:
             if node.parent is not None:
                 self._prune(node)
 
+    def drop_oldest(self, replica: str, num_blocks: int) -> int:
+        """Drop `replica`'s least recently used holds until about `num_blocks` blocks went (whole
+        holds); returns how many it still holds. Clearing a large replica a slice at a time lets
+        the caller release its lock between slices."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return 0
+        dropped = 0
+        while rep.lru and dropped < num_blocks:
+            oldest = next(iter(rep.lru))  # a descendant is older than its ancestors: leaves go first
+            dropped += len(oldest.run)
+            self._drop(rep, oldest, replica)
+        return rep.num_blocks
+
     def clear_replica(self, replica: str) -> None:
         """Drop every block of `replica` but keep it as a known (empty) replica."""
         self.remove_replica(replica)

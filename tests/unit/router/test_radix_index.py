@@ -103,6 +103,24 @@ def test_remove_replica_prunes_its_nodes_and_leaves_others_intact():
     assert len(idx) == 0 and count_nodes(idx) == 0
 
 
+def test_dropping_the_oldest_in_slices_ends_where_clearing_does():
+    rng = random.Random(3)
+    sliced, whole = RadixIndex(), RadixIndex()
+    other = chain(list(range(12)))
+    for idx in (sliced, whole):
+        idx.insert("other", other)
+    for _ in range(50):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(4, 40))]
+        for idx in (sliced, whole):
+            idx.insert("r", chain(tokens))
+    left = [sliced.drop_oldest("r", 5) for _ in range(200)]
+    assert left == sorted(left, reverse=True) and left[-1] == 0 and left[0] > 0  # it took several slices
+    whole.clear_replica("r")
+    assert sliced.num_blocks("r") == whole.num_blocks("r") == 0
+    assert sliced.match(other) == whole.match(other) == {"other": 3, "r": 0}
+    assert count_nodes(sliced) == count_nodes(whole)
+
+
 def test_lru_bound_trims_least_recently_used_leaves_first():
     idx = RadixIndex(max_blocks_per_replica=10, clock=iter(range(1000)).__next__)
     shared = list(range(16))  # 4 blocks
