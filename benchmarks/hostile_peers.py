@@ -26,9 +26,9 @@ replica publishes a new 4-block chain every 10 ms, the router's loop matches it 
 each attack, how long until the router has indexed the replica's latest chain. The attacker holds
 the Redis password (a pod inside the cluster). Attacks: 50 entries of 8 MiB; 200 entries just
 under the 1 MiB bound, each a list of a million integers; 2,000 garbage entries; 100 forged
-entries of 40,000 fake blocks each, in the honest replica's name (what the index's
-`max_blocks_per_replica` bounds); resync requests every millisecond for 5 s (the replica
-snapshots at most once a second).
+entries of 40,000 fake blocks each, in the honest replica's name (the router indexes no more of
+its blocks than its cache holds, 32,768 here, which the replica reports over Ray); resync
+requests every millisecond for 5 s (the replica snapshots at most once a second).
 
 Prints a markdown table per listener and one JSON line.
 """
@@ -319,13 +319,14 @@ KV_ATTACKS = ("unknown ids", "bomb", "garbage", "wrong token", "ack wrong token"
 # ---- redis: the KV-event stream
 
 STREAM, PASSWORD_ENV = "pdserve:kv-events:bench:Prefill", "BENCH_REDIS_PASSWORD"
+HONEST_CAPACITY = 32_768  # the replica's KV cache, in blocks (an 8B model's on an 80 GB GPU: ~30,000)
 
 
 def _redis_honest(conn, url: str) -> None:
     """A replica publishing a new 4-block chain every 10 ms; answers "last" (its last chain,
     published) and "snapshots"; stops on "stop"."""
     from pdserve.engine.kv_cache import BlockStored
-    from pdserve.router.kv_events import KVEventPublisher
+    from pdserve.router.kv_events import KVEventPublisher, topological
 
     pending, pairs, lock = [], [], threading.Lock()
 
@@ -335,9 +336,9 @@ def _redis_honest(conn, url: str) -> None:
             pending.clear()
             return out
 
-    def snapshot():
+    def snapshot():  # what its cache holds: the latest blocks
         with lock:
-            return list(pairs)
+            return topological(pairs[-HONEST_CAPACITY:])
 
     publisher = KVEventPublisher(url, STREAM, "honest", take, snapshot, interval_s=0.01,
                                  password_env=PASSWORD_ENV).start()
@@ -359,11 +360,12 @@ def _redis_honest(conn, url: str) -> None:
 
 
 def _redis_router(conn, url: str) -> None:
-    from pdserve.config import RouterConfig
     from pdserve.router.kv_events import KVEventIndex
+    from pdserve.router.request_router import UNREPORTED_MAX_BLOCKS
 
-    index = KVEventIndex(url, STREAM, RouterConfig().max_blocks_per_replica, password_env=PASSWORD_ENV).start()
+    index = KVEventIndex(url, STREAM, UNREPORTED_MAX_BLOCKS, password_env=PASSWORD_ENV).start()
     index.set_replicas(["honest"])
+    index.set_capacity("honest", HONEST_CAPACITY)  # as the replica's routing stats tell the router
     state = {"max_stall_ms": 0.0}
     honest, theirs = mp.Pipe()
     replica = mp.get_context("spawn").Process(target=_redis_honest, args=(theirs, url), daemon=True)

@@ -66,8 +66,7 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
     kwargs = {"redis_url": router.redis_url, "redis_password_env": router.redis_password_env,
               "stream": stream_name(config.name, deployment),
               "block_size": config.engine_config(pool).block_size, "queue_weight": router.queue_weight,
-              "max_blocks_per_replica": router.max_blocks_per_replica, "approx_ttl_s": router.approx_ttl_s,
-              "pool": deployment.lower(), "model": config.served_model_name}
+              "approx_ttl_s": router.approx_ttl_s, "pool": deployment.lower(), "model": config.served_model_name}
     options = {}
     ranks = config.engine_config(pool).tensor_parallel_size
     if ranks > 1:  # the replica and its rank workers: one bundle each, packed (DESIGN section 3)

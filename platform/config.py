@@ -167,8 +167,6 @@ class RouterConfig(BaseModel):
     queue_weight: float = Field(
         3.0, ge=0, description="Prefill cost = uncached prompt tokens + queue_weight x queued prefill tokens. "
                                "1: each request's own shortest wait; higher spreads hot prefixes sooner.")
-    max_blocks_per_replica: int | None = Field(
-        1_000_000, ge=1, description="Blocks a router indexes per replica (least recently used trimmed first).")
     approx_ttl_s: float = Field(120.0, gt=0, description="How long approximate mode trusts its own placements.")
     stats_period_s: float = Field(0.5, gt=0, description="How often replicas report queue and KV figures.")
 

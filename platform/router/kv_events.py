@@ -364,6 +364,13 @@ class KVEventIndex:
             known = self.precise.match(hashes, replicas)
             return {r: max(n, own[r]) for r, n in known.items()}
 
+    def set_capacity(self, replica: str, num_blocks: int) -> None:
+        """`replica`'s KV cache holds `num_blocks` blocks (it says so over Ray, not over Redis): no
+        more of its blocks are indexed than it can hold, however many events claim otherwise."""
+        with self._lock:
+            self.precise.set_limit(replica, num_blocks)
+            self.approx.set_limit(replica, num_blocks)
+
     def record_placement(self, replica: str, hashes: Sequence[int]) -> None:
         """The router sent `hashes` to `replica`."""
         with self._lock:

@@ -35,10 +35,11 @@ class _Node:
 
 
 class _Replica:
-    __slots__ = ("num_blocks", "lru")
+    __slots__ = ("num_blocks", "lru", "max_blocks")
 
     def __init__(self):
         self.num_blocks = 0
+        self.max_blocks: int | None = None  # its own bound (`set_limit`), else the index's
         self.lru: OrderedDict[_Node, None] = OrderedDict()  # the nodes it holds, oldest first
 
 
@@ -53,8 +54,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class RadixIndex:
     """Which replicas hold which chained block hashes; see the module docstring.
 
-    `max_blocks_per_replica` bounds each replica's holds (least recently used trimmed first);
-    `clock` stamps uses (seconds; `expire` compares against it).
+    `max_blocks_per_replica` bounds each replica's holds (least recently used trimmed first)
+    unless `set_limit` gave that replica its own bound; `clock` stamps uses (seconds; `expire` compares against it).
     """
 
     def __init__(self, max_blocks_per_replica: int | None = None,
@@ -173,9 +174,24 @@ class RadixIndex:
         for nd in reversed(gained):  # a new holder may make a split needless: merge root-first
             if nd.parent is not None:
                 self._compact(nd)
-        if self.max_blocks_per_replica is not None and rep.num_blocks > self.max_blocks_per_replica:
-            self._trim(rep, replica)
+        limit = self._limit(rep)
+        if limit is not None and rep.num_blocks > limit:
+            self._trim(rep, replica, limit)
         return n
+
+    def set_limit(self, replica: str, max_blocks: int) -> None:
+        """Bound `replica`'s holds by `max_blocks` from now on (trimming it now if it holds more)."""
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
+        rep = self._replicas.get(replica)
+        if rep is None:
+            rep = self._replicas[replica] = _Replica()
+        rep.max_blocks = max_blocks
+        if rep.num_blocks > max_blocks:
+            self._trim(rep, replica, max_blocks)
+
+    def _limit(self, rep: _Replica) -> int | None:
+        return rep.max_blocks if rep.max_blocks is not None else self.max_blocks_per_replica
 
     def remove(self, replica: str, hashes: Iterable[int]) -> None:
         """`replica` no longer holds these blocks; its matches end before the first of them."""
@@ -220,9 +236,11 @@ class RadixIndex:
         return rep.num_blocks
 
     def clear_replica(self, replica: str) -> None:
-        """Drop every block of `replica` but keep it as a known (empty) replica."""
+        """Drop every block of `replica` but keep it as a known (empty) replica, and its bound."""
+        limit = self._replicas[replica].max_blocks if replica in self._replicas else None
         self.remove_replica(replica)
         self._replicas[replica] = _Replica()
+        self._replicas[replica].max_blocks = limit
 
     def expire(self, older_than: float) -> int:
         """Drop holds last used before `older_than` (on `clock`'s scale), oldest first; returns the
@@ -303,8 +321,7 @@ class RadixIndex:
         child.parent = None  # dead
         return True
 
-    def _trim(self, rep: _Replica, replica: str) -> None:
-        limit = self.max_blocks_per_replica
+    def _trim(self, rep: _Replica, replica: str, limit: int) -> None:
         # Trim a little below the bound so the next inserts need no trimming (fewer partial splits).
         target = limit - limit // 128
         while rep.num_blocks > target:

@@ -7,7 +7,7 @@ reads a `KVEventIndex` fed by the pool's KV-event stream; both read the figures 
 (reports are periodic; in-flight accounting covers the gap between them).
 
 `request_router_kwargs` (JSON, see `pdserve.app`): redis_url, stream, block_size, queue_weight,
-max_blocks_per_replica, approx_ttl_s, and pool and model (metric labels). Each placement is
+approx_ttl_s, and pool and model (metric labels). Each placement is
 counted (`pdserve_router_decisions`) and traced (a `pdserve.route` span in the request's trace).
 The replica side (publishing KV events, reporting routing stats) is here too: `start_kv_events`
 and `routing_stats`, called by the pool deployments.
@@ -89,14 +89,20 @@ class _PdserveRouter(RequestRouter):
         self._in_flight.forget_replicas(ids)
 
 
+UNREPORTED_MAX_BLOCKS = 1_000_000  # blocks indexed for a replica that has not reported its cache's size yet
+
+
 class PrefixAwareRouter(_PdserveRouter):
     """Prefill placement: least `uncached prompt tokens + queue_weight x queued prefill tokens`."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
         self._queue_weight = float(kwargs.get("queue_weight", DEFAULT_QUEUE_WEIGHT))
+        # A replica's blocks are indexed up to what its cache holds, as it reports in its routing
+        # stats; until its first report, up to UNREPORTED_MAX_BLOCKS.
+        self._capacity: dict[str, int] = {}
         self._index = KVEventIndex(kwargs.get("redis_url"), kwargs.get("stream", "pdserve:kv-events"),
-                                   kwargs.get("max_blocks_per_replica"),
+                                   UNREPORTED_MAX_BLOCKS,
                                    approx_ttl_s=float(kwargs.get("approx_ttl_s", 120.0)),
                                    password_env=kwargs.get("redis_password_env"),
                                    on_reject=partial(kv_event_rejected, self._pool, self._model)).start()
@@ -105,6 +111,7 @@ class PrefixAwareRouter(_PdserveRouter):
     def _replicas_changed(self, ids: set[str]) -> None:
         super()._replicas_changed(ids)
         self._index.set_replicas(ids)
+        self._capacity = {r: n for r, n in self._capacity.items() if r in ids}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -119,6 +126,9 @@ class PrefixAwareRouter(_PdserveRouter):
         for r in ids:
             stats = by_id[r].routing_stats
             queued[r] = self._in_flight.estimate(r, stats.get("queued_prefill_tokens"), stats.get("time"))
+            if "num_kv_blocks" in stats and self._capacity.get(r) != stats["num_kv_blocks"]:
+                self._capacity[r] = int(stats["num_kv_blocks"])
+                self._index.set_capacity(r, self._capacity[r])
         n = len(req.prompt_token_ids)
         order = rank_prefill(ids, n, matched, queued, self._block_size, self._queue_weight)
         best = order[0]

@@ -104,6 +104,18 @@ def test_a_forged_high_entry_number_does_not_hide_the_replicas_later_entries():
     assert index.apply("r", 4, [[STORED, [4], 3]])
 
 
+def test_forged_events_index_no_more_blocks_than_the_replica_can_hold():
+    index = KVEventIndex(None, "s", max_blocks_per_replica=1_000_000)
+    index.request_resync = lambda replica: None
+    index.set_replicas(["r"])
+    index.set_capacity("r", 5000)  # what the replica reports over Ray
+    for i in range(10):  # 400,000 forged blocks in its name
+        chain = list(range((i + 1) << 40, ((i + 1) << 40) + ke._HASHES_PER_ENTRY))
+        index._apply_entry({b"v": b"1", b"r": b"r", b"id": str(i + 1).encode(),
+                            b"ev": msgpack.packb([[STORED, chain, None]])})
+    assert index.precise.num_blocks("r") <= 5000
+
+
 @pytest.mark.parametrize("url", ["redis://:secret@host:6379/0", "redis://user:secret@host/0", "rediss://u@h/0"])
 def test_credentials_never_go_in_the_url(url):
     from pydantic import ValidationError

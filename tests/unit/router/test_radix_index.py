@@ -140,6 +140,22 @@ def test_lru_bound_trims_least_recently_used_leaves_first():
     assert idx.match(b)["r"] == 7
 
 
+def test_a_replicas_own_limit_bounds_it_and_outlives_a_clear():
+    idx = RadixIndex(max_blocks_per_replica=1000)
+    idx.insert("big", chain(list(range(400))))  # 100 blocks
+    idx.insert("small", chain(list(range(400))))
+    idx.set_limit("small", 10)  # trims at once
+    assert idx.num_blocks("small") <= 10 and idx.num_blocks("big") == 100
+    idx.clear_replica("small")
+    idx.insert("small", chain(list(range(1000, 1400))))
+    assert idx.num_blocks("small") <= 10  # the bound stayed through the clear
+    idx.set_limit("small", 10_000)
+    idx.insert("small", chain(list(range(2000, 2400))))
+    assert idx.num_blocks("small") > 10
+    with pytest.raises(ValueError):
+        idx.set_limit("small", 0)
+
+
 def test_lru_bound_with_a_long_chain_trims_its_tail():
     idx = RadixIndex(max_blocks_per_replica=3)
     h = chain(list(range(40)))

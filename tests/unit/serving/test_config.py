@@ -61,7 +61,7 @@ def test_pools_get_pdserve_routers_unless_configured(tiny_llama):
     assert prefill.request_router_kwargs == {
         "redis_url": "redis://h:1/0", "redis_password_env": "PDSERVE_REDIS_PASSWORD",
         "stream": "pdserve:kv-events:pdserve:Prefill", "block_size": 8,
-        "queue_weight": 3.0, "max_blocks_per_replica": 1_000_000, "approx_ttl_s": 120.0,
+        "queue_weight": 3.0, "approx_ttl_s": 120.0,
         "pool": "prefill", "model": "tiny-llama"}
     pow2 = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
     cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"request_router_class": pow2})})
