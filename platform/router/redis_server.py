@@ -32,28 +32,29 @@ def find_server() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class LocalRedis:
-    def __init__(self, port: int | None = None, password: str | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None, host: str = "127.0.0.1"):
         self.binary = find_server()
         if self.binary is None:
             raise FileNotFoundError(f"no redis-server or valkey-server found ({INSTALL_HINT})")
-        self.port = port or _free_port()
+        self.host = host  # loopback unless told (a test's own network namespaces)
+        self.port = port or _free_port(host)
         self.password = password  # required of clients when set (never in the URL: see RouterConfig)
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
              "--protected-mode", "yes", "--loglevel", "warning",
              *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -62,7 +63,7 @@ class LocalRedis:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.binary} exited with {self.proc.returncode} (port {self.port} taken?)")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (with a password, it says so)
                         return self

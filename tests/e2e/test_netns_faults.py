@@ -10,7 +10,10 @@ output connection and Ray call between the pools crosses veths and a bridge the 
 - 2% loss on the link between prefill and decode: every request succeeds with the outputs of
   the loss-free run.
 - kill -9 of the prefill replica with pulls in flight: every request completes (prefilled on
-  the decode replica instead), Serve's replacement serves, and no block or lease is left."""
+  the decode replica instead), Serve's replacement serves, and no block or lease is left.
+- Redis (the KV-event stream, on the head's address) killed and restarted under load: no
+  request fails, and the routers and replicas find the new server (every router asks for
+  snapshots, the replicas publish them: routing is precise again)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 
 import pytest
 import requests
@@ -34,20 +38,38 @@ LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # over remote_prefill_min
 
 
 @pytest.fixture(scope="module")
-def lab_app(tiny_llama):
+def lab():
+    lab = netns.Lab()
+    yield lab
+    lab.close()
+
+
+@pytest.fixture(scope="module")
+def lab_redis(lab):
+    """The KV-event stream's Redis, on the head's address: every node reaches it over the bridge;
+    its password reaches the replicas as the chart passes it (PDSERVE_REDIS_PASSWORD)."""
+    from pdserve.router.redis_server import LocalRedis
+
+    server = LocalRedis(host=lab.head_ip, password=uuid.uuid4().hex).start()  # off loopback: a password
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def lab_app(tiny_llama, lab, lab_redis):
     from tests.harness.ray_lab import RayLab
 
-    lab = netns.Lab()
     cluster = None
     try:
-        cluster = RayLab(lab, {"prefill": {"pdserve_prefill": 1}, "decode": {"pdserve_decode": 1}})
+        cluster = RayLab(lab, {"prefill": {"pdserve_prefill": 1}, "decode": {"pdserve_decode": 1}},
+                         env={"PDSERVE_REDIS_PASSWORD": lab_redis.password})
         driver = cluster.driver()
         http_port = 18000 + int(lab.tag) % 1000
         config = {"name": "lab", "model": tiny_llama, "engine": ENGINE, "remote_prefill_min_tokens": 24,
                   "prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_prefill": 0.001}}},
                   "decode": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_decode": 0.001}}},
                   "transfer": {"shared_memory": False, "lease_s": 10},
-                  "gateway": {"request_timeout_s": REQUEST_TIMEOUT_S}}
+                  "gateway": {"request_timeout_s": REQUEST_TIMEOUT_S}, "router": {"redis_url": lab_redis.url}}
         driver.call("deploy", config=config, http_port=http_port)
         base = f"http://{lab.head_ip}:{http_port}"
         _wait_until_serving(base, 240)
@@ -56,8 +78,6 @@ def lab_app(tiny_llama):
     finally:
         if cluster is not None:
             cluster.close()
-        else:
-            lab.close()
 
 
 def _complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = REQUEST_TIMEOUT_S + 15, **extra):
@@ -201,5 +221,34 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
         time.sleep(1)
     else:
         pytest.fail("no new prefill replica served within 120 s")
+    stats = _idle(driver)
+    assert all(_holds_nothing(s) for s in stats.values()), stats
+
+
+def test_redis_killed_and_restarted_under_load_fails_no_request(lab_app, lab_redis):
+    import redis
+
+    cluster, driver, base = lab_app
+    stream = "pdserve:kv-events:lab:Prefill"
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_complete, base, f"redis {i}: {LONG_PROMPT}", 16) for i in range(16)]
+        time.sleep(0.3)
+        lab_redis.stop()  # kill -9; what it held is gone (in-memory only)
+        time.sleep(2)
+        lab_redis.start()  # the same address, empty
+        answers = [f.result() for f in futures]
+    assert [a.status_code for a in answers] == [200] * 16, [a.text[:300] for a in answers]
+    client = redis.Redis.from_url(lab_redis.url, password=lab_redis.password)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # a router that reconnects asks every replica for a snapshot; the replica sends it
+            asked = any(f.get(b"r") == b"*" for _, f in client.xrange(stream + ":resync"))
+            if asked and client.xlen(stream) > 0:
+                break
+            assert time.monotonic() < deadline, "no router or replica came back to the new Redis in 30 s"
+            time.sleep(0.5)
+    finally:
+        client.close()
+    assert _complete(base, f"after redis: {LONG_PROMPT}").status_code == 200
     stats = _idle(driver)
     assert all(_holds_nothing(s) for s in stats.values()), stats
