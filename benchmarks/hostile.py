@@ -10,9 +10,11 @@ each, the heaviest requests the gateway's default bounds let in: a text prompt j
 4 MiB body limit (refused by the character bound), 16,000 prompts in one request (refused by the
 count), and a request with the most stop strings allowed (16 of 512 characters, served). The
 figure: the stream's largest inter-chunk gap while they run against its p99 gap before they
-started, in the same stream (target: at most 2x). Control rounds run the same stream with no
-heavy requests, alternating with the measured ones, so the ratio a quiet stream shows is beside
-it. Prints a markdown table and one JSON line.
+started, in the same stream (target: at most 2x). Two kinds of control rounds alternate with the
+measured ones: the same stream with no heavy requests (what a quiet stream shows), and with the
+same heavy requests sent, by the same client processes, to a discarding HTTP server instead of
+the gateway (`--sink`: what sending those bytes costs this machine, pdserve aside). Prints a
+markdown table and one JSON line.
 """
 
 from __future__ import annotations
@@ -43,6 +45,33 @@ def _p99(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else 0.0)
 
 
+def _sink(ports) -> None:
+    """A discarding HTTP server (a thread per connection): reads each request whole, answers 400."""
+    import socketserver
+
+    class Discard(socketserver.BaseRequestHandler):
+        def handle(self):
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = self.request.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+            headers, body = head.split(b"\r\n\r\n", 1)
+            length = next(int(line.split(b":")[1]) for line in headers.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            while len(body) < length:
+                chunk = self.request.recv(1 << 20)
+                if not chunk:
+                    return
+                body += chunk
+            self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Discard)
+    ports.put(server.server_address[1])
+    server.serve_forever()
+
+
 def _send(url: str, data: bytes, repeats: int, statuses, go) -> None:
     """A heavy client, in a process of its own (started before the stream, waiting for `go`):
     this process's GIL and its fork are then no part of what the stream's gaps show."""
@@ -53,15 +82,17 @@ def _send(url: str, data: bytes, repeats: int, statuses, go) -> None:
 
 
 def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: int, heavy: bool,
-                 control_window_s: float = 0.0, which: tuple[str, ...] = HEAVY) -> dict:
-    """One stream; with `heavy`, the heavy requests from its `before`-th chunk on, the window
-    lasting until they are all answered; without, a window of `control_window_s` there."""
+                 control_window_s: float = 0.0, which: tuple[str, ...] = HEAVY, heavy_url: str | None = None) -> dict:
+    """One stream; with `heavy`, the heavy requests (to the gateway, or to `heavy_url`) from its
+    `before`-th chunk on, the window lasting until they are all answered; without, a window of
+    `control_window_s` there."""
     arrivals: list[float] = []
     window: dict[str, float] = {}
     ctx = mp.get_context("fork")
     statuses, go = ctx.Manager().list(), ctx.Event()
-    senders = [ctx.Process(target=_send, args=(f"{base}/v1/completions", json.dumps(body).encode(), repeats, statuses,
-                                               go)) for body in _heavy(model, which)] if heavy else []
+    url = heavy_url or f"{base}/v1/completions"
+    senders = [ctx.Process(target=_send, args=(url, json.dumps(body).encode(), repeats, statuses, go))
+               for body in _heavy(model, which)] if heavy else []
     for t in senders:
         t.start()
     body = {"model": model, "prompt": "The lighthouse keeper", "max_tokens": max_tokens, "temperature": 0,
@@ -88,7 +119,7 @@ def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: i
     # Before: from chunk 10 (past the first steps' warm-up) to the start of the window.
     before_gaps = gaps[min(10, before // 2):before - 1] or gaps[:1]
     during = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]) if window["start"] <= a < window["end"]]
-    return {"heavy": heavy, "chunks": len(arrivals),
+    return {"heavy": ("to the sink" if heavy_url else "yes") if heavy else "no", "chunks": len(arrivals),
             "window_ms": (window["end"] - window["start"]) * 1e3, "statuses": sorted(statuses),
             "p99_gap_before_ms": _p99(before_gaps), "max_gap_before_ms": max(before_gaps),
             "p99_gap_during_ms": _p99(during) if during else None, "max_gap_during_ms": max(during) if during else None,
@@ -103,6 +134,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="times each heavy request is sent")
     ap.add_argument("--heavy", default=",".join(HEAVY), help="which heavy requests, comma-separated (default: all; "
                                                              "one alone shows what it costs)")
+    ap.add_argument("--sink", action="store_true", help="add control rounds that send the heavy requests to a "
+                                                        "discarding server instead of the gateway")
     args = ap.parse_args()
 
     import ray
@@ -130,23 +163,33 @@ def main() -> None:
         serve.run(build(config), name=config.name, route_prefix="/")
         base, model = f"http://127.0.0.1:{port}", config.served_model_name
         stream_round(base, model, 64, 5, 0, heavy=False)  # warm-up
-        for r in range(args.rounds):  # each measured round, then a control round over as long a window
-            measured = stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True,
-                                    which=tuple(args.heavy.split(",")))
-            control = stream_round(base, model, args.max_tokens, args.before, 0, heavy=False,
-                                   control_window_s=measured["window_ms"] / 1e3)
-            for row in (measured, control):
+        sink_url = None
+        if args.sink:
+            ports = mp.get_context("fork").Queue()
+            sink = mp.get_context("fork").Process(target=_sink, args=(ports,), daemon=True)
+            sink.start()
+            sink_url = f"http://127.0.0.1:{ports.get(timeout=10)}/"
+        which = tuple(args.heavy.split(","))
+        for r in range(args.rounds):  # each measured round, then the control rounds over as long a window
+            measured = stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True, which=which)
+            round_rows = [measured, stream_round(base, model, args.max_tokens, args.before, 0, heavy=False,
+                                                 control_window_s=measured["window_ms"] / 1e3)]
+            if sink_url:
+                round_rows.append(stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True,
+                                               which=which, heavy_url=sink_url))
+            for row in round_rows:
                 rows.append({"round": r + 1, **row})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-    print(f"\n{machine_line()}\n`python benchmarks/hostile.py --rounds {args.rounds} --repeats {args.repeats}`\n")
+    print(f"\n{machine_line()}\n`python benchmarks/hostile.py --rounds {args.rounds} --repeats {args.repeats}"
+          f"{' --heavy ' + args.heavy if args.heavy != ','.join(HEAVY) else ''}{' --sink' if args.sink else ''}`\n")
     print("| round | heavy requests | answers | p99 gap before (ms) | max gap before (ms) | window (ms) "
           "| p99 gap during (ms) | max gap during (ms) | max during / p99 before |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['round']} | {'yes' if row['heavy'] else 'no (control)'} | "
+        print(f"| {row['round']} | {row['heavy']} | "
               f"{','.join(map(str, row['statuses'])) or '-'} | {row['p99_gap_before_ms']:.1f} | "
               f"{row['max_gap_before_ms']:.1f} | {row['window_ms']:.0f} | {row['p99_gap_during_ms'] or 0:.1f} | "
               f"{row['max_gap_during_ms'] or 0:.1f} | {row['ratio'] or 0:.2f} |")

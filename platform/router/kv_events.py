@@ -396,7 +396,7 @@ class KVEventIndex:
         `_HASHES_PER_ENTRY`), so `match` never waits long behind a large snapshot, nor behind a
         flood of forged ones."""
         with self._lock:
-            if self._replicas is not None and replica not in self._replicas:
+            if not self._is_ours(replica):
                 return True  # a replica that left (or is not ours yet): nothing to route to
             last = self._last_seq.get(replica)
             # A replica numbers its entries 1, 2, 3, ... and the stream is read once, in order: any
@@ -411,13 +411,15 @@ class KVEventIndex:
             if kind in (CLEARED, SNAPSHOT):
                 while True:
                     with self._lock:
+                        if not self._is_ours(replica):
+                            return True  # it left meanwhile
                         if index.drop_oldest(replica, n) == 0:
                             index.clear_replica(replica)  # known, and empty
                             break
             hashes = ev[1] if len(ev) > 1 else []
             for i in range(0, len(hashes), n):  # a snapshot's pieces, like its parts, parents first
                 with self._lock:
-                    if self._replicas is not None and replica not in self._replicas:
+                    if not self._is_ours(replica):
                         return True  # it left meanwhile
                     if kind == STORED:
                         index.insert(replica, hashes[i:i + n], parent=ev[2] if i == 0 else hashes[i - 1])
@@ -429,6 +431,9 @@ class KVEventIndex:
                 in_order = True
                 self._resync_asked.pop(replica, None)
         return in_order
+
+    def _is_ours(self, replica: str) -> bool:
+        return self._replicas is None or replica in self._replicas
 
     def _reject(self, why: str, detail: str) -> None:
         self.rejected[why] += 1
@@ -459,7 +464,7 @@ class KVEventIndex:
             return
         try:
             replica = fields[b"r"].decode()
-            if self._replicas is not None and replica not in self._replicas:
+            if not self._is_ours(replica):
                 return  # a replica that left (or is not ours yet): nothing to route to, so not unpacked
             seq = int(fields[b"id"])
             n = len(raw)
