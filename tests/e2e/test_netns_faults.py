@@ -13,7 +13,9 @@ output connection and Ray call between the pools crosses veths and a bridge the 
   the decode replica instead), Serve's replacement serves, and no block or lease is left.
 - Redis (the KV-event stream, on the head's address) killed and restarted under load: no
   request fails, and the routers and replicas find the new server (every router asks for
-  snapshots, the replicas publish them: routing is precise again)."""
+  snapshots, the replicas publish them: routing is precise again).
+- 200 ms each way (a relay: this kernel has no netem) and 2% loss on the link, with a new prefill
+  replica behind it: every request succeeds with the outputs of the clean run."""
 
 from __future__ import annotations
 
@@ -28,14 +30,10 @@ import pytest
 import requests
 
 from tests.harness import netns
+from tests.harness.lab_app import (LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, idle, start_app,
+                                   wait_until_serving)
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"netns lab: {netns.unavailable()}")
-
-ENGINE = {"num_threads": 1, "num_kv_blocks": 192, "block_size": 8, "max_model_len": 384, "max_num_seqs": 16,
-          "max_num_batched_tokens": 512}
-REQUEST_TIMEOUT_S = 20.0
-LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # over remote_prefill_min_tokens: prefilled remotely
-
 
 @pytest.fixture(scope="module")
 def lab():
@@ -57,74 +55,28 @@ def lab_redis(lab):
 
 @pytest.fixture(scope="module")
 def lab_app(tiny_llama, lab, lab_redis):
-    from tests.harness.ray_lab import RayLab
-
-    cluster = None
+    cluster, driver, base = start_app(lab, tiny_llama, env={"PDSERVE_REDIS_PASSWORD": lab_redis.password},
+                                      router={"redis_url": lab_redis.url})
     try:
-        cluster = RayLab(lab, {"prefill": {"pdserve_prefill": 1}, "decode": {"pdserve_decode": 1}},
-                         env={"PDSERVE_REDIS_PASSWORD": lab_redis.password})
-        driver = cluster.driver()
-        http_port = 18000 + int(lab.tag) % 1000
-        config = {"name": "lab", "model": tiny_llama, "engine": ENGINE, "remote_prefill_min_tokens": 24,
-                  "prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_prefill": 0.001}}},
-                  "decode": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_decode": 0.001}}},
-                  "transfer": {"shared_memory": False, "lease_s": 10},
-                  "gateway": {"request_timeout_s": REQUEST_TIMEOUT_S}, "router": {"redis_url": lab_redis.url}}
-        driver.call("deploy", config=config, http_port=http_port)
-        base = f"http://{lab.head_ip}:{http_port}"
-        _wait_until_serving(base, 240)
         yield cluster, driver, base
         driver.close()
     finally:
-        if cluster is not None:
-            cluster.close()
-
-
-def _complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = REQUEST_TIMEOUT_S + 15, **extra):
-    return requests.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                         "temperature": 0, **extra}, timeout=timeout)
-
-
-def _wait_until_serving(base: str, timeout_s: float) -> float:
-    start = time.monotonic()
-    while True:
-        try:
-            if _complete(base, LONG_PROMPT, 2, timeout=30).status_code == 200:
-                return time.monotonic() - start
-        except requests.RequestException:
-            pass
-        assert time.monotonic() - start < timeout_s, f"not serving after {timeout_s} s"
-        time.sleep(0.5)
-
-
-def _idle(driver, timeout_s: float = 40) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = {pool: driver.call("stats", app="lab", pool=pool) for pool in ("Prefill", "Decode")}
-        if all(_holds_nothing(s) for s in stats.values()) or time.monotonic() > deadline:
-            return stats
-
-
-def _holds_nothing(s: dict) -> bool:
-    """A replica's accounting after its requests ended: no blocks, leases, reads, pulls, calls."""
-    return (s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_unfinished_requests"] == 0
-            and not s.get("num_kv_leases") and not s.get("num_open_kv_reads") and not s.get("num_open_kv_pulls")
-            and not s.get("num_in_flight_requests"))
+        cluster.close()
 
 
 def test_kv_crosses_the_link_and_outputs_match(lab_app):
     _, driver, base = lab_app
     before = driver.call("stats", app="lab", pool="Decode")
     with cf.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda i: _complete(base, f"case {i % 2}: {LONG_PROMPT}"), range(8)))
+        answers = list(pool.map(lambda i: complete(base, f"case {i % 2}: {LONG_PROMPT}"), range(8)))
     assert [a.status_code for a in answers] == [200] * 8
     texts = [a.json()["choices"][0]["text"] for a in answers]
     assert texts[0::2] == [texts[0]] * 4 and texts[1::2] == [texts[1]] * 4  # greedy: same prompt, same text
     after = driver.call("stats", app="lab", pool="Decode")
     assert after["num_pulled_bytes"] > before["num_pulled_bytes"], "no KV was pulled from the prefill node"
     assert after["num_shared_memory_pulls"] == 0, "KV went through shared memory, not the link"
-    stats = _idle(driver)
-    assert all(_holds_nothing(s) for s in stats.values()), stats
+    stats = idle(driver)
+    assert all(holds_nothing(s) for s in stats.values()), stats
 
 
 @pytest.mark.parametrize("partition_s", [5, 12])  # 12: past the KV lease (10 s), well before the deadline
@@ -136,7 +88,7 @@ def test_a_partition_between_prefill_and_decode_ends_every_request_in_time(lab_a
     def one(i: int) -> tuple[int | str, float]:
         start = time.monotonic()
         try:
-            status = _complete(base, f"partition {partition_s} {i}: {LONG_PROMPT}", 16, timeout=client_timeout).status_code
+            status = complete(base, f"partition {partition_s} {i}: {LONG_PROMPT}", 16, timeout=client_timeout).status_code
         except requests.Timeout:
             status = "hung"
         return status, time.monotonic() - start
@@ -153,10 +105,10 @@ def test_a_partition_between_prefill_and_decode_ends_every_request_in_time(lab_a
     # Each request finished or failed with a status a client retries; none outlived its deadline.
     assert all(status in (200, 503, 504) for status, _ in results), results
     assert all(took < REQUEST_TIMEOUT_S + 10 for _, took in results), results
-    recovered_s = _wait_until_serving(base, 60)
+    recovered_s = wait_until_serving(base, 60)
     print(f"partition: {[(s, round(t, 1)) for s, t in results]}, service back {recovered_s:.1f} s after the heal")
-    stats = _idle(driver)
-    assert all(_holds_nothing(s) for s in stats.values()), stats
+    stats = idle(driver)
+    assert all(holds_nothing(s) for s in stats.values()), stats
 
 
 def test_loss_on_the_kv_link_changes_no_output(lab_app):
@@ -166,7 +118,7 @@ def test_loss_on_the_kv_link_changes_no_output(lab_app):
 
     def run(salt: str) -> list[str]:  # a new cache_salt: nothing cached, every prompt prefilled and pulled again
         with cf.ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda p: _complete(base, p, 16, cache_salt=salt), prompts))
+            answers = list(pool.map(lambda p: complete(base, p, 16, cache_salt=salt), prompts))
         assert [a.status_code for a in answers] == [200] * len(prompts), [a.text[:200] for a in answers]
         return [a.json()["choices"][0]["text"] for a in answers]
 
@@ -204,7 +156,7 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
     [pid] = _replica_pids(cluster.nodes["prefill"], "Prefill")
     before = driver.call("stats", app="lab", pool="Decode")
     with cf.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_complete, base, f"kill {i}: {LONG_PROMPT}", 16) for i in range(8)]
+        futures = [pool.submit(complete, base, f"kill {i}: {LONG_PROMPT}", 16) for i in range(8)]
         time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
         answers = [f.result() for f in futures]
@@ -213,7 +165,7 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
     # Serve replaces the replica, and remote prefill comes back.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if _replica_pids(cluster.nodes["prefill"], "Prefill") and _complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
+        if _replica_pids(cluster.nodes["prefill"], "Prefill") and complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
             after = driver.call("stats", app="lab", pool="Decode")
             if after["num_pulled_blocks"] > before["num_pulled_blocks"] and \
                     driver.call("stats", app="lab", pool="Prefill")["num_unfinished_requests"] == 0:
@@ -221,8 +173,8 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
         time.sleep(1)
     else:
         pytest.fail("no new prefill replica served within 120 s")
-    stats = _idle(driver)
-    assert all(_holds_nothing(s) for s in stats.values()), stats
+    stats = idle(driver)
+    assert all(holds_nothing(s) for s in stats.values()), stats
 
 
 def test_redis_killed_and_restarted_under_load_fails_no_request(lab_app, lab_redis):
@@ -231,7 +183,7 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(lab_app, lab_red
     cluster, driver, base = lab_app
     stream = "pdserve:kv-events:lab:Prefill"
     with cf.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_complete, base, f"redis {i}: {LONG_PROMPT}", 16) for i in range(16)]
+        futures = [pool.submit(complete, base, f"redis {i}: {LONG_PROMPT}", 16) for i in range(16)]
         time.sleep(0.3)
         lab_redis.stop()  # kill -9; what it held is gone (in-memory only)
         time.sleep(2)
@@ -249,6 +201,48 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(lab_app, lab_red
             time.sleep(0.5)
     finally:
         client.close()
-    assert _complete(base, f"after redis: {LONG_PROMPT}").status_code == 200
-    stats = _idle(driver)
-    assert all(_holds_nothing(s) for s in stats.values()), stats
+    assert complete(base, f"after redis: {LONG_PROMPT}").status_code == 200
+    stats = idle(driver)
+    assert all(holds_nothing(s) for s in stats.values()), stats
+
+
+def test_delay_and_loss_on_the_link_change_no_output(lab_app):
+    """200 ms each way (a relay on the path) and 2% loss between the prefill and decode nodes. The
+    relay takes new connections only, so the prefill replica is replaced first: the decode
+    replica's calls to the new one and its KV pulls from it all cross the slow, lossy link.
+    Last in this module: the relays stay for the connections they carry."""
+    cluster, driver, base = lab_app
+    prefill, decode = cluster.nodes["prefill"], cluster.nodes["decode"]
+    prompts = [f"delay {i}: {LONG_PROMPT}" for i in range(6)]
+
+    def run(salt: str) -> tuple[list[str], float]:
+        with cf.ThreadPoolExecutor(6) as pool:
+            start = time.monotonic()
+            answers = list(pool.map(lambda p: (complete(base, p, 16, cache_salt=salt), time.monotonic() - start),
+                                    prompts))
+        assert [a.status_code for a, _ in answers] == [200] * len(prompts), [a.text[:200] for a, _ in answers]
+        return [a.json()["choices"][0]["text"] for a, _ in answers], min(t for _, t in answers)
+
+    clean, _ = run("clean")
+    for node, peer in ((prefill, decode), (decode, prefill)):
+        cluster.lab.delay(node, peer, 200)
+        cluster.lab.loss(node, 2, peer)
+    try:
+        [pid] = _replica_pids(prefill, "Prefill")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not _replica_pids(prefill, "Prefill") or not complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
+            assert time.monotonic() < deadline, "no new prefill replica served within 120 s"
+            time.sleep(1)
+        before = driver.call("stats", app="lab", pool="Decode")
+        slow, fastest_s = run("slow")
+    finally:
+        for node in (prefill, decode):
+            cluster.lab.loss(node, 0)
+    after = driver.call("stats", app="lab", pool="Decode")
+    assert slow == clean
+    assert after["num_remote_prefills"] - before["num_remote_prefills"] == len(prompts)
+    assert after["num_failed_pulls"] == before["num_failed_pulls"]
+    assert fastest_s > 0.8, "the requests did not cross the delayed link"  # a call and a pull: 2 round trips
+    stats = idle(driver)
+    assert all(holds_nothing(s) for s in stats.values()), stats

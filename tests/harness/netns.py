@@ -2,7 +2,8 @@
 per node, each joined by a veth pair to a bridge in the root namespace, which holds the bridge's
 address (where a Ray head in the root namespace listens). Every byte between two nodes then
 crosses two veths and the bridge, where the lab can shape it: a rate limit (tc tbf), random loss
-and partitions between two nodes only (nftables, so the head stays reachable from both).
+and partitions between two nodes only (nftables, so the head stays reachable from both), and a
+delay (a relay on the path: this kernel has no netem).
 
 Namespaces share the hostname, the boot id and IPC: a test must force the network path itself
 (`transfer.shared_memory: false`, `UCX_TLS=tcp`), or KV never crosses the link. Needs root, `ip`
@@ -16,9 +17,13 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+DELAY_MARK = 0x2A  # the delay relay marks its own connections with it (delay_relay.MARK)
+REPO = Path(__file__).parents[2]
 
 
 def unavailable() -> str | None:
@@ -86,6 +91,7 @@ class Lab:
         self.subnet = f"10.{200 + int(self.tag) % 50}.{int(self.tag) // 50 % 250}"
         self.head_ip = f"{self.subnet}.1"
         self.nodes: dict[str, Node] = {}
+        self._relays: list[subprocess.Popen] = []
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.head_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -136,6 +142,22 @@ class Lab:
             _run([*base, "add", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "256kb",
                   "latency", "100ms"])
 
+    def delay(self, node: Node, peer: Node, ms: float) -> None:
+        """Delay every TCP connection `node` opens to `peer` from now on by `ms` each way, through
+        a relay in `node`'s namespace (tests/harness/delay_relay.py; this kernel has no netem).
+        Connections open before keep their path: call it before the traffic starts."""
+        port = 15000 + len(self._relays)
+        relay = subprocess.Popen(node.command([sys.executable, "-m", "tests.harness.delay_relay", "--port", str(port),
+                                               "--delay-ms", str(ms)]),
+                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if relay.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the delay relay in {node.netns} did not start")
+        self._relays.append(relay)
+        _nft(node.netns, f"table ip pdserve_delay_{port} {{\n"
+                         f"  chain out {{ type nat hook output priority -100;\n"
+                         f"    ip daddr {peer.ip} meta l4proto tcp meta mark != {DELAY_MARK} redirect to :{port}; }}\n"
+                         "}\n")
+
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -152,6 +174,9 @@ class Lab:
             _run(["ip", "link", "del", node.veth], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
         self.nodes.clear()
+        for relay in self._relays:  # killed with their namespace; reaped here
+            relay.wait(10)
+        self._relays.clear()
 
     def __enter__(self) -> "Lab":
         return self
