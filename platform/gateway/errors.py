@@ -2,8 +2,9 @@
 
 `error_response` turns any exception into the HTTP answer a client gets: `InvalidRequestError`
 (and its subclasses) a 400 naming the `param`, `APIError` its own status, `DeadlineExceededError`
-a 504, `OverloadedError` and `UnavailableError` a 503 with Retry-After, anything else a 500 that
-names no internals. `outcome_of` is how a failed request is counted in the metrics.
+a 504, `OverloadedError` and `UnavailableError` a 503 with Retry-After, any other `ReplicaError`
+(an engine that died under the request) a 503 that names no internals, anything else a 500 that
+names no internals either. `outcome_of` is how a failed request is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ def error_response(e: BaseException, request_id: str | None = None) -> JSONRespo
         return JSONResponse(error_body(e.message, "invalid_request_error", e.param, code), 400)
     if isinstance(e, DeadlineExceededError):
         return JSONResponse(error_body(str(e), "timeout", None, "deadline_exceeded"), 504)
+    where = f" (request id {request_id})" if request_id else ""
     if isinstance(e, (OverloadedError, UnavailableError)):
         return JSONResponse(error_body(f"{e}; retry shortly", "service_unavailable", None, 503), 503,
                             headers={"Retry-After": "1"})
+    if isinstance(e, ReplicaError):  # the replica failed (its engine died), not the request: retryable
+        log.warning("request %s: its replica failed: %r", request_id, e)
+        return JSONResponse(error_body(f"the replica serving this request failed{where}; retry shortly",
+                                       "service_unavailable", None, 503), 503, headers={"Retry-After": "1"})
     log.error("request %s failed: %r", request_id, e, exc_info=e)
-    where = f" (request id {request_id})" if request_id else ""
     return JSONResponse(error_body(f"the server failed to complete this request{where}", "internal_server_error",
                                    None, 500), 500)
 

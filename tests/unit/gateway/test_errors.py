@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.errors import (DeadlineExceededError, InvalidRequestError, OverloadedError, PromptTooLongError,
                             RequestFailedError)
+from pdserve.engine.async_engine import EngineDeadError
 from pdserve.gateway.auth import ApiKeys
 from pdserve.gateway.errors import APIError, UnavailableError, error_response
 from pdserve.gateway.openai_service import check_prompt
@@ -22,6 +23,7 @@ def test_error_statuses_and_shape():
              (APIError(401, "bad key", "authentication_error", "invalid_api_key"), 401, None),
              (OverloadedError("queue full"), 503, None),
              (UnavailableError("replica died"), 503, None),
+             (EngineDeadError("rank 1 died: gloo connection reset"), 503, None),
              (DeadlineExceededError("too slow"), 504, None),
              (RequestFailedError("sampling failed"), 500, None),
              (RuntimeError("bug"), 500, None)]
@@ -39,6 +41,13 @@ def test_a_500_names_no_internals_only_the_request_id():
     err = _body(error_response(RuntimeError("secret /etc/path in KVCache.kv[3]"), "req-7"))
     assert "secret" not in err["message"] and "RuntimeError" not in err["message"]
     assert "req-7" in err["message"] and err["type"] == "internal_server_error"
+
+
+def test_an_engine_that_died_under_the_request_is_a_503_that_names_no_internals():
+    resp = error_response(EngineDeadError("worker rank 1 died: gloo /tmp/x reset"), "req-8")
+    err = _body(resp)
+    assert resp.status_code == 503 and err["type"] == "service_unavailable"
+    assert "gloo" not in err["message"] and "req-8" in err["message"]
 
 
 def test_check_prompt():
