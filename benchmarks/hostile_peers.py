@@ -4,8 +4,8 @@ memory growth and its event loop's longest stall, while honest traffic goes on b
     python benchmarks/hostile_peers.py [--listener output|kv|redis|all]
 
 Each victim is a child process with a heartbeat task on the event loop that serves the listener
-(it wakes every 5 ms and records how late it woke: the loop's stall). The parent attacks, one
-attack at a time. Targets: memory growth under 64 MiB, longest stall under 100 ms, the honest
+(it wakes every 5 ms and records how late it woke: the loop's stall), set up, then frozen for the
+GC as Ray Serve freezes a replica's start. The parent attacks, one attack at a time. Targets: memory growth under 64 MiB, longest stall under 100 ms, the honest
 traffic unchanged.
 
 output (the replica's output connection, `OutputChannelServer`): an honest gateway's connection
@@ -16,8 +16,7 @@ secret and another gateway id; 2,000 hellos with a wrong secret; 2,000 connectio
 
 kv (the prefill replica's UCX KV exporter, `UCXExporter`, over TCP): an honest decode process
 pulls a leased 4-block KV every 10 ms and checks the bytes. Attacks: 500 READs of unknown request
-ids; 20 control messages
-of 16 MiB; 500 garbage frames; 500 READs naming the honest requests' ids with wrong lease tokens
+ids; 20 control messages of 16 MiB; 500 garbage frames; 500 READs naming the honest requests' ids with wrong lease tokens
 and a one-hour deadline; 500 ACKs of those ids with wrong tokens; 600 connections held silent
 (cap 512). Each peer opens a connection of its own.
 
@@ -30,7 +29,7 @@ entries of 40,000 fake blocks each, in the honest replica's name (the router ind
 its blocks than its cache holds, 32,768 here, which the replica reports over Ray); resync
 requests every millisecond for 5 s (the replica snapshots at most once a second).
 
-Prints a markdown table per listener and one JSON line.
+Prints a markdown table and one JSON line.
 """
 
 from __future__ import annotations
