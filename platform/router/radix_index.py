@@ -55,7 +55,8 @@ class RadixIndex:
     """Which replicas hold which chained block hashes; see the module docstring.
 
     `max_blocks_per_replica` bounds each replica's holds (least recently used trimmed first)
-    unless `set_limit` gave that replica its own bound; `clock` stamps uses (seconds; `expire` compares against it).
+    unless `set_limit` gave that replica its own bound; `clock` stamps uses (seconds; `expire`
+    compares against it).
     """
 
     def __init__(self, max_blocks_per_replica: int | None = None,

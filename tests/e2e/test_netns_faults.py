@@ -111,23 +111,30 @@ def test_a_partition_between_prefill_and_decode_ends_every_request_in_time(lab_a
     assert all(holds_nothing(s) for s in stats.values()), stats
 
 
+def _all_succeed(base: str, prompts: list[str], salt: str) -> tuple[list[str], float]:
+    """The prompts at once, under a new cache_salt (nothing cached: every prompt prefilled and
+    pulled again); each must succeed. Their texts, and how long the fastest took."""
+    def timed(prompt: str):
+        start = time.monotonic()
+        return complete(base, prompt, 16, cache_salt=salt), time.monotonic() - start
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(timed, prompts))
+    assert [a.status_code for a, _ in answers] == [200] * len(prompts), [a.text[:200] for a, _ in answers]
+    return [a.json()["choices"][0]["text"] for a, _ in answers], min(t for _, t in answers)
+
+
 def test_loss_on_the_kv_link_changes_no_output(lab_app):
     cluster, driver, base = lab_app
     prefill, decode = cluster.nodes["prefill"], cluster.nodes["decode"]
     prompts = [f"loss {i}: {LONG_PROMPT}" for i in range(6)]
 
-    def run(salt: str) -> list[str]:  # a new cache_salt: nothing cached, every prompt prefilled and pulled again
-        with cf.ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda p: complete(base, p, 16, cache_salt=salt), prompts))
-        assert [a.status_code for a in answers] == [200] * len(prompts), [a.text[:200] for a in answers]
-        return [a.json()["choices"][0]["text"] for a in answers]
-
-    clean = run("clean")
+    clean, _ = _all_succeed(base, prompts, "clean")
     before = driver.call("stats", app="lab", pool="Decode")
     for node, peer in ((prefill, decode), (decode, prefill)):
         cluster.lab.loss(node, 2, peer)
     try:
-        lossy = run("lossy")
+        lossy, _ = _all_succeed(base, prompts, "lossy")
     finally:
         for node in (prefill, decode):
             cluster.lab.loss(node, 0)
@@ -215,15 +222,7 @@ def test_delay_and_loss_on_the_link_change_no_output(lab_app):
     prefill, decode = cluster.nodes["prefill"], cluster.nodes["decode"]
     prompts = [f"delay {i}: {LONG_PROMPT}" for i in range(6)]
 
-    def run(salt: str) -> tuple[list[str], float]:
-        with cf.ThreadPoolExecutor(6) as pool:
-            start = time.monotonic()
-            answers = list(pool.map(lambda p: (complete(base, p, 16, cache_salt=salt), time.monotonic() - start),
-                                    prompts))
-        assert [a.status_code for a, _ in answers] == [200] * len(prompts), [a.text[:200] for a, _ in answers]
-        return [a.json()["choices"][0]["text"] for a, _ in answers], min(t for _, t in answers)
-
-    clean, _ = run("clean")
+    clean, _ = _all_succeed(base, prompts, "clean")
     for node, peer in ((prefill, decode), (decode, prefill)):
         cluster.lab.delay(node, peer, 200)
         cluster.lab.loss(node, 2, peer)
@@ -235,7 +234,7 @@ def test_delay_and_loss_on_the_link_change_no_output(lab_app):
             assert time.monotonic() < deadline, "no new prefill replica served within 120 s"
             time.sleep(1)
         before = driver.call("stats", app="lab", pool="Decode")
-        slow, fastest_s = run("slow")
+        slow, fastest_s = _all_succeed(base, prompts, "slow")
     finally:
         for node in (prefill, decode):
             cluster.lab.loss(node, 0)
