@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_suite.sh run    # there, with .gpusuite carried: unpack, name the GPU and the
 #                                       # transports UCX finds, run the suite
 #
-# `run` writes gpu_suite.json, gpu_suite.md and suite.log under $OUT (or ./gpu-out). The suite is
+# `run` writes gpu_suite.json, gpu_suite.md, tests.log and suite.log under $OUT (or ./gpu-out). The suite is
 # stopped after SUITE_TIMEOUT_S (480) seconds, inside the device tool's limit, so that whatever it
 # measured until then comes back; its JSON is rewritten after every figure. UCX_PROTO_INFO=y makes
 # UCX print the protocol and transports each transfer chose (is the KV pull on cuda_ipc?).
@@ -62,6 +62,12 @@ run() {
                     'ucxx', ucxx.__version__, 'ucx', ucxx.get_ucx_version())"
         LD_LIBRARY_PATH=$site/libucx/lib "$site/libucx/bin/ucx_info" -d | grep -E '^#\s+Transport:' | sort | uniq -c
     } 2>&1 | tee "$out/env.log"
+    # The GPU-only tests first (the kernels compiled for this GPU against the torch path, CUDA graphs,
+    # CUDA IPC between two processes), bounded by TESTS_TIMEOUT_S (120; 0 skips them).
+    if [ "${TESTS_TIMEOUT_S:-120}" != 0 ]; then
+        (cd "$here" && timeout -k 10 "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+            $(ls tests/unit/engine/test_triton_*.py tests/unit/engine/test_cuda_*.py)) 2>&1 | tail -40 | tee "$out/tests.log"
+    fi
     UCX_PROTO_INFO=y timeout -k 10 "${SUITE_TIMEOUT_S:-480}" python3 "$here/benchmarks/gpu_suite.py" --out "$out" "$@" \
         2>&1 | tee "$out/suite.log"
 }

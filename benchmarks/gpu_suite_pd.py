@@ -8,16 +8,21 @@ same random_weights.json), and a `UCXImporter`. The prefill process prefills the
 leases their blocks; for each prompt the decode engine reserves blocks (`add_prefilled_request`)
 and pulls into them by each path, each pull timed and its bytes checked against the exporter's
 (SHA-256 of the blocks on both sides):
-- CUDA IPC: the prefill process gathers the blocks into one buffer and shares it through
-  `torch.multiprocessing` (an IPC handle on a GPU, shared memory on a CPU); this process copies
-  it into its blocks;
-- UCX (CUDA transports on a GPU, TCP on a CPU), when a UCX check in a process of its own passed
-  and ucxx starts: the pull the decode then runs on. The decode engine's pool is fresh, so each
-  prompt's blocks are one run and UCX receives in place; at the end one prompt is pulled again
-  into every other block of the pool, through the importer's staging buffer.
+- torch.multiprocessing's CUDA IPC (a baseline outside pdserve): the prefill process gathers the
+  blocks into one buffer and shares it (an IPC handle on a GPU, shared memory on a CPU); this
+  process copies it into its blocks;
+- UCX's messages (CUDA transports on a GPU, TCP on a CPU), when a UCX check in a process of its
+  own passed and ucxx starts: the handle is sent without the cache's region, so the blocks travel
+  as messages. The decode engine's pool is fresh, so each prompt's blocks are one run and UCX
+  receives in place; at the end one prompt is pulled again into every other block of the pool,
+  through the importer's staging buffer;
+- pdserve's local read, as a decode replica on the prefill replica's GPU (or host) pulls: the
+  importer maps the exporter's cache (CUDA IPC; shared memory on a CPU) and copies the blocks
+  with one kernel while UCX carries the READ and the ACK. Last, so the decode runs on its bytes.
 A path that fails is recorded (and shown as a failed row) and the others go on. The decode engine
-then decodes the prompts together, and afterwards generates them itself (colocated: prefilled and
-decoded in one engine), the reference the disaggregated greedy tokens must match.
+then decodes the prompts together. Two references follow, in the same engine: the prompts
+prefilled there and decoded on the same schedule (same KV bytes and batches: the tokens must be
+the same), and colocated with continuous batching (other batches: other roundings).
 
 In: the engines' EngineConfig fields, the prompts, the output length. Out: figures and rows on
 the suite's report (pull bytes/s against the copy bandwidth, checksums, token agreement).
@@ -120,10 +125,10 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
             if use_ucx:
                 from pdserve.kvtransfer.ucx_backend import UCXExporter
 
-                # shared_memory off: on a CPU the blocks would otherwise skip UCX (copied out of
-                # this cache by the importer); on a GPU the cache is not in shared memory anyway.
+                # shared_memory on, as deployed: handles name the cache (CUDA IPC on a GPU, shared
+                # memory on a CPU) for the local read; the UCX pulls drop that from the handle.
                 exporter = UCXExporter("prefill-0", kv, _layout(kv, "gpu-suite"), pool.incref, pool.free,
-                                       lease_s=600.0, host="127.0.0.1", shared_memory=False)
+                                       lease_s=600.0, host="127.0.0.1", shared_memory=True)
         except Exception as e:  # noqa: BLE001 - CUDA IPC still runs; the report names UCX's failure
             ucx_error = repr(e)
         replies.put(("ready", exporter.address if exporter else None, ucx_error))
@@ -236,36 +241,48 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
         log(f"pd: engines ready; UCX {'on' if importer is not None else f'unavailable ({ucx_error})'}")
         pulls = _Pulls(kv, commands, replies, child, importer, log)
         if importer is None:
-            pulls.errors["ucx"] = pulls.errors["ucx_scattered"] = ucx_error
+            pulls.errors["ucx"] = pulls.errors["ucx_scattered"] = pulls.errors["local"] = ucx_error
 
         params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
         commands.put(("prefill", prompts, output_tokens))
         (results,) = _reply(replies, child, "prefilled", START_TIMEOUT_S)
         # Disaggregated first, while the decode engine's pool is fresh: each prompt's blocks are
         # one run there, as on the prefill side, so UCX receives in place (the common case); the
-        # scattered case (staging) follows at the end.
-        disaggregated = {}
+        # scattered case (staging) follows at the end. Each prompt is pulled by every path, the
+        # local read last: the decode runs on its bytes (on the last path that succeeded).
+        disaggregated, decoded_from = {}, set()
         for (rid, first, handle, digest), prompt in zip(results, prompts):
             num_local, dst = engine.add_prefilled_request(rid, prompt, params, first)
             if not dst:
                 raise RuntimeError(f"the decode engine has no free blocks for {rid}")
-            # UCX last, so that the decode runs on its bytes.
-            is_ipc = pulls.pull("cuda_ipc", rid, handle, dst, num_local, digest)
-            is_ucx_tried = "ucx" not in pulls.errors
-            is_ucx = is_ucx_tried and pulls.pull("ucx", rid, handle, dst, num_local, digest)
-            if is_ucx_tried and not is_ucx and is_ipc:  # it zeroed `dst` and may have written part of it
-                is_ipc = pulls.pull("cuda_ipc", rid, handle, dst, num_local, digest)
-            if not (is_ipc or is_ucx):
+            holder, good = None, []  # whose bytes `dst` holds; the paths that succeeded
+            for path in ("cuda_ipc", "ucx", "local"):
+                if path in pulls.errors:
+                    continue
+                holder = path if pulls.pull(path, rid, handle, dst, num_local, digest) else None
+                good += [holder] if holder else []
+            if not good:
                 raise RuntimeError(f"no pull of {rid} succeeded: {pulls.errors}")
+            if holder is None:  # the last one tried failed after zeroing `dst`: the last good one again
+                holder = good[-1] if pulls.pull(good[-1], rid, handle, dst, num_local, digest) else None
+            decoded_from.add(holder)
             if rid != results[-1][0]:  # the last lease stays, for the scattered pull
                 pulls.release(rid)
             engine.start_prefilled_request(rid)
             disaggregated[rid] = list(first.new_token_ids)
         _decode_all(engine, disaggregated)
 
+        # The reference on the same schedule: this engine prefills the prompts itself, as the
+        # prefill process did (same batch, salted so that nothing comes from the blocks pulled
+        # above), then takes them over from its own blocks and decodes them together as it did
+        # the pulled ones. Same KV bytes and same batches give the same tokens, bit for bit.
+        reference, same_kv = _reference_on_same_schedule(engine, prompts, output_tokens, results)
+        # Colocated with continuous batching (decodes start while other prompts still prefill):
+        # other batch compositions, so other roundings; with random weights, near-tied logits.
         colocated = {f"co-{i}": [] for i in range(len(prompts))}
+        salted = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True, cache_salt="colocated")
         for rid, prompt in zip(colocated, prompts):
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, salted)
         _decode_all(engine, colocated)
 
         rid, first, handle, digest = results[-1]
@@ -279,7 +296,7 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
             finally:
                 pool.free(taken)
         pulls.release(rid)
-        pulls.report(rep, disaggregated, colocated, output_tokens)
+        pulls.report(rep, disaggregated, reference, same_kv, colocated, output_tokens, decoded_from)
     finally:
         if importer is not None:
             importer.close()
@@ -290,12 +307,46 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
             child.kill()
 
 
+def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens: int,
+                                results: list) -> tuple[dict[str, list[int]], list[bool]]:
+    """Greedy tokens of `prompts` prefilled by `engine` itself (prefill-only, all at once, as the
+    prefill process ran them), each then taken over from those blocks (`add_prefilled_request`,
+    blocks copied within the cache) and all decoded together. Also records whether each prompt's
+    KV here equals the exporter's (`results`' digests): the prefill is deterministic across processes."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer.blocks import gather_blocks, scatter_blocks
+
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True, cache_salt="reference")
+    ids = [f"ref-prefill-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params, prefill_only=True)
+    firsts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            firsts[out.request_id] = out
+    kv, tokens, same_kv = engine.kv_cache.kv, {}, []
+    for i, (rid, prompt, result) in enumerate(zip(ids, prompts, results)):
+        first = firsts[rid]
+        same_kv.append(_digest(kv, first.kv_block_ids) == result[3])
+        num_local, dst = engine.add_prefilled_request(f"ref-{i}", prompt, params, first)
+        if dst:
+            scatter_blocks(kv, dst, gather_blocks(kv, first.kv_block_ids[num_local:]))
+        engine.release_kv(rid)
+        engine.start_prefilled_request(f"ref-{i}")
+        tokens[f"ref-{i}"] = list(first.new_token_ids)
+    _decode_all(engine, tokens)
+    return tokens, same_kv
+
+
 class _Pulls:
     """The decode side's pulls, by path: each timed, its bytes checked against the exporter's. A
     path that fails once is recorded and not tried again."""
 
-    NAMES = {"cuda_ipc": "CUDA IPC (torch.multiprocessing)", "ucx": "UCX, blocks in one run (in place)",
-             "ucx_scattered": "UCX, scattered blocks (staging buffer)"}
+    NAMES = {"cuda_ipc": "torch.multiprocessing's CUDA IPC (gather, share, scatter; not pdserve's path)",
+             "ucx": "UCX messages, blocks in one run (in place)",
+             "ucx_scattered": "UCX messages, scattered blocks (staging buffer)",
+             "local": "pdserve's local read (the prefill's cache mapped over CUDA IPC, one copy kernel; "
+                      "UCX carries READ and ACK)"}
 
     def __init__(self, kv: torch.Tensor, commands, replies, child, importer, log):
         self.kv, self.commands, self.replies, self.child, self.importer, self.log = \
@@ -305,7 +356,8 @@ class _Pulls:
         self.checks: dict[str, list[bool]] = {p: [] for p in self.NAMES}  # pulled bytes equal the exporter's
         self.errors: dict[str, str | None] = {}  # path -> why it is not tried (again)
         if not kv.is_cuda:
-            self.NAMES = {**self.NAMES, "cuda_ipc": "torch.multiprocessing shared memory (CPU stand-in for CUDA IPC)"}
+            self.NAMES = {**self.NAMES, "cuda_ipc": "torch.multiprocessing shared memory (CPU stand-in for CUDA IPC)",
+                          "local": "pdserve's local read (the prefill's cache in shared memory)"}
 
     def pull(self, path: str, rid: str, handle: dict | None, dst: list[int], num_local: int, digest: str) -> bool:
         """One timed, checked pull into `dst`; False (and the path recorded as failed) on an error."""
@@ -326,8 +378,16 @@ class _Pulls:
                     raise RuntimeError(f"the prefill process could not share the blocks: {buf}")
                 scatter_blocks(kv, dst, buf)
                 del buf
-            else:
+            elif path == "local":
+                if handle.get("cache_region") is None:
+                    raise RuntimeError("the exporter's handle names no cache to map")
+                local_pulls = self.importer.num_shared_memory_pulls
                 self.importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, num_local, ack=False)
+                if self.importer.num_shared_memory_pulls == local_pulls:
+                    raise RuntimeError("the importer could not map the exporter's cache: the blocks came over UCX")
+            else:  # the blocks through UCX's messages: a handle without the cache's region
+                self.importer.pull(KVHandle.from_dict({**handle, "cache_region": None}), dst, PULL_TIMEOUT_S, None,
+                                   num_local, ack=False)
             _sync(kv)
         except Exception as e:  # noqa: BLE001 - the other paths still run
             self.log(f"pd: {path} pull of {rid} failed: {e!r}")
@@ -342,13 +402,16 @@ class _Pulls:
         self.commands.put(("release", rid))
         _reply(self.replies, self.child, "released", PULL_TIMEOUT_S)
 
-    def report(self, rep, disaggregated: dict, colocated: dict, output_tokens: int) -> None:
+    def report(self, rep, disaggregated: dict, reference: dict, same_kv: list[bool], colocated: dict,
+               output_tokens: int, decoded_from: set[str | None]) -> None:
         copy_bw = rep.limits.get("copy_bytes_per_s", 0)
         for path, timed in self.timed.items():
             metric = f"KV pull over {self.NAMES[path]}, prefill process -> decode process, bytes read + written"
+            # The target is the deployed path's: on one GPU (or host) pdserve reads locally.
+            target = 0.5 if path == "local" else None
             if not timed:
                 if self.errors.get(path):  # tried and failed: a row, so that the table shows it
-                    rep.row("pd", metric, 0.0, "GB/s", copy_bw / 1e9, "copy bandwidth", 0.5,
+                    rep.row("pd", metric, 0.0, "GB/s", copy_bw / 1e9, "copy bandwidth", target,
                             note=f"FAILED: {self.errors[path][:300]}")
                 continue
             # The first pull opens the connection and maps the other process's memory: left out
@@ -357,23 +420,27 @@ class _Pulls:
             seconds, nbytes = sum(s for s, _ in steady), sum(b for _, b in steady)
             rep.figures("pd", **{f"{path}_pull_ms": [s * 1e3 for s, _ in timed], f"{path}_pull_bytes": timed[0][1],
                                  f"{path}_kv_bytes_per_s": nbytes / seconds})
-            rep.row("pd", metric, 2 * nbytes / seconds / 1e9, "GB/s", copy_bw / 1e9, "copy bandwidth", 0.5,
+            rep.row("pd", metric, 2 * nbytes / seconds / 1e9, "GB/s", copy_bw / 1e9, "copy bandwidth", target,
                     note=f"{nbytes / seconds / 1e9:.3g} GB/s of KV; {len(timed)} pulls of "
-                         f"{timed[0][1] / 2**20:.3g} MiB, median {statistics.median(s for s, _ in timed) * 1e3:.2f} ms")
+                         f"{timed[0][1] / 2**20:.3g} MiB, median {statistics.median(s for s, _ in timed) * 1e3:.2f} ms, "
+                         f"first {timed[0][0] * 1e3:.2f} ms")
         checked = [c for cs in self.checks.values() for c in cs]
-        if not self.timed["ucx"]:
-            decoded_from = "cuda_ipc"
-        else:  # UCX's bytes, unless UCX failed on a later prompt: from there on, IPC's
-            decoded_from = "ucx" if "ucx" not in self.errors else "ucx_then_cuda_ipc"
         rep.figures("pd", checksums_equal={p: c for p, c in self.checks.items() if c}, pull_errors=self.errors,
-                    decoded_from=decoded_from)
+                    decoded_from=sorted(str(p) for p in decoded_from), prefill_kv_equal_across_processes=same_kv)
         rep.row("pd", "pulled KV bytes equal the exporter's (SHA-256), all pulls", sum(checked) / len(checked),
                 "of pulls", 1.0, "all", 1.0,
                 note=", ".join(f"{self.NAMES[p]} {sum(c)}/{len(c)}" for p, c in self.checks.items() if c))
-        pairs = [(a, b) for dis, co in zip(disaggregated.values(), colocated.values()) for a, b in zip(dis, co)]
         lengths_ok = all(len(d) == output_tokens for d in disaggregated.values())
-        agree = sum(a == b for a, b in pairs) / (len(colocated) * output_tokens) if lengths_ok else 0.0
-        rep.figures("pd", tokens_agree=agree, disaggregated_lengths_ok=lengths_ok)
-        rep.row("pd", f"greedy tokens, disaggregated = colocated ({len(colocated)} x {output_tokens} positions)",
-                agree, "of positions", 1.0, "all", 0.99,
-                note=f"decoded on the {self.NAMES.get(decoded_from, 'UCX, then (after it failed) IPC')} pull")
+        pulled_from = " and ".join(self.NAMES.get(p, str(p)) for p in sorted(decoded_from, key=str))
+        for name, other, target, note in (
+                ("the same engine prefilling them itself on the same schedule", reference, 0.99,
+                 f"the prompts' KV computed there equals the exporter's for {sum(same_kv)} of {len(same_kv)}; "
+                 f"decoded on the {pulled_from} pull"),
+                ("colocated with continuous batching (other batch compositions)", colocated, None,
+                 "random bf16 weights: near-tied logits flip on rounding differences")):
+            pairs = [(a, b) for dis, co in zip(disaggregated.values(), other.values()) for a, b in zip(dis, co)]
+            agree = sum(a == b for a, b in pairs) / (len(other) * output_tokens) if lengths_ok else 0.0
+            key = "tokens_agree_same_schedule" if other is reference else "tokens_agree_colocated"
+            rep.figures("pd", **{key: agree}, disaggregated_lengths_ok=lengths_ok)
+            rep.row("pd", f"greedy tokens, disaggregated = {name} ({len(other)} x {output_tokens} positions)",
+                    agree, "of positions", 1.0, "all", target, note=note)

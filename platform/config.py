@@ -146,9 +146,9 @@ class TransferConfig(BaseModel):
     lease_s: float = Field(30.0, gt=0, description="How long a prefill replica holds exported blocks for a pull.")
     timeout_s: float = Field(10.0, gt=0, description="A decode replica's deadline for one pull.")
     shared_memory: bool = Field(
-        True, description="ucx on CPU: a decode replica on the prefill replica's host copies the blocks straight out "
-                          "of its cache (shared memory; UCX carries only the request and the ack). false: the blocks "
-                          "go through UCX everywhere.")
+        True, description="A decode replica on the prefill replica's host (CPU caches: shared memory) or GPU (CUDA "
+                          "IPC) copies the blocks straight out of its cache; UCX carries only the request and the "
+                          "ack. false: the blocks go through UCX everywhere.")
 
 
 class RouterConfig(BaseModel):

@@ -25,13 +25,14 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, gather_blocks, scatter_blocks,
                                        slab_view)
+from pdserve.engine.cuda_ipc import CudaRegion
 from pdserve.engine.shared_memory import SharedRegion
 
 log = logging.getLogger(__name__)
 
 
 class KVExporter:
-    cache_region: SharedRegion | None = None  # set where importers on this host may copy out of `kv`
+    cache_region: SharedRegion | CudaRegion | None = None  # set where importers on this host may copy out of `kv`
 
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None], lease_s: float = 30.0):

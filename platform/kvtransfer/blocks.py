@@ -87,17 +87,28 @@ def _block_index(block_ids: list[int], num_blocks: int) -> np.ndarray:
     return idx
 
 
-def copy_blocks(src: np.ndarray, src_ids: list[int], heads: tuple[int, int], kv: torch.Tensor,
+def copy_blocks(src: np.ndarray | torch.Tensor, src_ids: list[int], heads: tuple[int, int], kv: torch.Tensor,
                 dst_ids: list[int]) -> None:
-    """Blocks `src_ids` of another cache (`src`: its bits, `[layers, 2, blocks, block_size, heads,
-    head_dim]`; heads `heads` of it) into blocks `dst_ids` of `kv`: one copy, a slice per run of
-    blocks consecutive on both sides, so no staging buffer and no index arrays."""
+    """Blocks `src_ids` of another cache (`src`, `[layers, 2, blocks, block_size, heads, head_dim]`:
+    on CPU its bits, on a GPU a tensor on `kv`'s device; heads `heads` of it) into blocks `dst_ids`
+    of `kv`: one copy, no staging buffer. On CPU, a slice per run of blocks consecutive on both
+    sides, so no index arrays; on a GPU one kernel, asynchronous on the current stream."""
+    # Checked on a GPU too: an id past the end there is a fault that takes the process down.
     src_index, dst_index = _block_index(src_ids, src.shape[2]), _block_index(dst_ids, kv.shape[2])
-    dst = _bits(kv)
-    if dst.dtype.itemsize != src.dtype.itemsize or len(src_index) != len(dst_index):
-        raise ValueError("copy_blocks: element sizes or block counts differ")
+    if len(src_index) != len(dst_index) or not 0 <= heads[0] < heads[1] <= src.shape[4]:
+        raise ValueError("copy_blocks: block counts differ, or heads outside the source")
     if not len(src_index):
         return
+    if kv.is_cuda:
+        if triton_paged.HAS_TRITON:
+            triton_paged.copy_blocks(src, src_ids, heads, kv, dst_ids)
+        else:
+            rows = src[:, :, :, :, heads[0]:heads[1]].index_select(2, torch.as_tensor(src_index, device=kv.device))
+            kv.index_copy_(2, torch.as_tensor(dst_index, device=kv.device), rows)
+        return
+    dst = _bits(kv)
+    if dst.dtype.itemsize != src.dtype.itemsize:
+        raise ValueError("copy_blocks: element sizes differ")
     breaks = np.flatnonzero((np.diff(src_index) != 1) | (np.diff(dst_index) != 1)) + 1
     for start, end in zip(np.r_[0, breaks], np.r_[breaks, len(src_index)]):
         s, d, n = int(src_index[start]), int(dst_index[start]), int(end - start)

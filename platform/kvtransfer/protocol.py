@@ -6,8 +6,8 @@ made before any KV byte moves.
   sides cannot exchange blocks, and `head_slice` says which of the exporter's heads a decode rank
   pulls when decode runs k times prefill's TP degree.
 - `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack). With a
-  `cache_region` (the exporter's cache is in shared memory), an importer on the same host that can
-  map that region asks for a *local* read: the exporter answers DATA with `local` and no chunks,
+  `cache_region` (the exporter's cache is in shared memory, or on a GPU shared over CUDA IPC), an
+  importer on the same host (and GPU) that can map that region asks for a *local* read: the exporter answers DATA with `local` and no chunks,
   holds the blocks while the importer copies them out of its cache, and releases them on ACK/DONE.
 - Control frames: one message each, a 16-byte header `magic, version, kind, payload length`
   (struct) followed by a msgpack map, at most `CONTROL_FRAME_BYTES` in all (a receiver posts one
@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import msgpack
 
 from pdserve.errors import PdserveError, ReplicaError
+from pdserve.engine.cuda_ipc import CudaRegion
 from pdserve.engine.shared_memory import SharedRegion
 
 MAGIC = b"PDKV"
@@ -102,7 +103,8 @@ class KVHandle:
     num_tokens: int
     layout: KVLayout
     lease_token: str  # the lease's capability: READ, ACK and DONE must carry it (never sent but in Ray calls)
-    cache_region: SharedRegion | None = None  # the exporter's cache, when other processes may map it
+    # The exporter's cache, when other processes on its host may map it: shared memory (CPU) or CUDA IPC.
+    cache_region: SharedRegion | CudaRegion | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -113,8 +115,10 @@ class KVHandle:
     def from_dict(cls, d: dict) -> "KVHandle":
         try:
             region = d.get("cache_region")
+            if region is not None:
+                region = (CudaRegion if "device_uuid" in region else SharedRegion).from_dict(region)
             return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]), "layout": KVLayout(**d["layout"]),
-                          "cache_region": SharedRegion.from_dict(region) if region is not None else None})
+                          "cache_region": region})
         except (TypeError, KeyError, ValueError) as e:
             raise ProtocolError(f"malformed KV handle: {e}") from e
 

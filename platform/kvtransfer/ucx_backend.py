@@ -17,10 +17,12 @@ One pull, one connection, in UCX tag messages (protocol version 2, protocol.py):
     ACK {request_id} (or DONE: keep lease)  ->  releases the lease on ACK
 
 On one host, where the handle names the exporter's cache in shared memory and this process can
-map it (`pdserve.engine.shared_memory`), the READ asks for a local read: DATA comes with `local` and no
-chunks, the importer copies the blocks straight out of the exporter's cache (`copy_blocks`) and
-sends ACK/DONE. The exporter holds the blocks until then, or past the importer's deadline; a copy
-that ends after the deadline is void. UCX's own shared-memory transports were not used: they only
+map it (`pdserve.engine.shared_memory`), or on one GPU, where the cache is shared over CUDA IPC
+(`pdserve.engine.cuda_ipc`), the READ asks for a local read: DATA comes with `local` and no
+chunks, the importer copies the blocks straight out of the exporter's cache (`copy_blocks`; on a
+GPU one kernel, launched with the READ and finished before ACK/DONE) and sends ACK/DONE. The
+exporter holds the blocks until then, or past the importer's deadline; a copy that ends after the
+deadline is void. UCX's own shared-memory transports were not used: they only
 run on endpoints without error handling, where a peer dying mid-transfer can abort this process.
 
 Each control frame is one message. A chunk is sent from and received into the cache itself when
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -56,6 +59,7 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter
 from pdserve.kvtransfer.blocks import block_run, cache_bits, copy_blocks, scatter_blocks, slab_view
+from pdserve.engine import cuda_ipc
 from pdserve.engine.shared_memory import SharedRegion, locate, map_region
 
 log = logging.getLogger(__name__)
@@ -182,7 +186,8 @@ class UCXExporter(KVExporter):
 
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
-        self.cache_region = locate(kv) if shared_memory else None
+        if shared_memory:
+            self.cache_region = cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
         self.max_connections = max_connections
@@ -327,7 +332,8 @@ class UCXImporter(KVImporter):
         self.idle_s, self.max_idle_per_exporter = idle_s, max_idle_per_exporter
         self._idle: dict[str, list[tuple[object, float]]] = {}  # address -> [(endpoint, idle since)]; loop thread only
         # Exporters' caches mapped from shared memory (None: not mappable from here); loop thread only.
-        self._sources: OrderedDict[SharedRegion, np.ndarray | None] = OrderedDict()
+        self._sources: OrderedDict[SharedRegion | cuda_ipc.CudaRegion, np.ndarray | torch.Tensor | None] = \
+            OrderedDict()
         self.num_endpoints_created = 0
         self._loop = ucx_loop()
 
@@ -386,24 +392,36 @@ class UCXImporter(KVImporter):
             raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
         self._keep(handle.address, ep)
 
-    def _source(self, handle: p.KVHandle) -> np.ndarray | None:
-        """The exporter's whole cache, read-only (its bits, `[layers, 2, blocks, block_size, heads,
-        head_dim]`), when it is in shared memory on this host and this process can map it."""
+    def _source(self, handle: p.KVHandle) -> np.ndarray | torch.Tensor | None:
+        """The exporter's whole cache, read-only, `[layers, 2, blocks, block_size, heads, head_dim]`,
+        when this process can map it: its bits from shared memory on this host (CPU caches), or a
+        tensor over CUDA IPC on this GPU (GPU caches)."""
         region = handle.cache_region
-        if region is None or self.kv.is_cuda:
+        if region is None or isinstance(region, cuda_ipc.CudaRegion) != self.kv.is_cuda:
             return None
         if region in self._sources:
             self._sources.move_to_end(region)
             return self._sources[region]
-        mapping, source, layout = map_region(region), None, handle.layout
-        if mapping is not None:
-            heads = layout.local_heads[1] - layout.local_heads[0]
-            source = cache_bits(mapping, self.kv.element_size(),
-                                (layout.num_layers, layout.block_size, heads, layout.head_dim))
+        layout, source = handle.layout, None
+        block_shape = (layout.num_layers, layout.block_size, layout.local_heads[1] - layout.local_heads[0],
+                       layout.head_dim)
+        if isinstance(region, cuda_ipc.CudaRegion):
+            per_block = 2 * math.prod(block_shape) * self.kv.element_size()
+            if region.nbytes % per_block == 0:
+                layers, block_size, heads, head_dim = block_shape
+                source = cuda_ipc.open_region(region, self.kv.dtype, (layers, 2, region.nbytes // per_block,
+                                                                      block_size, heads, head_dim), self.kv.device)
+        else:
+            mapping = map_region(region)
+            if mapping is not None:
+                source = cache_bits(mapping, self.kv.element_size(), block_shape)
         self._sources[region] = source
         while len(self._sources) > _MAX_SOURCES:
             self._sources.popitem(last=False)
         return source
+
+    def _finish_copy(self) -> None:
+        torch.cuda.current_stream(self.kv.device).synchronize()
 
     async def _endpoint(self, address: str, left: Callable[[], float], kept: bool = True) -> tuple[object, bool]:
         """An endpoint to `address`: a kept one (True) when `kept` and one is fresh enough, else a new one."""
@@ -446,7 +464,7 @@ class UCXImporter(KVImporter):
                     staging = self.buffers.take(shape, self.kv.dtype, self.kv.device)
                 targets.append((slab_view(staging)[s0:s1], True))
 
-        tasks, is_done = [], False
+        tasks, is_done, is_copying = [], False, False
         try:
             # Every receive is posted now, in the order the exporter sends, so no chunk waits on us.
             tasks.append(asyncio.ensure_future(_send_frame(ep, p.READ, {
@@ -455,6 +473,12 @@ class UCXImporter(KVImporter):
                 "timeout_s": left(), "local": source is not None})))
             tasks.append(asyncio.ensure_future(_recv_frame(ep)))
             tasks.extend(asyncio.ensure_future(ep.recv(_buffer(t))) for t, _ in targets)
+            if isinstance(source, torch.Tensor):
+                # On a GPU the copy runs while the exporter answers: the lease has pinned the blocks
+                # since the export, so when DATA confirms it was live at the READ, they were held all
+                # along (and stay held until our ACK/DONE). On an ERROR the copy is void.
+                copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
+                is_copying = True
             try:
                 await asyncio.wait_for(asyncio.shield(tasks[0]), left())
                 kind, reply = await asyncio.wait_for(asyncio.shield(tasks[1]), left())
@@ -473,7 +497,11 @@ class UCXImporter(KVImporter):
                 raise p.ProtocolError(f"exporter sends blocks of shape {reply.get('shape')} in "
                                       f"{reply.get('num_chunks')} chunks, expected {shape} in {len(chunks)}")
             if source is not None:  # the exporter holds the blocks until our ACK/DONE, or our deadline
-                copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
+                if is_copying:
+                    self._finish_copy()
+                    is_copying = False
+                else:
+                    copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
                 left()  # past it, they may have gone back to its pool meanwhile: the copy is void
                 self.num_shared_memory_pulls += 1
             for (s0, s1), (target, is_staged), recv in zip(chunks, targets, tasks[2:]):
@@ -485,6 +513,8 @@ class UCXImporter(KVImporter):
                                    left())
             is_done = True
         finally:
+            if is_copying:  # a failed pull's blocks go back to the pool: not while the copy writes them
+                self._finish_copy()
             if not is_done:  # cancels the receives still posted, before their buffers go back
                 try:
                     ep.abort()

@@ -1,8 +1,9 @@
 """benchmarks/gpu_suite.py --dry-run: the GPU suite's code at tiny shapes on the CPU, so that it
 cannot rot between GPU lends (issue #47). Every section runs and reports finite figures; the
 engine and `transformers` hold the same weights; the P/D section's pulls carry the exporter's
-bytes, over UCX (TCP here) and the IPC stand-in, and its greedy tokens equal the colocated ones;
-without UCX the P/D section still runs, on the IPC path alone."""
+bytes, over UCX (TCP here), pdserve's local read (shared memory here) and the IPC stand-in, and
+its greedy tokens equal the references'; without UCX the P/D section still runs, on the IPC path
+alone."""
 
 import importlib.util
 import json
@@ -72,12 +73,15 @@ def test_every_section_reports_finite_figures(tmp_path):
         assert dense[f"batch{b}_tokens_equal_transformers"] == 1.0  # fp32 on a CPU: the same weights, the same tokens
 
     pd = report["sections"]["pd"]["figures"]
-    assert pd["ucx"] is True and pd["decoded_from"] == "ucx" and not pd["pull_errors"]
-    for path in ("UCX, blocks in one run", "UCX, scattered blocks", "torch.multiprocessing"):
+    assert pd["ucx"] is True and pd["decoded_from"] == ["local"] and not pd["pull_errors"]
+    for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks", "torch.multiprocessing",
+                 "pdserve's local read"):
         assert _row(report, "pd", f"KV pull over {path}")["value"] > 0
-    assert set(pd["checksums_equal"]) == {"ucx", "ucx_scattered", "cuda_ipc"}
+    assert set(pd["checksums_equal"]) == {"ucx", "ucx_scattered", "cuda_ipc", "local"}
+    assert all(pd["prefill_kv_equal_across_processes"])
     assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
-    assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0
+    assert _row(report, "pd", "greedy tokens, disaggregated = the same engine")["value"] == 1.0
+    assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0  # fp32 on a CPU
 
 
 def test_pd_without_ucx_pulls_over_ipc(tmp_path):
@@ -85,10 +89,10 @@ def test_pd_without_ucx_pulls_over_ipc(tmp_path):
     pd = report["sections"]["pd"]
     assert pd["status"] == "ok"
     assert pd["figures"]["ucx"] is False and "UCX check" in pd["figures"]["ucx_error"]
-    assert pd["figures"]["decoded_from"] == "cuda_ipc"
-    for path in ("UCX, blocks in one run", "UCX, scattered blocks"):  # shown as failed, with the reason
-        row = _row(report, "pd", f"KV pull over {path}")
+    assert pd["figures"]["decoded_from"] == ["cuda_ipc"]
+    for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks", "pdserve's local read"):
+        row = _row(report, "pd", f"KV pull over {path}")  # shown as failed, with the reason
         assert row["value"] == 0 and row["note"].startswith("FAILED: the UCX check")
     assert _row(report, "pd", "KV pull over torch.multiprocessing")["value"] > 0
     assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
-    assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0
+    assert _row(report, "pd", "greedy tokens, disaggregated = the same engine")["value"] == 1.0

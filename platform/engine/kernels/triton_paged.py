@@ -16,7 +16,8 @@ tests). Same semantics and layouts as the torch path in `paged_attention.py` and
   `_TILE_BLOCKS` blocks at a time (64 x 64 tensor-core tiles with 16-token blocks).
 - `gather_blocks(kv, block_ids, heads)` / `scatter_blocks(kv, block_ids, data)`: a request's blocks
   of the whole cache `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` to and from one
-  contiguous buffer (an optional KV-head slice), for the KV transfer.
+  contiguous buffer (an optional KV-head slice), for the KV transfer; `copy_blocks` from another
+  cache (mapped over CUDA IPC) straight into this one. One kernel does all three.
 
 Cache halves per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`; query head h reads
 KV head h // (num_heads // num_kv_heads). head_dim and block_size must be powers of two (the
@@ -162,13 +163,15 @@ def _kernels() -> SimpleNamespace:
                  out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
 
     @triton.jit
-    def _copy_blocks_kernel(kv_ptr, buf_ptr, ids_ptr, n, first_head,
-                            stride_half, stride_block, stride_pos, stride_head,
+    def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_first_head, dst_first_head,
+                            src_stride_half, src_stride_block, src_stride_pos, src_stride_head,
+                            dst_stride_half, dst_stride_block, dst_stride_pos, dst_stride_head,
                             HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CHUNK: tl.constexpr, TO_BUFFER: tl.constexpr):
+                            CHUNK: tl.constexpr):
         half = tl.program_id(0).to(tl.int64)  # layer * 2 + (0: K, 1: V)
         i = tl.program_id(1).to(tl.int64)  # the i-th block of the request
-        block = tl.load(ids_ptr + i)
+        src_block = tl.load(src_ids_ptr + i)
+        dst_block = tl.load(dst_ids_ptr + i)
         per_block = BLOCK_SIZE * HEADS * HEAD_DIM
         for start in range(0, per_block, CHUNK):
             e = start + tl.arange(0, CHUNK)
@@ -176,12 +179,11 @@ def _kernels() -> SimpleNamespace:
             pos = e // (HEADS * HEAD_DIM)
             head = (e // HEAD_DIM) % HEADS
             dim = e % HEAD_DIM
-            src = half * stride_half + block * stride_block + pos * stride_pos + (first_head + head) * stride_head + dim
-            dst = (half * n + i) * per_block + e
-            if TO_BUFFER:
-                tl.store(buf_ptr + dst, tl.load(kv_ptr + src, mask=ok), mask=ok)
-            else:
-                tl.store(kv_ptr + src, tl.load(buf_ptr + dst, mask=ok), mask=ok)
+            src = (half * src_stride_half + src_block * src_stride_block + pos * src_stride_pos
+                   + (src_first_head + head) * src_stride_head + dim)
+            dst = (half * dst_stride_half + dst_block * dst_stride_block + pos * dst_stride_pos
+                   + (dst_first_head + head) * dst_stride_head + dim)
+            tl.store(dst_ptr + dst, tl.load(src_ptr + src, mask=ok), mask=ok)
 
     return SimpleNamespace(decode_partition=_decode_partition_kernel, decode_merge=_decode_merge_kernel,
                            prefill=_prefill_kernel, copy_blocks=_copy_blocks_kernel)
@@ -246,30 +248,46 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def _copy_blocks(kv: torch.Tensor, block_ids: torch.Tensor, heads: tuple[int, int], buf: torch.Tensor,
-                 to_buffer: bool) -> None:
-    layers, two, _, block_size, _, head_dim = kv.shape
-    assert kv.is_contiguous() and buf.is_contiguous()
-    n = block_ids.numel()
-    h0, h1 = heads
-    _kernels().copy_blocks[(layers * two, n)](
-        kv, buf, block_ids, n, h0, kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
-        HEADS=h1 - h0, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, CHUNK=1024, TO_BUFFER=to_buffer)
+def _copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, src_heads: tuple[int, int],
+                 dst: torch.Tensor, dst_ids: torch.Tensor, dst_first_head: int) -> None:
+    """Blocks `src_ids` of `src` (heads `src_heads`) into blocks `dst_ids` of `dst` (from head
+    `dst_first_head`); both `[layers, 2, blocks, block_size, heads, head_dim]`, last dim contiguous."""
+    layers, two, _, block_size, _, head_dim = src.shape
+    assert src.stride(5) == 1 and dst.stride(5) == 1 and src.stride(0) == two * src.stride(1) \
+        and dst.stride(0) == two * dst.stride(1)
+    h0, h1 = src_heads
+    _kernels().copy_blocks[(layers * two, src_ids.numel())](
+        src, dst, src_ids, dst_ids, h0, dst_first_head, *src.stride()[1:5], *dst.stride()[1:5],
+        HEADS=h1 - h0, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, CHUNK=1024)
+
+
+def _ids(block_ids: list[int], device) -> torch.Tensor:
+    return torch.as_tensor(block_ids, dtype=torch.long, device=device)
 
 
 def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int] | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous; into `out` when given."""
     heads = heads or (0, kv.shape[4])
-    idx = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
+    idx = _ids(block_ids, kv.device)
     shape = (*kv.shape[:2], idx.numel(), kv.shape[3], heads[1] - heads[0], kv.shape[5])
     out = torch.empty(shape, dtype=kv.dtype, device=kv.device) if out is None else out
-    _copy_blocks(kv, idx, heads, out, to_buffer=True)
+    assert out.is_contiguous()
+    _copy_blocks(kv, idx, heads, out, torch.arange(idx.numel(), device=kv.device), 0)
     return out
 
 
 def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor,
                    heads: tuple[int, int] | None = None) -> None:
     """Write `data` (as `gather_blocks` returns it) into `block_ids` (and the head slice)."""
-    idx = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
-    _copy_blocks(kv, idx, heads or (0, kv.shape[4]), data.contiguous(), to_buffer=False)
+    idx = _ids(block_ids, kv.device)
+    data = data.contiguous()
+    _copy_blocks(data, torch.arange(idx.numel(), device=kv.device), (0, data.shape[4]), kv, idx,
+                 (heads or (0, kv.shape[4]))[0])
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], heads: tuple[int, int], kv: torch.Tensor,
+                dst_ids: list[int]) -> None:
+    """Blocks `src_ids` of another cache `src` (heads `heads` of it) into blocks `dst_ids` of `kv`, in
+    one pass: no staging buffer. Asynchronous on the current stream."""
+    _copy_blocks(src, _ids(src_ids, kv.device), heads, kv, _ids(dst_ids, kv.device), 0)

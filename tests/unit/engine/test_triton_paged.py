@@ -102,6 +102,19 @@ def test_block_gather_and_scatter_match_torch(device, heads):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [(0, 2), (1, 2)])
+def test_copy_blocks_between_caches_matches_numpy_path(device, heads):
+    """Another cache's blocks (a head slice of them) straight into this one's, as a local KV read
+    on a GPU does; the same as the CPU path (`kvtransfer.blocks.copy_blocks` over numpy)."""
+    src = torch.randn(2, 2, 12, 4, 2, 8, device=device)
+    kv = torch.zeros(2, 2, 10, 4, heads[1] - heads[0], 8, device=device)
+    tk.copy_blocks(src, [9, 2, 3, 4], heads, kv, [0, 1, 2, 7])
+    expected = torch.zeros_like(kv, device="cpu")
+    ref_blocks.copy_blocks(ref_blocks._bits(src.cpu()), [9, 2, 3, 4], heads, expected, [0, 1, 2, 7])
+    assert torch.equal(kv.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_attention_layer_runs_a_mixed_step_in_one_prefill_launch(device):
     """The layer's Triton path on decodes followed by two prefill chunks (one varlen launch for
     both, from the step's shared `PrefillBatch`) equals the torch kernels run one by one."""

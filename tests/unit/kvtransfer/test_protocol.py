@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.kv_cache import BlockPool
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import LeaseTable, cache_bits, copy_blocks, gather_blocks, scatter_blocks
+from pdserve.engine.cuda_ipc import CudaRegion
 from pdserve.engine.shared_memory import SharedRegion
 
 LAYOUT = p.KVLayout("m", num_layers=2, block_size=16, num_kv_heads=8, head_dim=64, dtype="float32")
@@ -57,6 +58,9 @@ def test_handle_round_trips_through_plain_data():
     assert p.KVHandle.from_dict(wire) == h
     shared = replace(h, cache_region=SharedRegion("host/boot", 77, 11, (1, 6157), 1 << 20))
     assert p.KVHandle.from_dict(msgpack.unpackb(msgpack.packb(shared.to_dict()))) == shared
+    on_gpu = replace(h, cache_region=CudaRegion("host/boot", 77, "GPU-5d1c", "ab" * 32, 1 << 20, 0,
+                                                b"/torch_77_1_0".hex(), 8, "cd" * 32, True))
+    assert p.KVHandle.from_dict(msgpack.unpackb(msgpack.packb(on_gpu.to_dict()))) == on_gpu
     with pytest.raises(p.ProtocolError):
         p.KVHandle.from_dict({"request_id": "r"})
 
