@@ -189,6 +189,14 @@ def section_attention(sh: Shapes, rep: Report, work: Path) -> None:
         rep.row("attention", f"paged decode attention, batch {batch}, context {ctx}, K/V bytes read",
                 kv_bytes / t / 1e9, "GB/s", rep.limits.get("copy_bytes_per_s", 0) / 1e9, "copy bandwidth", 0.7,
                 note=f"{t * 1e6:.0f} us")
+        # Other partition sizes (blocks), for choosing the rule from data: figures only.
+        sweep = {}
+        for blocks in (8, 16, 32, 64):
+            if blocks <= ctx // block:
+                sweep[blocks] = seconds_per_call(
+                    lambda args=args, blocks=blocks: triton_paged.paged_decode_attention(*args, partition_blocks=blocks),
+                    dev, sh.timing_iters)
+        rep.figures("attention", **{f"ctx{ctx}_s_by_partition_blocks": sweep})
 
     # The prefill kernel on one prompt of the dense section's prefill length: its share of that
     # prefill's time, and a check of it in bf16, which no GPU run had before (Triton's
