@@ -400,9 +400,11 @@ def section_moe(sh: Shapes, rep: Report, work: Path) -> None:
                 chosen.append(logits.topk(k, dim=-1).indices.unique().numel())
 
         hooks = [m.gate.register_forward_hook(count) for m in moe_blocks]
+        graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None  # replays run no hooks
         try:
             run_requests(engine, prompts, sh.moe_steps + 1)
         finally:
+            engine.runner.decode_graphs = graphs
             for hook in hooks:
                 hook.remove()
         experts_per_layer = statistics.mean(chosen)

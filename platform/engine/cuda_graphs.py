@@ -15,8 +15,9 @@ What that takes:
   the next size up; the extra rows repeat row 0 (same token, position and cache slot), so they
   write row 0's own K/V to row 0's slot and their logits are dropped.
 - A forward pass without host syncs or data-dependent shapes: the dense models on the Triton
-  attention path. MoE routing (`.tolist()` over chosen experts) is not capturable, so those models
-  run eagerly (`supports_cuda_graphs`).
+  attention path, and MoE models on one rank with the fused Triton experts (`triton_moe`: routing
+  and grouping stay on the device). Expert parallelism routes on the host (all-to-all sizes), so
+  those models run eagerly (`supports_cuda_graphs`).
 
 On a CPU (the unit tests), `DecodeGraphs` without `capture()` runs the same static buffers and
 padding eagerly, which checks everything but the capture itself.

@@ -90,5 +90,5 @@ def test_messages_between_pools_load_no_engine():
     code = ("import sys, pdserve.protocol, pdserve.output.frames\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pdserve.engine.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ("['pdserve.engine.outputs', 'pdserve.engine.sampling_params', "
-                                  "'pdserve.engine.shared_memory']")
+    assert out.stdout.strip() == ("['pdserve.engine.cuda_ipc', 'pdserve.engine.outputs', "
+                                  "'pdserve.engine.sampling_params', 'pdserve.engine.shared_memory']")

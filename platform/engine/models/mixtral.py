@@ -2,6 +2,10 @@
 
 Experts are stored stacked (`w13`: gate and up `[experts, 2*intermediate, hidden]`, `w2`:
 `[experts, hidden, intermediate]`), so under expert parallelism a rank owns a contiguous range. Routing follows Mixtral: softmax over all experts in fp32, top-k, renormalise.
+
+On a GPU with Triton (and no expert parallelism) the experts run as fused kernels
+(`kernels/triton_moe.py`) that route on the device: no host sync, so the decode step can be
+captured as a CUDA graph. Elsewhere a loop over the chosen experts runs them, the reference.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.kernels import triton_moe
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.layers import _param
@@ -38,6 +43,7 @@ class MixtralMoE(nn.Module):
         self.gate.weight.requires_grad_(False)
         self.w13 = _param(self.experts_per_rank, 2 * self.intermediate_size, hidden_size)
         self.w2 = _param(self.experts_per_rank, hidden_size, self.intermediate_size)
+        self.is_fused = False  # decided by `finalize`, with the layout
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         expert, which = shard_id
@@ -54,9 +60,12 @@ class MixtralMoE(nn.Module):
             param.data[expert, offset:offset + self.intermediate_size].copy_(loaded)
 
     def finalize(self) -> None:
-        """Store experts as `[experts, in, out]` for `x @ W` (see layers.py)."""
-        self.w13 = nn.Parameter(self.w13.data.transpose(1, 2).contiguous(), requires_grad=False)
-        self.w2 = nn.Parameter(self.w2.data.transpose(1, 2).contiguous(), requires_grad=False)
+        """Choose the path: the fused kernels keep the checkpoint's `[experts, out, in]`, reading
+        weight rows along `in`; the loop stores `[experts, in, out]` for `x @ W` (see layers.py)."""
+        self.is_fused = not self.ep and self.w13.is_cuda and triton_moe.HAS_TRITON
+        if not self.is_fused:
+            self.w13 = nn.Parameter(self.w13.data.transpose(1, 2).contiguous(), requires_grad=False)
+            self.w2 = nn.Parameter(self.w2.data.transpose(1, 2).contiguous(), requires_grad=False)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -71,10 +80,13 @@ class MixtralMoE(nn.Module):
         if self.ep:
             return self._forward_expert_parallel(x)
         top_w, top_i = self._route(x)
-        out = torch.zeros_like(x)
-        for expert in top_i.unique().tolist():
-            token, slot = (top_i == expert).nonzero(as_tuple=True)
-            out.index_add_(0, token, self._expert(x[token], expert) * top_w[token, slot, None])
+        if self.is_fused:
+            out = triton_moe.fused_moe(x, self.w13, self.w2, top_w, top_i)
+        else:
+            out = torch.zeros_like(x)
+            for expert in top_i.unique().tolist():
+                token, slot = (top_i == expert).nonzero(as_tuple=True)
+                out.index_add_(0, token, self._expert(x[token], expert) * top_w[token, slot, None])
         if self.tp.size > 1:
             torch.distributed.all_reduce(out)
         return out
@@ -114,7 +126,11 @@ class MixtralMoE(nn.Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False  # routing reads the chosen experts on the host
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """One rank with every MoE layer on the fused kernels: otherwise routing reads the chosen
+        experts on the host (the loop) or exchanges counts (expert parallelism)."""
+        return self.parallel.size == 1 and all(m.is_fused for m in self.modules() if isinstance(m, MixtralMoE))
 
     @staticmethod
     def make_mlp(arch: ModelArch, tp: ParallelState) -> nn.Module:

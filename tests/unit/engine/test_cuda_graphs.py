@@ -70,5 +70,8 @@ def test_captured_graphs_give_the_eager_engines_tokens(checkpoints, monkeypatch)
     for (_, lp_got), (_, lp_expected) in zip(got, expected):
         torch.testing.assert_close(lp_got, lp_expected, atol=1e-4, rtol=1e-4)
     assert {3, 5, 6, 7} <= set(batches)
-    # MoE routing reads the chosen experts on the host: not capturable, so it runs eagerly.
-    assert LLM(checkpoints["tiny-mixtral"], device="cuda:0", max_num_seqs=8).engine.runner.decode_graphs is None
+    # MoE on one GPU runs the fused Triton experts (routing stays on the device): captured too.
+    moe_eager = LLM(checkpoints["tiny-mixtral"], device="cuda:0", max_num_seqs=8, enforce_eager=True)
+    moe = LLM(checkpoints["tiny-mixtral"], device="cuda:0", max_num_seqs=8)
+    assert moe.engine.runner.decode_graphs is not None
+    assert [tokens for tokens, _ in _outputs(moe)] == [tokens for tokens, _ in _outputs(moe_eager)]
