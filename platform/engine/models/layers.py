@@ -12,7 +12,8 @@ faster than oneDNN at batch-1 decode, where a step streams its weights (the whol
 runs in C there), level with it at a few rows, and behind it on prefill chunks: 0.83x at
 16-2048 rows with AVX-512 on the Zen 5 machines of the 2026-11-24 runs (benchmarks/cpu_linear.py;
 figures in benchmarks/RESULTS.md). Prefill runs on it all the same: a second packing of every
-weight, for oneDNN, would double the weights' memory.
+weight, for oneDNN, would double the weights' memory. The norm and the rotary embedding run on
+`kernels/ops.py`, which picks the C kernels, fused Triton kernels on a GPU, or torch per op.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels, ops
 from pdserve.errors import UnsupportedModelError
 
 
@@ -41,24 +42,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(hidden_size)
-        # 0-dim tensors, not Python floats: an op with a Python scalar costs several microseconds
-        # more on CPU, and a decode step runs two norms per layer.
+        # 0-dim tensors, not Python floats, for the fp32 torch path: an op with a Python scalar
+        # costs several microseconds more on CPU, and a decode step runs two norms per layer.
         self.register_buffer("_eps", torch.tensor(eps), persistent=False)
         self.register_buffer("_inv_size", torch.tensor(1.0 / hidden_size), persistent=False)
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """norm(x); with `add`, x += add first, in place (the residual add before the norm)."""
-        if cpu_kernels.usable(x, self.weight) and x.is_contiguous():
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, add)
-        if add is not None:
-            x += add
-        if x.dtype == torch.float32:
-            mean_square = torch.addcmul(self._eps, (x * x).sum(-1, keepdim=True), self._inv_size)
-            return x * mean_square.rsqrt_() * self.weight
-        # Normalise in fp32 as the reference implementations do, then scale in the input dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, add, scalars=(self._eps, self._inv_size))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
@@ -321,9 +312,4 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x `[tokens, heads, head_dim]` (tokens at any stride) in place; returns x."""
-        if cpu_kernels.usable(x, cos_sin) and x.stride(1) == x.shape[2]:
-            return cpu_kernels.rotary_(x, cos_sin)
-        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
-        x1, x2 = (x if x.dtype == torch.float32 else x.float()).chunk(2, dim=-1)
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-        return x
+        return ops.rotary_(x, cos_sin)

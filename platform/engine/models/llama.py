@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import Attention
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels, ops
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.arch import ModelArch
@@ -71,11 +70,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = intermediate_size // tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
