@@ -286,6 +286,7 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
         _decode_all(engine, colocated)
 
         rid, first, handle, digest = results[-1]
+        _time_local_parts(rep, engine, pulls, handle, len(first.kv_block_ids), log)
         if "ucx_scattered" not in pulls.errors:
             # Every other block of the (now idle) pool: blocks that are no run, received through a
             # staging buffer and scattered, as a decode replica's blocks are once it has run a while.
@@ -305,6 +306,49 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
             child.join(30)
         if child.is_alive():
             child.kill()
+
+
+def _time_local_parts(rep, engine, pulls, handle: dict, num_blocks: int, log) -> None:
+    """The local read's two parts apart: the copy kernel alone (this cache's blocks into its other
+    blocks, as many as a prompt has) against the copy bandwidth, and a local read of one block
+    (the READ/DATA/ACK round trip, and little else)."""
+    from pdserve.kvtransfer.blocks import copy_blocks
+    from pdserve.kvtransfer.protocol import KVHandle
+
+    kv, pool = engine.kv_cache.kv, engine.block_pool
+    taken = pool.allocate(2 * num_blocks)
+    try:
+        src, dst = sorted(taken)[:num_blocks], sorted(taken)[num_blocks:]
+        heads = (0, kv.shape[4])
+        copy_blocks(kv, src, heads, kv, dst)  # compiled before it is timed
+        _sync(kv)
+        times = []
+        for _ in range(8):
+            t = time.perf_counter()
+            copy_blocks(kv, src, heads, kv, dst)
+            _sync(kv)
+            times.append(time.perf_counter() - t)
+        nbytes = 2 * num_blocks * pulls.block_bytes  # read + written
+        seconds = statistics.median(times)
+        rep.figures("pd", copy_kernel_s=times, copy_kernel_bytes=nbytes)
+        rep.row("pd", f"KV block copy kernel alone, {num_blocks} blocks cache to cache in one process, bytes "
+                "read + written", nbytes / seconds / 1e9, "GB/s", rep.limits.get("copy_bytes_per_s", 0) / 1e9,
+                "copy bandwidth", None, note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included")
+        if "local" in pulls.errors or handle.get("cache_region") is None:
+            return
+        one = KVHandle.from_dict(handle)
+        times = []
+        for _ in range(8):
+            t = time.perf_counter()
+            pulls.importer.pull(one, dst[:1], PULL_TIMEOUT_S, None, num_blocks - 1, ack=False)
+            _sync(kv)
+            times.append(time.perf_counter() - t)
+        rep.figures("pd", local_one_block_pull_s=times)
+        pulls.notes["local"] = f"a one-block local read (the round trip) {statistics.median(times) * 1e3:.2f} ms"
+    except Exception as e:  # noqa: BLE001 - a diagnosis, not a figure the others need
+        log(f"pd: timing the local read's parts failed: {e!r}")
+    finally:
+        pool.free(taken)
 
 
 def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens: int,
@@ -355,6 +399,7 @@ class _Pulls:
         self.timed: dict[str, list[tuple[float, int]]] = {p: [] for p in self.NAMES}  # [(seconds, bytes)]
         self.checks: dict[str, list[bool]] = {p: [] for p in self.NAMES}  # pulled bytes equal the exporter's
         self.errors: dict[str, str | None] = {}  # path -> why it is not tried (again)
+        self.notes: dict[str, str] = {}  # path -> more for its row
         if not kv.is_cuda:
             self.NAMES = {**self.NAMES, "cuda_ipc": "torch.multiprocessing shared memory (CPU stand-in for CUDA IPC)",
                           "local": "pdserve's local read (the prefill's cache in shared memory)"}
@@ -423,7 +468,7 @@ class _Pulls:
             rep.row("pd", metric, 2 * nbytes / seconds / 1e9, "GB/s", copy_bw / 1e9, "copy bandwidth", target,
                     note=f"{nbytes / seconds / 1e9:.3g} GB/s of KV; {len(timed)} pulls of "
                          f"{timed[0][1] / 2**20:.3g} MiB, median {statistics.median(s for s, _ in timed) * 1e3:.2f} ms, "
-                         f"first {timed[0][0] * 1e3:.2f} ms")
+                         f"first {timed[0][0] * 1e3:.2f} ms" + (f"; {self.notes[path]}" if path in self.notes else ""))
         checked = [c for cs in self.checks.values() for c in cs]
         rep.figures("pd", checksums_equal={p: c for p, c in self.checks.items() if c}, pull_errors=self.errors,
                     decoded_from=sorted(str(p) for p in decoded_from), prefill_kv_equal_across_processes=same_kv)
@@ -441,6 +486,9 @@ class _Pulls:
             pairs = [(a, b) for dis, co in zip(disaggregated.values(), other.values()) for a, b in zip(dis, co)]
             agree = sum(a == b for a, b in pairs) / (len(other) * output_tokens) if lengths_ok else 0.0
             key = "tokens_agree_same_schedule" if other is reference else "tokens_agree_colocated"
-            rep.figures("pd", **{key: agree}, disaggregated_lengths_ok=lengths_ok)
+            # Where each prompt's tokens first differ (-1: nowhere): one early flip, or many?
+            firsts = [next((i for i, (a, b) in enumerate(zip(dis, co)) if a != b), -1)
+                      for dis, co in zip(disaggregated.values(), other.values())]
+            rep.figures("pd", **{key: agree, f"{key}_first_difference": firsts}, disaggregated_lengths_ok=lengths_ok)
             rep.row("pd", f"greedy tokens, disaggregated = {name} ({len(other)} x {output_tokens} positions)",
                     agree, "of positions", 1.0, "all", target, note=note)

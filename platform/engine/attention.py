@@ -123,11 +123,11 @@ class Attention(nn.Module):
         meta = ctx.attn
         num_tokens = q.shape[0]
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-
         nd = meta.num_decode_tokens
         if q.is_cuda and triton_paged.HAS_TRITON:
+            triton_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return self._forward_triton(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if nd == num_tokens:  # a pure decode step, the common case: no staging copy
             return self._decode(q, k_cache, v_cache, ctx).reshape(num_tokens, self.num_heads * self.head_dim)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
@@ -158,6 +158,9 @@ class Attention(nn.Module):
                         meta: AttentionMetadata) -> torch.Tensor:
         """GPU path: the Triton kernels (checked against the torch path in the tests)."""
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:  # a pure decode step: the kernel's output, no staging copy
+            return triton_paged.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                       meta.decode_seq_lens, self.scale)
         out = q.new_empty(q.shape)
         if nd:
             out[:nd] = triton_paged.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,

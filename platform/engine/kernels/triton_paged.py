@@ -14,6 +14,8 @@ tests). Same semantics and layouts as the torch path in `paged_attention.py` and
   a varlen batch of prefill chunks in one launch; each chunk attends causally to its cached prefix
   and itself (its K/V already written). One program per (sequence, query head, 64 queries), keys
   `_TILE_BLOCKS` blocks at a time (64 x 64 tensor-core tiles with 16-token blocks).
+- `write_kv(k, v, k_cache, v_cache, slot_mapping)`: a step's new K and V into their cache slots,
+  one launch for both.
 - `gather_blocks(kv, block_ids, heads)` / `scatter_blocks(kv, block_ids, data)`: a request's blocks
   of the whole cache `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` to and from one
   contiguous buffer (an optional KV-head slice), for the KV transfer; `copy_blocks` from another
@@ -167,12 +169,20 @@ def _kernels() -> SimpleNamespace:
                             src_stride_half, src_stride_block, src_stride_pos, src_stride_head,
                             dst_stride_half, dst_stride_block, dst_stride_pos, dst_stride_head,
                             HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CHUNK: tl.constexpr):
+                            CHUNK: tl.constexpr, DENSE: tl.constexpr):
         half = tl.program_id(0).to(tl.int64)  # layer * 2 + (0: K, 1: V)
         i = tl.program_id(1).to(tl.int64)  # the i-th block of the request
         src_block = tl.load(src_ids_ptr + i)
         dst_block = tl.load(dst_ids_ptr + i)
         per_block = BLOCK_SIZE * HEADS * HEAD_DIM
+        if DENSE:  # whole blocks, dense on both sides: one contiguous span each, copied in wide loads
+            src_base = src_ptr + half * src_stride_half + src_block * src_stride_block
+            dst_base = dst_ptr + half * dst_stride_half + dst_block * dst_stride_block
+            for start in range(0, per_block, CHUNK):
+                e = start + tl.arange(0, CHUNK)
+                ok = e < per_block
+                tl.store(dst_base + e, tl.load(src_base + e, mask=ok), mask=ok)
+            return
         for start in range(0, per_block, CHUNK):
             e = start + tl.arange(0, CHUNK)
             ok = e < per_block
@@ -185,20 +195,46 @@ def _kernels() -> SimpleNamespace:
                    + (dst_first_head + head) * dst_stride_head + dim)
             tl.store(dst_ptr + dst, tl.load(src_ptr + src, mask=ok), mask=ok)
 
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh, stride_vt,
+                         stride_vh, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + token)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, HEAD_DIM)
+        ok = (h < HEADS)[:, None]
+        cache = slot * HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]  # the cache's slots are dense
+        k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
+        v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
+        tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
     return SimpleNamespace(decode_partition=_decode_partition_kernel, decode_merge=_decode_merge_kernel,
-                           prefill=_prefill_kernel, copy_blocks=_copy_blocks_kernel)
+                           prefill=_prefill_kernel, copy_blocks=_copy_blocks_kernel, write_kv=_write_kv_kernel)
 
 
 # Decode: blocks read per iteration (several loads in flight), and at most this many partitions of
 # the context (each a program per sequence and KV head; those past a sequence's end return at once).
 _TILE_BLOCKS = 4
-_MAX_PARTITIONS = 32
+_MAX_PARTITIONS = 64
+_PARTITION_BLOCKS = 32  # 512 tokens of 16: longer partitions gained nothing at batch 64 on an H100
+_PROGRAMS_PER_SM = 2
 
 
-def decode_partition_blocks(max_blocks_per_seq: int) -> int:
-    """Blocks per partition for a block table `max_blocks_per_seq` wide: 32 (512 tokens of 16) or
-    more, so that no more than `_MAX_PARTITIONS` partitions cover it."""
-    return max(32, _pow2(-(-max_blocks_per_seq // _MAX_PARTITIONS)))
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def decode_partition_blocks(max_blocks_per_seq: int, seq_heads: int = 1 << 30, num_sms: int = 1) -> int:
+    """Blocks per partition for a block table `max_blocks_per_seq` wide, for `seq_heads` (sequence,
+    KV head) pairs on `num_sms` SMs: `_PARTITION_BLOCKS`, or fewer (at least a tile) where the
+    launch would otherwise have under `_PROGRAMS_PER_SM` programs an SM (small batches: a batch-1
+    step of an 8B model had 8 programs, 13 us a layer), and never more than `_MAX_PARTITIONS`
+    partitions. A function of shapes only: each CUDA graph's batch keeps its own."""
+    wanted = max_blocks_per_seq * seq_heads // (_PROGRAMS_PER_SM * num_sms)
+    blocks = min(_PARTITION_BLOCKS, max(_TILE_BLOCKS, 1 << max(0, wanted.bit_length() - 1)))
+    return max(blocks, _pow2(-(-max_blocks_per_seq // _MAX_PARTITIONS)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -209,14 +245,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    partition = partition_blocks or decode_partition_blocks(block_tables.shape[1])
+    partition = partition_blocks or decode_partition_blocks(block_tables.shape[1], batch * num_kv_heads,
+                                                            _num_sms(q.device))
     num_parts = -(-block_tables.shape[1] // partition)
     # Each partition's running max, sum and weighted values per (sequence, query head), merged below.
     m = torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.stride(2) != 1:  # heads at any stride (a view of the qkv projection): read in place
+        q = q.contiguous()
     k = _kernels()
     k.decode_partition[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale,
@@ -226,6 +264,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k.decode_merge[(batch, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_parts,
                                        BLOCK_P=_pow2(num_parts), HEAD_DIM=head_dim)
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """As `paged_attention.write_kv` (k, v `[tokens, kv_heads, head_dim]`, heads at any stride),
+    K and V in one launch."""
+    tokens, heads, head_dim = k.shape
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    if tokens:
+        _kernels().write_kv[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+                                       v.stride(0), v.stride(1), HEADS=heads, HEAD_DIM=head_dim,
+                                       BLOCK_H=_pow2(heads))
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -256,9 +309,16 @@ def _copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, src_heads: tuple[int,
     assert src.stride(5) == 1 and dst.stride(5) == 1 and src.stride(0) == two * src.stride(1) \
         and dst.stride(0) == two * dst.stride(1)
     h0, h1 = src_heads
+    heads = h1 - h0
+
+    def dense(t: torch.Tensor, first_head: int) -> bool:  # a block is one span of the copied heads
+        return first_head == 0 and t.stride(4) == head_dim and t.stride(3) == heads * head_dim \
+            and t.stride(2) == block_size * heads * head_dim
+    is_dense = dense(src, h0) and dense(dst, dst_first_head)
     _kernels().copy_blocks[(layers * two, src_ids.numel())](
         src, dst, src_ids, dst_ids, h0, dst_first_head, *src.stride()[1:5], *dst.stride()[1:5],
-        HEADS=h1 - h0, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, CHUNK=1024)
+        HEADS=heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, CHUNK=4096 if is_dense else 1024, DENSE=is_dense,
+        num_warps=8 if is_dense else 4)
 
 
 def _ids(block_ids: list[int], device) -> torch.Tensor:

@@ -55,9 +55,32 @@ def test_decode_attention_matches_torch(device, kv_dtype, partition_blocks):
 
 
 def test_decode_partitions_cover_any_table_width():
-    assert tk.decode_partition_blocks(1) == 32 and tk.decode_partition_blocks(32 * 32) == 32
-    assert tk.decode_partition_blocks(32 * 32 + 1) == 64  # 128k tokens of 16: 8,192 blocks in 32 partitions
-    assert -(-8192 // tk.decode_partition_blocks(8192)) == 32
+    assert tk.decode_partition_blocks(1) == 32 and tk.decode_partition_blocks(64 * 32) == 32
+    assert tk.decode_partition_blocks(64 * 32 + 1) == 64  # past 32k tokens of 16: longer partitions
+    assert -(-8192 // tk.decode_partition_blocks(8192)) == 64  # 128k tokens in 64 partitions
+
+
+def test_small_batches_split_the_context_finer():
+    """Batch 1 of an 8B model (8 KV heads) on 132 SMs: partitions of a tile (4 blocks) over a short
+    table, of 8 blocks over an 8k-token one; batch 64 keeps 32-block partitions."""
+    assert tk.decode_partition_blocks(12, 8, 132) == 4
+    assert tk.decode_partition_blocks(512, 8, 132) == 8
+    assert tk.decode_partition_blocks(64, 64 * 8, 132) == 32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_torch(device, kv_dtype):
+    """K and V views of a qkv projection (heads at a stride) into their slots, as the torch path."""
+    # Values a bf16 cache holds exactly: Triton's interpreter rounds to bf16 otherwise than torch.
+    qkv = torch.randn(5, 4 + 2 * KV_HEADS, HEAD_DIM, device=device).to(kv_dtype).float()
+    k, v = qkv[:, 4:4 + KV_HEADS], qkv[:, 4 + KV_HEADS:]
+    slots = torch.tensor([3, 17, 40, 41, 90], device=device)
+    got_k, got_v = cache(device, kv_dtype)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    tk.write_kv(k, v, got_k, got_v, slots)
+    ref.write_kv(k, v, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
 @pytest.mark.parametrize("device", DEVICES)
