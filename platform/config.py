@@ -228,6 +228,11 @@ class GatewayConfig(BaseModel):
     body_read_timeout_s: float = Field(
         30.0, gt=0, description="Longest the gateway waits for a request's body (a slow sender gets a 408). Ray Serve "
                                 "offers no setting for HAProxy's own http-request timeout: this is the guard.")
+    migration_limit: int = Field(
+        3, ge=0, description="How many times one sequence may move to another decode replica when its own fails "
+                             "mid-stream (dies, or its output connection drops): the gateway resubmits the prompt and "
+                             "the tokens streamed so far, and the client sees one uninterrupted stream. Past it, the "
+                             "stream ends with an in-stream error. 0: never (the stream ends at the first failure).")
 
     @field_validator("api_keys")
     @classmethod

@@ -1,9 +1,10 @@
 """What the gateway, prefill and decode pools send each other (DESIGN section 2).
 
-Gateway -> decode (or unified): `GenerateRequest`, one per sequence. Decode -> prefill: the same
-request; prefill -> decode: `PrefillResult` (first token and the KV's `KVHandle`). Engine
-replica -> gateway: the engine's own `RequestOutput`s (on the output connection, `pdserve.output`,
-or on the call itself).
+Gateway -> decode (or unified): `GenerateRequest`, one per sequence (or the rest of one, resumed
+on another replica after its own failed mid-stream). Decode -> prefill: the same request;
+prefill -> decode: `PrefillResult` (first token and the KV's `KVHandle`). Engine replica ->
+gateway: the engine's own `RequestOutput`s (on the output connection, `pdserve.output`, or on the
+call itself).
 
 Plain dataclasses that Ray carries between the replicas of one release; no Ray or HTTP here, and
 nothing heavier than the engine's output and sampling types (importing this loads no torch).
@@ -30,6 +31,10 @@ class GenerateRequest:
     # When the request must be over, in `time.time()` seconds (the gateway's request_timeout_s
     # from its arrival); None: no deadline. Every hop aborts it past this and frees what it holds.
     deadline_s: float | None = None
+    # A resumed sequence (mid-stream migration): the outputs another decode replica generated and
+    # the client received before that replica failed. The engine continues after them, counting
+    # them as outputs (`LLMEngine.add_request`); the decode replica prefills them with the prompt.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -18,6 +18,9 @@ raised, never retried: here it would end the same way. Any other failure of the 
 `ReplicaError`, a dead prefill replica) is retried here as a local prefill, and a pull that fails
 recomputes the prompt here: either way the client sees one uninterrupted stream. Cancelling the
 stream aborts the request on both sides: the prefill call is cancelled, or its lease released.
+A resumed request (`GenerateRequest.output_token_ids`: the gateway moved it here after its decode
+replica failed mid-stream) is always prefilled here, prompt and outputs, reusing this cache's
+prefix of them: the prefill pool would have to return the KV of outputs it never sampled.
 
 A request's `deadline_s` bounds every phase here: the prefill call waits at most until then, a
 pull never past it, and the engine aborts the request once it passes (queued or decoding). Past
@@ -82,6 +85,7 @@ class DecodeServer:
         self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
         self.num_local_prefills_for_queue = 0
+        self.num_resumed_requests = 0  # sequences taken over from a replica that failed mid-stream
         # What a fault must bring back to 0: calls in progress (waiting on prefill, pulling or
         # decoding) and pulls whose copies may still be landing in this cache.
         self.num_in_flight_requests = self.num_open_kv_pulls = 0
@@ -89,6 +93,7 @@ class DecodeServer:
     async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
         self.num_in_flight_requests += 1
+        self.num_resumed_requests += bool(req.output_token_ids)
         try:
             where, num_uncached = await self._where_to_prefill(req)
             if where != "remote":
@@ -154,7 +159,8 @@ class DecodeServer:
         self.num_local_prefills += 1
         return self._decode(req, why, self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
                                                            forward=forward, prefill_pause_s=prefill_pause_s,
-                                                           deadline_s=req.deadline_s))
+                                                           deadline_s=req.deadline_s,
+                                                           output_token_ids=req.output_token_ids))
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:
         """The engine's stream for `req` under a decode span (it outlives yields: ended by hand)."""
@@ -241,6 +247,8 @@ class DecodeServer:
         the prompt tokens this cache lacks (the whole prompt when nothing needed the count)."""
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
             return "local", 0  # prompt logprobs need every prompt position's logits: prefill here
+        if req.output_token_ids:  # resumed after its replica failed: prompt and outputs are prefilled here
+            return "local", 0
         num_uncached = len(req.prompt_token_ids)
         if num_uncached < self.remote_prefill_min_tokens:
             return "local", 0
@@ -261,6 +269,7 @@ class DecodeServer:
         return {**self.engine.stats(), "num_remote_prefills": self.num_remote_prefills,
                 "num_local_prefills": self.num_local_prefills,
                 "num_local_prefills_for_queue": self.num_local_prefills_for_queue,
+                "num_resumed_requests": self.num_resumed_requests,
                 "num_pulled_blocks": self.num_pulled_blocks,
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,
                 "num_failed_pulls": self.num_failed_pulls, "num_open_kv_pulls": self.num_open_kv_pulls,

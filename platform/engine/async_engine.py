@@ -27,7 +27,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
@@ -79,11 +79,13 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_only: bool = False, forward: Forward | None = None,
-                       prefill_pause_s: float = 0.0, deadline_s: float | None = None) -> AsyncIterator[RequestOutput]:
+                       prefill_pause_s: float = 0.0, deadline_s: float | None = None,
+                       output_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Queue a request (raising on bad input, or a `deadline_s` already past: see
-        `LLMEngine.add_request`) and return its stream of outputs."""
+        `LLMEngine.add_request`; with `output_token_ids`, resumed after them) and return its
+        stream of outputs."""
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
-                                       prefill_only, prefill_pause_s, deadline_s, forward=forward)
+                                       prefill_only, prefill_pause_s, deadline_s, output_token_ids, forward=forward)
 
     async def resume(self, request_id: str, recompute: bool = False, first: RequestOutput | None = None,
                      forward: Forward | None = None) -> AsyncIterator[RequestOutput]:

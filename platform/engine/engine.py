@@ -17,6 +17,13 @@ device itself (the forward pass, a collective) raises out of `step()`.
 Stop conditions, in order: a stop string (text cut before it), a stop token id, EOS (unless
 `ignore_eos`), `max_tokens`, the model's context length. The stop or EOS token stays in
 `token_ids` and never appears in the text.
+
+A request may be resumed (`add_request(..., output_token_ids=...)`): another engine generated and
+streamed those outputs, then failed. They are outputs here too (penalties, `max_tokens`, the
+seeded sampler's position and usage count them) and are prefilled with the prompt (the prefix
+cache applies to both). They are replayed through the stop checks and the detokenizer as the
+first engine ran them, their text discarded, so the next text delta is the one that engine would
+have sent next: a greedy or seeded continuation is exactly the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Sequence
 
 import torch
 
@@ -141,14 +149,19 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, prefill_pause_s: float = 0.0, deadline_s: float | None = None) -> None:
+                    prefill_only: bool = False, prefill_pause_s: float = 0.0, deadline_s: float | None = None,
+                    output_token_ids: Sequence[int] = ()) -> None:
         """Queue a request. With `prefill_only` it stops after its first token unless that token
         already ends it; its output then carries `kv_block_ids`, the prompt's blocks, which stay
         allocated until `release_kv` (the prefill role exports them in between). With
         `prefill_pause_s`, its prompt yields to decodes for that long (see the scheduler). With
         `deadline_s` (absolute `time.time()` seconds), it is aborted once that passes (see the
-        module docstring); one already past raises `DeadlineExceededError` here."""
-        req = self._new_request(request_id, prompt_token_ids, params, deadline_s)
+        module docstring); one already past raises `DeadlineExceededError` here. With
+        `output_token_ids` it is resumed (see the module docstring): outputs that already end it
+        raise `InvalidRequestError`; not with `prefill_only`."""
+        if prefill_only and output_token_ids:
+            raise InvalidRequestError("a resumed request is prefilled where it decodes", param="output_token_ids")
+        req = self._new_request(request_id, prompt_token_ids, params, deadline_s, output_token_ids)
         req.prefill_only, req.prefill_pause_s = prefill_only, prefill_pause_s
         self.scheduler.add(req)
         self._track_deadline(req)
@@ -204,16 +217,17 @@ class LLMEngine:
             self.kv_manager.free(request_id)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     deadline_s: float | None) -> Request:
+                     deadline_s: float | None, output_token_ids: Sequence[int] = ()) -> Request:
         if request_id in self.scheduler.requests or request_id in self._prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         vocab = self.arch.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {describe_value(bad)} is outside the vocabulary [0, {vocab})",
-                                      param="prompt")
+        for param, ids in (("prompt", prompt_token_ids), ("output_token_ids", output_token_ids)):
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"token id {describe_value(bad)} is outside the vocabulary [0, {vocab})",
+                                          param=param)
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"stop token id {describe_value(bad)} is outside the vocabulary [0, {vocab})",
@@ -234,7 +248,28 @@ class LLMEngine:
                       deadline_s=deadline_s)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                                 params.skip_special_tokens)
+        if output_token_ids:
+            self._replay_outputs(req, output_token_ids)
         return req
+
+    def _replay_outputs(self, req: Request, output_token_ids: Sequence[int]) -> None:
+        """Resume `req` after `output_token_ids`: each goes through `_process_token` as when it was
+        sampled (the detokenizer's pending bytes and held-back stop-string window, the stop
+        checks), its text discarded: the client has it already."""
+        try:
+            for token_id in output_token_ids:
+                self._process_token(req, token_id, None)
+                if req.is_finished:
+                    raise InvalidRequestError(f"the resumed outputs already end the request ({req.finish_reason}) "
+                                              f"at output {req.num_output_tokens} of {len(output_token_ids)}",
+                                              param="output_token_ids")
+        except InvalidRequestError:
+            del self._detokenizers[req.request_id]
+            raise
+        except Exception as e:  # noqa: BLE001 - this request's alone (its detokenizing)
+            del self._detokenizers[req.request_id]
+            raise self._failure(req.request_id, e) from e
+        req.num_resumed_tokens = len(output_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; False when it is unknown or already finished."""

@@ -131,10 +131,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def num_queued_prefill_tokens(self) -> int:
-        """Prompt tokens admitted but not computed yet (prefix hits of waiting requests included).
+        """Prompt tokens (and resumed outputs) admitted but not computed yet (prefix hits of waiting
+        requests included).
 
         Safe to call from another thread: list() copies each queue under the GIL in one C call."""
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in list(self.waiting) + list(self.running))
+        queued = list(self.waiting) + list(self.running)
+        return sum(max(0, r.num_prefill_tokens - r.num_computed_tokens) for r in queued)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -192,8 +194,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit
-                self.num_prefix_hit_tokens += num_hit
+                # Prompt tokens only: a resumed request's hit may cover some of its outputs too.
+                req.num_cached_tokens = min(num_hit, req.num_prompt_tokens)
+                self.num_prefix_hit_tokens += req.num_cached_tokens
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_hit, n))
             budget -= n

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import ray
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import DeadlineExceededError, OverloadedError, ReplicaError
 from pdserve.gateway.errors import APIError, UnavailableError, error_response
 from pdserve.gateway.grpc_service import GrpcGeneration
+from pdserve.gateway.migration import migrating
 from pdserve.gateway.openai_service import OpenAIService
 from pdserve.output.frames import ChannelDone, ChannelOffer, OutputChannelError
 from pdserve.output.receiver import END, OutputChannels, Pending
@@ -44,18 +45,28 @@ class PoolsClient:
     The call goes through the pool's handle either way (its router picks the replica), and stays
     open until the sequence ends; cancelling it aborts the sequence on the replica."""
 
-    def __init__(self, decode: DeploymentHandle, pools: dict[str, DeploymentHandle]):
+    def __init__(self, decode: DeploymentHandle, pools: dict[str, DeploymentHandle], migration_limit: int = 3,
+                 on_migration: Callable[[], None] | None = None):
+        # migration_limit: see GatewayConfig; on_migration(): told of each migration (a metric).
         # The method's handle, made once: `handle.generate` builds a new handle (its options
         # copied) on every attribute access.
         self._generate = decode.options(stream=True).generate
         self.pools = pools
+        self.migration_limit, self.on_migration = migration_limit, on_migration
         self.channels = OutputChannels()
         self._tails: set[asyncio.Task] = set()  # calls whose outputs are all in, until their end arrives
 
-    async def generate(self, req: GenerateRequest, attempts: int = 2) -> AsyncIterator[RequestOutput]:
-        """A replica that fails before the first token (it died, or a `ReplicaError`) is retried
-        on another (once, by default), under a new id: the first attempt may still be running on a
-        prefill replica. After the first token the error ends this request only; an error of the
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The sequence's outputs. A replica that fails after it streamed tokens (it died, its
+        output connection dropped, a `ReplicaError`) hands the sequence on to another, resumed
+        after the tokens received (pdserve.gateway.migration), up to `migration_limit` times."""
+        return migrating(self._attempt, req, self.migration_limit, self.on_migration)
+
+    async def _attempt(self, req: GenerateRequest, attempts: int = 2) -> AsyncIterator[RequestOutput]:
+        """One placement of a sequence. A replica that fails before the first token (it died, or a
+        `ReplicaError`) is retried on another (once, by default), under a new id: the first attempt
+        may still be running on a prefill replica. After the first token a replica's failure is
+        raised as a `ReplicaError` (`migrating` resumes the sequence elsewhere); an error of the
         request itself (`RequestError`) is never retried. Past `req.deadline_s` the sequence ends
         with `DeadlineExceededError` and its call is cancelled, whatever the replica does."""
         first_id = req.request_id
@@ -159,8 +170,9 @@ class Gateway:
         max_model_len = cfg.engine_config(cfg.decode).max_model_len or ModelArch.from_dir(cfg.model).context_len
         setup_tracing(cfg.telemetry, "gateway")
         metrics = GatewayMetrics(serve.get_replica_context().replica_id.unique_id, cfg.served_model_name)
-        self.service = OpenAIService(PoolsClient(decode, pools), Tokenizer(cfg.model), cfg.served_model_name,
-                                     max_model_len, cfg.gateway, metrics)
+        client = PoolsClient(decode, pools, cfg.gateway.migration_limit, metrics.migration)
+        self.service = OpenAIService(client, Tokenizer(cfg.model), cfg.served_model_name, max_model_len, cfg.gateway,
+                                     metrics)
         self.grpc = GrpcGeneration(self.service, metrics)
 
     # Routes that do no blocking work are coroutines: a plain `def` would run on a worker thread.

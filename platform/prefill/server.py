@@ -64,8 +64,10 @@ class PrefillServer:
             return result
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResult:
+        # A resumed request (output_token_ids) is the decode replica's to prefill: the engine
+        # refuses one with prefill_only.
         stream = await self.engine.generate(req.request_id, req.prompt_token_ids, req.params, prefill_only=True,
-                                            deadline_s=req.deadline_s)
+                                            deadline_s=req.deadline_s, output_token_ids=req.output_token_ids)
         async for out in stream:
             first = out
         if not first.needs_decode:

@@ -5,11 +5,12 @@ replica and model. Ray's metrics agent exports them with its own `ray_` prefix (
 `_total`), so `pdserve_requests` is scraped as `ray_pdserve_requests_total`, next to Ray Serve's
 series in the Ray dashboard's metrics view and in `deploy/grafana/pdserve.json`.
 
-Where each is measured: the gateway counts requests by outcome and times TTFT, inter-token
-latency and end-to-end latency per sequence; each engine replica publishes its scheduler and KV
-figures every `telemetry.metrics_period_s` (gauges, and counters advanced by the change in its
-cumulative figures) and times each KV pull; routers count their decisions; the autoscaling
-policies count theirs in the Serve controller. Outside a Ray worker the series are inert.
+Where each is measured: the gateway counts requests by outcome and mid-stream migrations, and
+times TTFT, inter-token latency and end-to-end latency per sequence; each engine replica
+publishes its scheduler and KV figures every `telemetry.metrics_period_s` (gauges, and counters
+advanced by the change in its cumulative figures) and times each KV pull; routers count their
+decisions; the autoscaling policies count theirs in the Serve controller. Outside a Ray worker
+the series are inert.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def series() -> SimpleNamespace:
         ttft=histogram("time_to_first_token_seconds", "Request arrival to a sequence's first token."),
         itl=histogram("inter_token_latency_seconds", "Gap between a sequence's successive tokens."),
         e2e=histogram("e2e_request_latency_seconds", "Request arrival to its last token."),
+        migrations=counter("stream_migrations", "Sequences continued on another decode replica after theirs "
+                                                "failed mid-stream (gateway.migration_limit)."),
         # engine replicas
         waiting_requests=gauge("waiting_requests", "Requests queued in the engine, not yet running."),
         waiting_tokens=gauge("waiting_prompt_tokens", "Prompt tokens queued for prefill."),
@@ -119,6 +122,10 @@ class GatewayMetrics:
 
     def finished(self, seconds: float) -> None:
         series().e2e.observe(seconds, tags=self.tags)
+
+    def migration(self) -> None:
+        """A sequence moved to another decode replica after its own failed mid-stream."""
+        series().migrations.inc(1, tags=self.tags)
 
 
 # An engine replica's cumulative figures (its stats()) -> the counter each advances.

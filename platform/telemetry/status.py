@@ -60,7 +60,8 @@ class ReplicaReporter:
         self._last = (now, pulled)
         line = {**self.where, "time": now, "period_s": self.period_s, "transfer_bytes_per_s": rate,
                 **{k: stats.get(k) for k in ("healthy", "num_waiting", "queued_prefill_tokens", "num_running",
-                                             "kv_usage", "prefix_hit_rate", "num_kv_leases", "num_pulled_bytes")}}
+                                             "kv_usage", "prefix_hit_rate", "num_kv_leases", "num_pulled_bytes",
+                                             "num_resumed_requests")}}
         internal_kv._internal_kv_put(self.key, json.dumps(line), overwrite=True, namespace=KV_NAMESPACE)
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Failures a client sees over HTTP: a full queue answers 503 with Retry-After (and the server
-keeps serving), and a decode replica killed mid-stream ends that stream with an in-stream error
-and [DONE] (no hang), whether its outputs came on the call or over the replica's output
-connection, after which Ray Serve's replacement serves again."""
+keeps serving); a decode replica killed mid-stream, with migration off, ends that stream with an
+in-stream error and [DONE] (no hang), whether its outputs came on the call or over the replica's
+output connection, after which Ray Serve's replacement serves again; with migration on (the
+default) and a second replica, the stream goes on there and ends as an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from .conftest import ENGINE, wait_until_serving
 LONG = {"max_tokens": 370, "ignore_eos": True}  # short prompts and nearly the whole context (384): long requests
 
 
-def deploy(name: str, tiny_llama: str, pool: dict):
+def deploy(name: str, tiny_llama: str, pool: dict, gateway: dict | None = None, metrics_period_s: float = 0.5,
+           engine: dict | None = None):
     from ray import serve
 
     from pdserve.app import build
 
-    cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, mode="colocated",
+    cfg = ServeConfig(name=name, model=tiny_llama, engine={**ENGINE, **(engine or {})}, mode="colocated",
                       decode={"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0, **pool},
-                      telemetry={"metrics_period_s": 0.5})
+                      gateway=gateway or {}, telemetry={"metrics_period_s": metrics_period_s})
     serve.run(build(cfg), name=name, route_prefix=f"/{name}")
 
 
@@ -61,7 +63,7 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, t
     from pdserve.telemetry.status import read_replica_lines
 
     name = "fragile-connected" if connected else "fragile"
-    deploy(name, tiny_llama, {})
+    deploy(name, tiny_llama, {}, {"migration_limit": 0})
     base = f"{serve_apps['base']}/{name}"
     try:
         deadline = time.monotonic() + 30
@@ -97,5 +99,80 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(serve_apps, t
             return  # the replacement is checked once, below
         # Serve starts a replacement; then requests succeed again.
         wait_until_serving(base, 90, "no replica served after the kill", poll_s=1)
+    finally:
+        serve.delete(name)
+
+
+def _stream(url: str, body: dict, on_event=None) -> list[dict]:
+    """The SSE stream's events (JSON), [DONE] checked; `on_event(i)` after the i-th event."""
+    events = []
+    with requests.post(url, json={**body, "stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for raw in r.iter_lines():
+            if not raw:
+                continue
+            data = raw.decode()[len("data: "):]
+            if data == "[DONE]":
+                return events
+            events.append(json.loads(data))
+            if on_event is not None:
+                on_event(len(events))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def test_a_replica_killed_mid_stream_hands_the_stream_to_the_other(serve_apps, tiny_llama):
+    """Two replicas; the one serving a greedy stream is killed mid-way: the stream goes on on the
+    other, resumed, and ends as the uninterrupted run does (same text, one finish, same usage)."""
+    import ray
+    from ray import serve
+
+    from pdserve.telemetry.status import read_replica_lines
+
+    name = "migrating"
+    # A longer context than the other apps': a stream of 1000 tokens lasts about a second here, so
+    # the replica serving it shows in its status line (every 0.1 s) well before it ends.
+    deploy(name, tiny_llama, {"num_replicas": 2}, metrics_period_s=0.1,
+           engine={"max_model_len": 1024, "num_kv_blocks": 160})
+    url = f"{serve_apps['base']}/{name}/v1/completions"
+    body = {"prompt": "the quick brown fox", "temperature": 0, "max_tokens": 1000, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        deadline = time.monotonic() + 60
+        while len(read_replica_lines(name)) < 2:  # each replica's first status line names it
+            assert time.monotonic() < deadline, "the two replicas did not start"
+            time.sleep(0.2)
+        whole = _stream(url, body)
+        killed = []
+
+        def kill_the_serving_replica(num_events: int) -> None:
+            if num_events != 3:
+                return
+            until = time.monotonic() + 10
+            while not killed and time.monotonic() < until:  # status lines come every 0.1 s
+                serving = [line for line in read_replica_lines(name) if line["num_running"]]
+                if serving:
+                    killed.append(serving[0])
+                    ray.kill(ray.get_actor(f"SERVE_REPLICA::{name}#Unified#{serving[0]['replica']}",
+                                           namespace="serve"))
+                time.sleep(0.02)
+
+        moved = _stream(url, body, kill_the_serving_replica)
+        assert killed, "no replica reported the stream running"
+
+        def text(events):
+            return "".join(c["text"] for e in events for c in e.get("choices", []))
+
+        finishes = [c["finish_reason"] for e in moved for c in e.get("choices", []) if c["finish_reason"]]
+        assert not any("error" in e for e in moved), moved[-1]
+        assert text(moved) == text(whole) and finishes == ["length"]
+        assert moved[-1]["usage"]["completion_tokens"] == whole[-1]["usage"]["completion_tokens"] == 1000
+        # One migration: the surviving replica took one resumed sequence over.
+        deadline = time.monotonic() + 10
+        while True:
+            survivors = [line for line in read_replica_lines(name) if line["replica"] != killed[0]["replica"]]
+            if sum(line.get("num_resumed_requests") or 0 for line in survivors) == 1:
+                break
+            assert time.monotonic() < deadline, survivors
+            time.sleep(0.2)
     finally:
         serve.delete(name)

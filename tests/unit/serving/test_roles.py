@@ -170,9 +170,9 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     pauses = {}  # what this engine was asked to prefill, and how long each prompt yields to decodes
     add_request = decode.engine.engine.add_request
 
-    def recording_add_request(request_id, prompt, params, prefill_only=False, prefill_pause_s=0.0, deadline_s=None):
+    def recording_add_request(request_id, prompt, params, prefill_only=False, prefill_pause_s=0.0, *rest):
         pauses[request_id] = prefill_pause_s
-        add_request(request_id, prompt, params, prefill_only, prefill_pause_s, deadline_s)
+        add_request(request_id, prompt, params, prefill_only, prefill_pause_s, *rest)
 
     decode.engine.engine.add_request = recording_add_request
 
