@@ -81,12 +81,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        # In place: h is this forward pass's own residual stream (the attention output is added
-        # to it inside the second norm).
-        x = self.post_attention_layernorm(h, add=self.self_attn(self.input_layernorm(h), cos_sin))
-        h += self.mlp(x)
-        return h
+    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, this layer's MLP output). In place: h is this forward pass's own residual stream.
+        Each residual add happens inside the norm that follows it (one kernel, not two): the
+        previous layer's MLP output (`pending`) in this layer's first norm, the attention output in
+        its second; this layer's MLP output is left to the next norm."""
+        x = self.post_attention_layernorm(h, add=self.self_attn(self.input_layernorm(h, add=pending), cos_sin))
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -101,9 +103,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos_sin = self.rotary.table(positions)
+        pending = None
         for layer in self.layers:
-            h = layer(h, cos_sin)
-        return self.norm(h)
+            h, pending = layer(h, cos_sin, pending)
+        return self.norm(h, add=pending)
 
 
 class LlamaForCausalLM(nn.Module):
