@@ -1,6 +1,8 @@
 """The lab cluster's driver (tests/harness/ray_lab.py): `python -m tests.harness.ray_driver ADDRESS`,
 then one JSON command per stdin line, one JSON reply per stdout line ({"result": ...} or
-{"error": "..."}). Commands: deploy {config, http_port}, stats {app, pool}."""
+{"error": "..."}). Commands: deploy {config, http_port}, stats {app, pool} (one replica's, the
+handle's pick), replica_stats {app, pool, num_calls} (several calls at once: a list, a pool's
+replicas each answering one or more; a test keys them by "pid")."""
 
 from __future__ import annotations
 
@@ -28,7 +30,21 @@ def main(address: str) -> None:
     def stats(app: str, pool: str) -> dict:
         return serve.get_deployment_handle(pool, app).stats.remote().result(timeout_s=30)
 
-    ops = {"deploy": deploy, "stats": stats}
+    def replica_stats(app: str, pool: str, num_calls: int = 8) -> list[dict]:
+        # Calls in flight at once: the handle's router counts them against the replica it sent
+        # them to and picks the least loaded one for the next, so they spread over the replicas
+        # (one call at a time would go to the same replica each time).
+        handle = serve.get_deployment_handle(pool, app)
+        responses = [handle.stats.remote() for _ in range(num_calls)]
+        answers = []
+        for response in responses:
+            try:
+                answers.append(response.result(timeout_s=30))
+            except Exception:  # noqa: BLE001 - a replica that just died: the others still answer
+                pass
+        return answers
+
+    ops = {"deploy": deploy, "stats": stats, "replica_stats": replica_stats}
     for line in sys.stdin:
         command = json.loads(line)
         try:
