@@ -108,6 +108,17 @@ def ucx_check(device: str) -> str | None:
     return None
 
 
+def _prefill_only(engine, ids: list[str], prompts: list[list[int]], params) -> dict:
+    """The prompts prefilled together (prefill-only, as a prefill replica runs them): id -> first output."""
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params, prefill_only=True)
+    firsts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            firsts[out.request_id] = out
+    return firsts
+
+
 def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
     """The prefill side: ("prefill", prompts, max_tokens) -> [(request id, first output, UCX handle
     or None, digest)]; ("gather", request id) -> its blocks in one shared buffer (or what failed),
@@ -141,12 +152,7 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
                 _, prompts, max_tokens = cmd
                 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 ids = [f"pd-{i}" for i in range(len(prompts))]
-                for rid, prompt in zip(ids, prompts):
-                    engine.add_request(rid, prompt, params, prefill_only=True)
-                firsts = {}
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        firsts[out.request_id] = out
+                firsts = _prefill_only(engine, ids, prompts, params)
                 results = []
                 for rid in ids:
                     first = firsts[rid]
@@ -370,12 +376,7 @@ def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens:
 
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True, cache_salt="reference")
     ids = [f"ref-prefill-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params, prefill_only=True)
-    firsts = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            firsts[out.request_id] = out
+    firsts = _prefill_only(engine, ids, prompts, params)
     kv, tokens, same_kv = engine.kv_cache.kv, {}, []
     for i, (rid, prompt, result) in enumerate(zip(ids, prompts, results)):
         first = firsts[rid]

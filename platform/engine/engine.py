@@ -222,6 +222,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        if len(output_token_ids) >= params.max_tokens:  # bounded before any of them is read
+            raise InvalidRequestError(f"the resumed outputs already end the request (length) at output "
+                                      f"{params.max_tokens} of {len(output_token_ids)}", param="output_token_ids")
         vocab = self.arch.vocab_size
         for param, ids in (("prompt", prompt_token_ids), ("output_token_ids", output_token_ids)):
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)

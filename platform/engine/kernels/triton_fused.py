@@ -20,23 +20,17 @@ captured in the decode step's CUDA graphs. The callers (`ops.py`) check the layo
 from __future__ import annotations
 
 import functools
-import importlib.util
 from types import SimpleNamespace
 
 import torch
 
-# Triton is imported on first use, not with the engine: the CPU engine runs without it, and the
-# interpreter (TRITON_INTERPRET=1) must be chosen before the kernels are defined.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton imported on first use, as there (HAS_TRITON says whether it is installed).
+from pdserve.engine.kernels.triton_paged import HAS_TRITON, _pow2  # noqa: F401 - HAS_TRITON: callers read it here
 
 # Elements of each half a rotary program rotates (its tile of heads times head_dim // 2), and of
 # the output a silu_mul program writes: a few per thread at 4 warps.
 _ROTARY_TILE = 1024
 _SILU_MUL_BLOCK = 1024
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _row_warps(block: int) -> int:

@@ -25,19 +25,13 @@ It does not know about tensor or expert parallelism: the caller all-reduces.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from types import SimpleNamespace
 
 import torch
 
-# Triton is imported on first use, not with the engine: the CPU engine runs without it, and the
-# interpreter (TRITON_INTERPRET=1) must be chosen before the kernels are defined.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+# Triton imported on first use, as there (HAS_TRITON says whether it is installed).
+from pdserve.engine.kernels.triton_paged import HAS_TRITON, _pow2  # noqa: F401 - HAS_TRITON: callers read it here
 
 
 @functools.cache
