@@ -274,7 +274,7 @@ def main() -> None:
         # -- part 1: hops ------------------------------------------------------------------------
         engine_options = {"kv_cache_dtype": args.kv_cache_dtype, "weight_dtype": args.weight_dtype,
                           "device": args.device, "enforce_eager": args.enforce_eager}
-        # CPU pools: a step's leftover budget is not filled with the next prompt's first chunk (README).
+        # CPU pools: a step's leftover budget is not filled with the next prompt's first chunk (docs/serving.md).
         engine = {"num_threads": 2, "max_num_seqs": 64, "split_prompts_to_fill_steps": False, **engine_options}
         one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
 
