@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from pdserve.config import EngineConfig, ServeConfig
+from pdserve.config import EngineConfig, EngineOverrides, ServeConfig
 
 OUT = Path(__file__).with_name("configuration.md")
 INTRO = """# Configuration reference
@@ -38,6 +38,8 @@ def _type_name(annotation) -> str:
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
     if annotation is type(None):
         return "null"
+    if annotation is EngineOverrides:  # EngineConfig's fields, each optional: described once, there
+        return "[EngineConfig](#engineconfig) fields"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
     return getattr(annotation, "__name__", str(annotation))
@@ -50,6 +52,8 @@ def _default(field: FieldInfo) -> str:
         return "required"
     else:
         value = field.default
+    if isinstance(value, EngineOverrides):
+        return "none"
     if isinstance(value, BaseModel):
         return "its defaults"
     return f"`{value!r}`".replace("'", '"') if value is not None else "null"
@@ -92,15 +96,14 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     parts = [INTRO]
-    models = _models(ServeConfig)
-    if EngineConfig not in models:
-        models.append(EngineConfig)
+    models = [m for m in _models(ServeConfig) if m is not EngineOverrides] + [EngineConfig]
     for model in models:
         doc = " ".join((model.__doc__ or "").split())
         parts.append(f"\n## {model.__name__}\n\n{doc}\n" if doc else f"\n## {model.__name__}\n")
         if model is EngineConfig:
-            parts.append("\nEvery field may also be set per pool, under `prefill.engine` or `decode.engine`, "
-                         "where it overrides the top-level `engine`.\n")
+            parts.append("\nIn a config, every field but `model` (the config's own) may be set in the top-level "
+                         "`engine`, for every pool, and in a pool's `prefill.engine` or `decode.engine`, over the "
+                         "top-level's; a field set in neither takes the default below.\n")
         parts.append("\n| field | type | default | bounds | description |\n|---|---|---|---|---|\n")
         for name, field in model.model_fields.items():
             parts.append(f"| `{name}` | {_cell(_type_name(field.annotation))} | {_cell(_default(field))} "

@@ -9,9 +9,11 @@ other leaves take plain values that the builders read from here. No I/O happens 
 from __future__ import annotations
 
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
+                      model_serializer, model_validator)
+from pydantic_core import PydanticCustomError
 
 
 class EngineConfig(BaseModel):
@@ -81,6 +83,49 @@ class EngineConfig(BaseModel):
         return self
 
 
+class _Overrides(BaseModel):
+    """Base of a model whose fields are all optional overrides: only the fields written count.
+    They alone are dumped (a field written as null too: it resets what it overrides to null), and
+    two overrides are equal when they write the same fields with the same values."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_serializer
+    def _written(self) -> dict[str, Any]:
+        return {name: value for name, value in self if name in self.model_fields_set}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._written() == other._written()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._written().items()))
+
+
+def _overrides_of(model: type[BaseModel], name: str, doc: str, exclude: set[str]) -> type[_Overrides]:
+    """A model with `model`'s fields (less `exclude`), each optional: the same types, bounds and
+    descriptions, so the two cannot drift. Cross-field checks stay `model`'s, run on the merge."""
+    fields: dict[str, Any] = {}
+    for field, info in model.model_fields.items():
+        if field in exclude:
+            continue
+        annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        # No default in the JSON schema: an unwritten override has none, it leaves the field as it is.
+        fields[field] = (annotation, Field(None, description=info.description,
+                                           json_schema_extra=lambda schema: schema.pop("default", None)))
+    return create_model(name, __base__=_Overrides, __doc__=doc, __module__=__name__, **fields)
+
+
+def _merged(*overrides: _Overrides) -> dict[str, Any]:
+    """The fields written in `overrides`, later ones winning."""
+    return {name: value for o in overrides for name, value in o._written().items()}
+
+
+EngineOverrides = _overrides_of(
+    EngineConfig, "EngineOverrides", exclude={"model"},
+    doc="EngineConfig fields, each optional: the top-level `engine` sets them for every pool, a pool's `engine` "
+        "for that pool (over the top-level's). The checkpoint is the config's own `model`.")
+
+
 class AutoscalingSpec(BaseModel):
     """How a pool follows its load (pdserve.autoscale): Ray Serve autoscaling with pdserve's policy
     for the pool, within [min_replicas, max_replicas]; up after `upscale_delay_s` of wanting more,
@@ -123,8 +168,9 @@ class PoolConfig(BaseModel):
                                                                  "engine loop or rank worker fails the check).")
     max_queued_requests: int = Field(
         256, ge=-1, description="Requests a caller queues for this pool before answering 503; -1: no limit.")
-    engine: dict[str, Any] = Field(
-        default_factory=dict, description="EngineConfig fields that differ from the top-level engine in this pool.")
+    engine: EngineOverrides = Field(
+        default_factory=EngineOverrides, description="EngineConfig fields that differ from the top-level engine in "
+                                                     "this pool.")
     autoscaling: AutoscalingSpec | None = Field(
         None, description="Follow the pool's load between min and max replicas (num_replicas is then the start).")
     request_router_class: str | None = Field(
@@ -286,7 +332,8 @@ class ServeConfig(BaseModel):
     name: str = Field("pdserve", description="Ray Serve application name.")
     model: str | None = Field(None, description="Local Hugging Face checkpoint directory; default: the tiny-llama "
                                                 "preset, generated on first use.")
-    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields shared by all pools.")
+    engine: EngineOverrides = Field(default_factory=EngineOverrides,
+                                    description="EngineConfig fields shared by all pools.")
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: Prefill and Decode pools with KV transfer; "
                                      "colocated: one Unified pool, no transfer.")
@@ -319,8 +366,12 @@ class ServeConfig(BaseModel):
                            "before its KV is pulled: lower TTFT, but the pull and the wait to join the decode "
                            "batch land between the first and second tokens. Off: the first token leaves as the "
                            "request joins the decode batch, so the stream runs at the batch's pace from the start.")
-    prefill: PoolConfig = Field(default_factory=PoolConfig)
-    decode: PoolConfig = Field(default_factory=PoolConfig)
+    # validate_default: a pool left out still runs the top-level engine, which _check_pool_engine checks.
+    prefill: PoolConfig = Field(default_factory=PoolConfig, validate_default=True,
+                                description="The prefill pool (disaggregated mode).")
+    decode: PoolConfig = Field(default_factory=PoolConfig, validate_default=True,
+                               description="The decode pool; in colocated mode the one pool (Unified), which "
+                                           "prefills too.")
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
@@ -342,28 +393,55 @@ class ServeConfig(BaseModel):
         """The engine a replica of `pool` runs (model resolved by the caller)."""
         if self.model is None:
             raise ValueError("resolve the model first (pdserve.app.resolve_model)")
-        return EngineConfig(model=self.model, **{**self.engine, **pool.engine})
+        return EngineConfig(model=self.model, **_merged(self.engine, pool.engine))
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _check_pool_engine(cls, pool: PoolConfig, info: ValidationInfo) -> PoolConfig:
+        """A pool runs the top-level engine with its own overrides: EngineConfig's checks across
+        fields (a step's token budget covers max_num_seqs) hold for that merge. Checked with the
+        fields, so these problems are reported with every other, at the pool's `engine`."""
+        top = info.data.get("engine")
+        if top is None:  # the top-level engine has problems of its own, reported where they are written
+            return pool
+        try:
+            EngineConfig(model="-", **_merged(top, pool.engine))
+        except ValidationError as e:
+            _raise_all("PoolConfig", [(("engine", *error["loc"]), error["msg"].removeprefix("Value error, "))
+                                      for error in e.errors()])
+        return pool
 
     @model_validator(mode="after")
-    def _check_engines(self) -> "ServeConfig":
-        # Fail at load time, not in a replica: every pool's engine options must validate.
-        prefill, decode = (EngineConfig(model=self.model or "-", **{**self.engine, **pool.engine})
+    def _check_across_fields(self) -> "ServeConfig":
+        """What no one field decides, checked once every field is valid; all reported together."""
+        problems = []
+        prefill, decode = (EngineConfig(model="-", **_merged(self.engine, pool.engine))
                            for pool in (self.prefill, self.decode))
         if self.mode == "disaggregated":
             p, d = prefill.tensor_parallel_size, decode.tensor_parallel_size
             if d < p or d % p:
-                raise ValueError(f"prefill tensor_parallel_size {p} with decode tensor_parallel_size {d}: each decode "
-                                 "rank pulls its KV heads from one prefill rank, so the decode degree must be a "
-                                 "multiple of the prefill degree (equal, or k times it)")
+                problems.append(f"prefill tensor_parallel_size {p} with decode tensor_parallel_size {d}: each decode "
+                                "rank pulls its KV heads from one prefill rank, so the decode degree must be a "
+                                "multiple of the prefill degree (equal, or k times it)")
             if d > 1 and self.transfer.backend != "ucx":
-                raise ValueError("tensor-parallel pools in disaggregated mode move KV rank to rank: "
-                                 "transfer.backend must be ucx")
+                problems.append("tensor-parallel pools in disaggregated mode move KV rank to rank: "
+                                "transfer.backend must be ucx")
         if self.remote_prefill_max_queued_tokens_long is not None and (
                 self.overflow_prefill_max_tokens is None or self.remote_prefill_max_queued_tokens is None):
-            raise ValueError("remote_prefill_max_queued_tokens_long is the queue limit for prompts past "
-                             "overflow_prefill_max_tokens: set that and remote_prefill_max_queued_tokens too")
+            problems.append("remote_prefill_max_queued_tokens_long is the queue limit for prompts past "
+                            "overflow_prefill_max_tokens: set that and remote_prefill_max_queued_tokens too")
         if self.pool_ratio is not None and (self.mode != "disaggregated" or self.prefill.autoscaling is None
                                             or self.decode.autoscaling is None):
-            raise ValueError("pool_ratio needs mode disaggregated and autoscaling on both the prefill and the "
-                             "decode pool")
+            problems.append("pool_ratio needs mode disaggregated and autoscaling on both the prefill and the "
+                            "decode pool")
+        _raise_all("ServeConfig", [((), message) for message in problems])
         return self
+
+
+def _raise_all(title: str, problems: list[tuple[tuple[str, ...], str]]) -> None:
+    """Raise every problem at once, each at its place (relative to the field or model being
+    validated: pydantic reports a ValidationError raised by a validator under that place)."""
+    if problems:
+        raise ValidationError.from_exception_data(title, [
+            {"type": PydanticCustomError("value_error", message), "loc": loc, "input": None}
+            for loc, message in problems])

@@ -3,8 +3,6 @@
 In: a config's YAML text (or the parsed mapping). Out: the validated `ServeConfig` and no problems,
 or a `Problem` per error: the field's dotted path, what is wrong, and what the field is for (its
 description in config.py) or what to do. `summary` says in a few lines what a valid config runs.
-Pydantic reports an engine map's errors without their place (`engine` maps are validated inside
-ServeConfig's own check), so engine maps are checked here first, each at its own path.
 Knows nothing of Ray or Kubernetes; the Helm chart embeds the same config (deploy/helm).
 """
 
@@ -19,10 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pdserve.config import EngineConfig, PoolConfig, ServeConfig
+from pdserve.config import PoolConfig, ServeConfig
 from pdserve.errors import ConfigError
-
-POOLS = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -51,73 +47,23 @@ def check(data: Any) -> tuple[ServeConfig | None, list[Problem]]:
     if not isinstance(data, dict):
         return None, [Problem("", f"expected a mapping of pdserve config fields, got {type(data).__name__}",
                               "start from configs/tiny-cpu.yaml; fields: " + ", ".join(ServeConfig.model_fields))]
-    problems = _engine_problems(data)
-    # With broken engine maps, ServeConfig would stop at the first one (without its path): check
-    # the rest of the config with the engines left out instead.
-    rest = _without_engines(data) if problems else data
     try:
-        config = ServeConfig.model_validate(rest)
+        return ServeConfig.model_validate(data), []
     except ValidationError as e:
-        return None, problems + [_problem(error, ServeConfig) for error in e.errors()]
-    return (None, problems) if problems else (config, [])
+        return None, [_problem(error) for error in e.errors()]
 
 
-def _engine_problems(data: dict) -> list[Problem]:
-    top = data.get("engine")
-    if not isinstance(top, dict):
-        return []  # not a mapping (or absent): ServeConfig's own errors say so
-    problems = _engine_errors("engine", top, owned=set(top))
-    # Pools inherit the top-level fields that are fine; each pool reports only what it causes.
-    broken = {p.path.split(".")[1] for p in problems if p.path.count(".") == 1}
-    inherited = {k: v for k, v in top.items() if k not in broken}
-    top_messages = {p.message for p in problems if p.path == "engine"}
-    for pool in POOLS:
-        own = data.get(pool, {}).get("engine") if isinstance(data.get(pool), dict) else None
-        if isinstance(own, dict) and own:
-            for p in _engine_errors(f"{pool}.engine", {**inherited, **own}, owned=set(own)):
-                if p.path != f"{pool}.engine" or p.message not in top_messages:
-                    problems.append(p)
-    return problems
-
-
-def _engine_errors(path: str, fields: dict, owned: set[str]) -> list[Problem]:
-    found = []
-    if "model" in fields:  # EngineConfig's model comes from the config's top-level `model`
-        found.append(Problem(f"{path}.model", "model is not an engine field here",
-                             "set the checkpoint with the top-level `model:` (all pools serve one model)"))
-    fields = {k: v for k, v in fields.items() if k != "model"}
-    try:
-        EngineConfig.model_validate({**fields, "model": "-"})
-    except ValidationError as e:
-        broken = set()
-        for error in e.errors():
-            loc = tuple(error["loc"])
-            broken.add(loc[0] if loc else None)
-            if loc and loc[0] not in owned:
-                continue  # a field this pool inherits: reported where it is written
-            found.append(_problem(error, EngineConfig, prefix=path))
-        if None not in broken:  # checks across fields run only once each field is fine: run them now
-            found += [p for p in _engine_errors(path, {k: v for k, v in fields.items() if k not in broken}, owned)
-                      if p.path == path]
-    return found
-
-
-def _without_engines(data: dict) -> dict:
-    rest = {**data, "engine": {}}
-    for pool in POOLS:
-        if isinstance(data.get(pool), dict) and "engine" in data[pool]:
-            rest[pool] = {**data[pool], "engine": {}}
-    return rest
-
-
-def _problem(error: dict, root: type[BaseModel], prefix: str = "") -> Problem:
+def _problem(error: dict) -> Problem:
     loc = tuple(str(part) for part in error["loc"])
-    path = ".".join(filter(None, (prefix, *loc)))
-    owner, field = _walk(root, loc)
+    path = ".".join(loc)
+    owner, field = _walk(ServeConfig, loc)
     if error["type"] == "extra_forbidden":
-        known = [name for name in (owner.model_fields if owner else ()) if (owner, name) != (EngineConfig, "model")]
+        known = list(owner.model_fields) if owner else []
         close = difflib.get_close_matches(loc[-1], known, n=1)
         message = f"unknown field {loc[-1]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        if len(loc) > 1 and loc[-1] in ServeConfig.model_fields:  # e.g. `model` under an engine
+            return Problem(path, message, f"{loc[-1]} is a field of the config's top level: "
+                                          f"{ServeConfig.model_fields[loc[-1]].description}")
         return Problem(path, message, f"fields here: {', '.join(known)}" if known else "")
     message = error["msg"].removeprefix("Value error, ")
     value = error.get("input")
@@ -140,7 +86,7 @@ def _walk(model: type[BaseModel], loc: tuple[str, ...]):
             return (owner if i == len(loc) - 1 else None), None
         field = owner.model_fields[key]
         if i < len(loc) - 1:
-            owner = EngineConfig if key == "engine" else _model_of(field.annotation)
+            owner = _model_of(field.annotation)
     return owner, field
 
 
@@ -171,7 +117,7 @@ def summary(config: ServeConfig) -> list[str]:
 
 
 def _pool_line(config: ServeConfig, pool: PoolConfig) -> str:
-    engine = EngineConfig(model=config.model or "-", **{**config.engine, **pool.engine})
+    engine = config.model_copy(update={"model": config.model or "-"}).engine_config(pool)
     ranks = engine.tensor_parallel_size
     scaling = pool.autoscaling
     count = f"{pool.num_replicas} replica(s)"

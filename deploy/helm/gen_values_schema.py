@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import EngineConfig, ServeConfig
+from pdserve.config import ServeConfig
 
 SCHEMA_PATH = Path(__file__).parent / "pdserve" / "values.schema.json"
 # Degrees a replica may span: GPUs per node come in powers of two, and so do KV-head counts. Over
@@ -89,19 +89,11 @@ def _tp_rules() -> tuple[list[Schema], Schema]:
 
 
 def config_definitions() -> Schema:
-    """ServeConfig and its parts; `engine` maps are EngineConfig fields (model excepted)."""
+    """ServeConfig and its parts; `engine` maps are EngineOverrides (EngineConfig's fields, each optional)."""
     serve = _tidy(ServeConfig.model_json_schema())
     definitions = serve.pop("definitions", None) or serve.pop("$defs")
-    engine = _tidy(EngineConfig.model_json_schema())
-    engine["properties"].pop("model")
-    engine["required"] = [r for r in engine.get("required", []) if r != "model"] or None
-    engine = {k: v for k, v in engine.items() if v is not None}
-    engine["description"] = "EngineConfig fields (platform/config.py); a pool's engine overrides the top-level one."
-    engine["properties"]["tensor_parallel_size"] = {
+    definitions["EngineOverrides"]["properties"]["tensor_parallel_size"] = {
         "enum": TP_SIZES, "description": "Ranks (GPUs) one replica spans: 1, 2, 4, 8 or 16."}
-    for holder in (serve, definitions["PoolConfig"]):
-        description = holder["properties"]["engine"]["description"]
-        holder["properties"]["engine"] = {"$ref": "#/definitions/EngineConfig", "description": description}
     # The chart reads these to size the pods: their types matter before Ray ever sees them.
     options = definitions["PoolConfig"]["properties"]["ray_actor_options"]
     options["properties"] = {"num_cpus": {"type": "number", "minimum": 0},
@@ -110,7 +102,7 @@ def config_definitions() -> Schema:
                              "resources": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0}}}
     rules, named = _tp_rules()
     serve["allOf"] = rules
-    return {"ServeConfig": serve, "EngineConfig": engine, **definitions, "tp": named}
+    return {"ServeConfig": serve, **definitions, "tp": named}
 
 
 def _string_map() -> Schema:

@@ -84,9 +84,10 @@ def test_tensor_parallel_rule_agrees_with_serve_config(helm, chart):
 
 def test_config_fields_follow_the_pydantic_models():
     """The generated part names exactly ServeConfig's fields (a typo in `config` fails at install)."""
-    from pdserve.config import EngineConfig, PoolConfig
+    from pdserve.config import EngineConfig, EngineOverrides, PoolConfig
 
     definitions = json.loads((CHART / "values.schema.json").read_text())["definitions"]
     assert set(definitions["ServeConfig"]["properties"]) == set(ServeConfig.model_fields)
     assert set(definitions["PoolConfig"]["properties"]) == set(PoolConfig.model_fields)
-    assert set(definitions["EngineConfig"]["properties"]) == set(EngineConfig.model_fields) - {"model"}
+    assert set(definitions["EngineOverrides"]["properties"]) == set(EngineOverrides.model_fields)
+    assert set(EngineOverrides.model_fields) == set(EngineConfig.model_fields) - {"model"}

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import yaml
 
-from pdserve.config import EngineConfig, ServeConfig
+from pdserve.config import ServeConfig
 from tests.helm.conftest import CHART, CONFIGS, EXAMPLES, example_values
 
 MAX_RAYSERVICE_NAME = 47  # KubeRay: 53 for a RayCluster, minus the 6 characters it appends
@@ -32,7 +32,7 @@ def test_pools_map_onto_worker_groups(render, name):
     for group in rendered.groups:
         pool_name = group["groupName"]
         pool = getattr(config, pool_name)
-        ranks = EngineConfig(model="-", **{**config.engine, **pool.engine}).tensor_parallel_size
+        ranks = config.model_copy(update={"model": "-"}).engine_config(pool).tensor_parallel_size
         options = pool.ray_actor_options
         tag = f"pdserve_{pool_name}"
         # The nodes carry the pool's tag; the pool's replicas ask for a share of it, nothing else does.

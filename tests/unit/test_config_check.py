@@ -39,34 +39,58 @@ def test_every_mistake_is_reported_where_it_is():
     problems = _problems("""
 mode: split
 prefil: {}
-engine: {max_num_seqs: 0}
 prefill:
   num_replicas: 0
   autoscaling: {min_replicas: 3, max_replicas: 2}
+  engine: {blok_size: 3, model: /x}
 decode:
-  engine: {blok_size: 3, max_num_seqs: 600, max_num_batched_tokens: 512}
+  engine: {max_num_seqs: 600, max_num_batched_tokens: 512}
 gateway: {port: abc}
 """)
-    assert set(problems) == {"mode", "prefil", "engine.max_num_seqs", "prefill.num_replicas", "prefill.autoscaling",
-                             "decode.engine.blok_size", "decode.engine", "gateway.port"}
+    assert set(problems) == {"mode", "prefil", "prefill.num_replicas", "prefill.autoscaling", "prefill.engine.blok_size",
+                             "prefill.engine.model", "decode.engine", "gateway.port"}
     assert problems["prefil"].startswith("unknown field 'prefil' (did you mean 'prefill'?)")
-    assert problems["decode.engine.blok_size"].startswith("unknown field 'blok_size' (did you mean 'block_size'?)")
-    assert problems["engine.max_num_seqs"] == "Input should be greater than or equal to 1 (got 0) | Most sequences in one batch."
+    assert problems["prefill.engine.blok_size"].startswith("unknown field 'blok_size' (did you mean 'block_size'?)")
+    assert problems["prefill.engine.model"].startswith("unknown field 'model' | model is a field of the config's top "
+                                                       "level: Local Hugging Face checkpoint directory")
     assert "max_num_batched_tokens (512) must be at least max_num_seqs (600)" in problems["decode.engine"]
     assert problems["prefill.num_replicas"].endswith("| Replicas in this pool.")
     assert problems["prefill.autoscaling"].startswith("min_replicas 3 exceeds max_replicas 2")
     assert "(got 'abc') | HTTP port." in problems["gateway.port"]
 
 
-def test_checks_across_fields_and_broken_files():
-    problems = _problems("prefill: {engine: {tensor_parallel_size: 2}}")
-    assert "multiple of the prefill degree" in problems[""]
-    assert _problems("engine: {model: /x}") == {
-        "engine.model": "model is not an engine field here | set the checkpoint with the top-level `model:` "
-                        "(all pools serve one model)"}
-    assert _problems("a: [").keys() == {""} and "not valid YAML" in _problems("a: [")[""]
-    assert "expected a mapping" in _problems("- 1")[""]
-    assert _problems("") == {}  # an empty file is the embedded default
+def test_engine_overrides_are_checked_field_by_field_and_merged():
+    """The top-level engine and each pool's are EngineConfig's fields with its bounds and
+    descriptions; each pool's merge must pass EngineConfig's checks across fields."""
+    assert _problems("engine: {max_num_seqs: 0, dtype: fp8}\ndecode: {engine: {block_size: 0}}") == {
+        "engine.max_num_seqs": "Input should be greater than or equal to 1 (got 0) | Most sequences in one batch.",
+        "engine.dtype": "Input should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'fp8') | Weight and "
+                        "activation dtype; 'auto' takes the checkpoint's dtype.",
+        "decode.engine.block_size": "Input should be greater than or equal to 1 (got 0) | Tokens per KV-cache block."}
+    # The top-level engine's fields reach both pools; a pool that raises the budget is fine.
+    problems = _problems("engine: {max_num_seqs: 4096}\nprefill: {engine: {max_num_batched_tokens: 8192}}")
+    assert set(problems) == {"decode.engine"} and "must be at least max_num_seqs (4096)" in problems["decode.engine"]
+    assert _problems("engine: {max_num_seqs: 4096, max_num_batched_tokens: 4096}") == {}
+
+
+def test_engine_overrides_follow_engine_config():
+    """EngineOverrides is derived from EngineConfig: the same fields (less model), types, bounds and
+    descriptions. Only the fields written count, a null among them (it resets a top-level value)."""
+    from pdserve.config import EngineConfig, EngineOverrides, ServeConfig
+
+    assert list(EngineOverrides.model_fields) == [f for f in EngineConfig.model_fields if f != "model"]
+    for name, field in EngineOverrides.model_fields.items():
+        original = EngineConfig.model_fields[name]
+        assert (field.annotation, field.metadata, field.description) == \
+               (original.annotation, original.metadata, original.description), name
+    config = ServeConfig(model="/m", engine={"num_kv_blocks": 64, "block_size": 8},
+                         decode={"engine": {"num_kv_blocks": None}})
+    assert config.engine.model_dump() == {"block_size": 8, "num_kv_blocks": 64}
+    args = config.model_dump(mode="json", exclude_defaults=True)  # what serve_config hands to build_app
+    assert args["decode"] == {"engine": {"num_kv_blocks": None}} and args["engine"] == config.engine.model_dump()
+    again = ServeConfig.model_validate(args)
+    assert again.engine_config(again.decode).num_kv_blocks is None
+    assert again.engine_config(again.prefill) == EngineConfig(model="/m", num_kv_blocks=64, block_size=8)
 
 
 def test_the_command_exit_status(tmp_path):
