@@ -139,6 +139,13 @@ class PoolsClient:
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             pending.fail(e)
 
+    def stats(self) -> dict:
+        """What this gateway holds: sequences waiting for outputs, output connections open, calls
+        whose end is still on its way (each back to zero, or to one connection per engine
+        replica, once nothing runs)."""
+        return {"num_pending_sequences": self.channels.num_pending, "num_output_connections":
+                self.channels.num_connections, "num_call_tails": len(self._tails)}
+
     async def health(self) -> dict[str, bool]:
         names = list(self.pools)
         results = await asyncio.gather(*(self.pools[n].health.remote() for n in names), return_exceptions=True)
@@ -170,7 +177,7 @@ class Gateway:
         max_model_len = cfg.engine_config(cfg.decode).max_model_len or ModelArch.from_dir(cfg.model).context_len
         setup_tracing(cfg.telemetry, "gateway")
         metrics = GatewayMetrics(serve.get_replica_context().replica_id.unique_id, cfg.served_model_name)
-        client = PoolsClient(decode, pools, cfg.gateway.migration_limit, metrics.migration)
+        self.client = client = PoolsClient(decode, pools, cfg.gateway.migration_limit, metrics.migration)
         self.service = OpenAIService(client, Tokenizer(cfg.model), cfg.served_model_name, max_model_len, cfg.gateway,
                                      metrics)
         self.grpc = GrpcGeneration(self.service, metrics)
@@ -191,6 +198,9 @@ class Gateway:
     @api.get("/health")
     async def health(self):
         return await self.service.health()
+
+    def stats(self) -> dict:  # through the deployment's handle (no route): what the soak reads
+        return {**self.client.stats(), "pid": os.getpid()}
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -97,6 +97,10 @@ class OutputChannels:
     def num_connections(self) -> int:
         return len(self._by_id)
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._requests)
+
     def offer(self, offer: ChannelOffer) -> None:
         """Connect to a replica in the background (once; a failed address waits RETRY_CONNECT_S)."""
         address = (offer.host, offer.port)
