@@ -50,18 +50,25 @@ def reads_bf16(source: str) -> bool:
 
 
 def earlier_kernel(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
-    """The kernel library built from `rev`'s source, with the flags this tree builds with, and
-    whether its attention entry point takes the cache's dtype."""
-    source = out_dir / "cpu_kernels.c"
-    text = subprocess.run(["git", "show", f"{rev}:platform/engine/kernels/cpu_kernels.c"], capture_output=True,
-                          text=True, check=True, cwd=Path(__file__).resolve().parent).stdout
-    source.write_text(text)
+    """The kernel library built from `rev`'s sources (`cpu_kernels.c`, or since the split by kernel
+    `cpu_*.c` and `cpu_*.h`), with the flags this tree builds with, and whether its attention entry
+    point takes the cache's dtype."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout
+
+    folder = "platform/engine/kernels"
+    names = [n for n in git("ls-tree", "--name-only", f"{rev}:{folder}").split()
+             if n.startswith("cpu_") and n.endswith((".c", ".h"))]
+    for name in names:
+        (out_dir / name).write_text(git("show", f"{rev}:{folder}/{name}"))
     lib = out_dir / "cpu_kernels.so"
     compiler = cpu_kernels._compiler()
     if compiler is None:
         raise SystemExit("no C compiler (cc, gcc or clang) found: install gcc to build the kernels")
-    subprocess.run([compiler, *cpu_kernels._FLAGS, str(source), "-o", str(lib), "-lm"], check=True)
-    dll, bf16 = ctypes.CDLL(str(lib)), reads_bf16(text)
+    sources = [str(out_dir / n) for n in names if n.endswith(".c")]
+    subprocess.run([compiler, *cpu_kernels._FLAGS, *sources, "-o", str(lib), "-lm"], check=True)
+    dll, bf16 = ctypes.CDLL(str(lib)), reads_bf16("".join((out_dir / n).read_text() for n in names))
     restype, argtypes = cpu_kernels._SIGNATURES["pdserve_paged_decode_attention_f32"]
     dll.pdserve_paged_decode_attention_f32.restype = restype
     dll.pdserve_paged_decode_attention_f32.argtypes = argtypes if bf16 else argtypes[:5] + argtypes[6:]

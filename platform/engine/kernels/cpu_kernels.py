@@ -1,4 +1,5 @@
-"""pdserve's fp32 CPU kernels (`cpu_kernels.c`): built on first use, called through ctypes.
+"""pdserve's fp32 CPU kernels (`cpu_*.c`, one file per kernel family; `cpu_runtime.h` lists
+them): built into one library on first use, called through ctypes.
 
 - `paged_decode_attention`: one pass over each sequence's KV blocks (no gather, no padding).
 - `paged_prefill_attention`: a sequence's chunk of queries, causal over its cached prefix and
@@ -15,9 +16,9 @@
 - `rms_norm` (optionally adding the residual first), `silu_mul`, `rotary_`: one pass each where
   torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
 
-The C source is compiled once per machine type with the system C compiler into the cache
-directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by the source, the compiler, its flags and the
-CPU, so a shared cache serves mixed hosts. `$PDSERVE_CPU_KERNELS_CFLAGS` adds flags (say
+The C sources are compiled together, once per machine type, with the system C compiler into one
+library in the cache directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by every source and header,
+the compiler, its flags and the CPU, so a shared cache serves mixed hosts. `$PDSERVE_CPU_KERNELS_CFLAGS` adds flags (say
 `-mno-avx512f` to run the AVX2 kernels on a CPU that has AVX-512). Replicas starting together
 may race to build it: each builds into a file of its own and renames it into place, so a reader
 sees a whole library or none.
@@ -47,7 +48,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = sorted(Path(__file__).parent.glob("cpu_*.c"))  # compiled together into one library
+HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-fPIC", "-shared", "-std=c11"]
 CFLAGS_ENV = "PDSERVE_CPU_KERNELS_CFLAGS"  # appended to _FLAGS, e.g. "-mno-avx512f" (the AVX2 kernels)
 _lock = threading.Lock()
@@ -80,11 +82,20 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def _build_key(compiler: str, flags: list[str]) -> str:
+    """What the library depends on: every source and header (name and text), the compiler, its
+    flags and the CPU."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(compiler.encode() + b"\0" + " ".join(flags).encode() + b"\0" + _cpu_id().encode())
+    return digest.hexdigest()[:16]
+
+
 def build(compiler: str, out_dir: Path) -> Path:
-    """Compile the kernel into `out_dir` (once per source, compiler, flags and CPU) and return its path."""
+    """Compile the kernel sources into one library in `out_dir` (once per `_build_key`) and return its path."""
     flags = _FLAGS + shlex.split(os.environ.get(CFLAGS_ENV, ""))
-    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(flags).encode()
-                         + _cpu_id().encode()).hexdigest()[:16]
+    key = _build_key(compiler, flags)
     target = out_dir / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
@@ -92,10 +103,10 @@ def build(compiler: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=out_dir)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+            raise KernelBuildError(f"{compiler} failed on the kernel sources:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -352,7 +363,7 @@ class DecoderModel:
         load().pdserve_decoder_chaos(self._handle, permille, max_us)
 
 
-PANEL = 16  # columns per panel of a packed weight (cpu_kernels.c)
+PANEL = 16  # columns per panel of a packed weight (cpu_linear.h)
 # Weight bytes per work item of a decode step's matmuls: ~5 us of streaming, enough to pay for the
 # item's bookkeeping; small enough that a thread that finds its share done can take over the rest.
 DECODE_ITEM_BYTES = 128 * 1024
