@@ -1,12 +1,10 @@
 """The C kernels against the torch path, on fresh random inputs every run, and their build and
-fallback behaviour. (The engine's parity tests against transformers run through them too.)"""
+fallback behaviour. (The engine's parity tests against transformers run through them too; the
+AVX2 and plain C builds run these tests in tests/integration/engine/test_cpu_kernels_builds.py.)"""
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from array import array
 
 import pytest
@@ -193,19 +191,6 @@ def test_linear_gives_a_row_the_same_result_in_any_batch(packed_dtype):
     whole = cpu_kernels.linear(x, packed, 37, bias)
     for m in range(2, 30):
         assert torch.equal(cpu_kernels.linear(x[:m], packed, 37, bias), whole[:m]), m
-
-
-@pytest.mark.parametrize("cflags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma"])
-def test_the_kernels_for_older_cpus(cflags, tmp_path):
-    # This machine may have AVX-512: the AVX2 and plain C builds run this file's build, attention
-    # and linear tests as well, in a process of their own (the library is loaded once per process).
-    env = {**os.environ, cpu_kernels.CFLAGS_ENV: cflags, "PDSERVE_CACHE_DIR": str(tmp_path)}
-    tests = ("builds_on_this_machine or kernel_matches_torch or linear_matches_torch or same_result_in_any_batch"
-             " or large_scores")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
-    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so")), "the build did not land in the cache"
 
 
 def test_linear_at_the_benchmark_model_shapes_threaded():
