@@ -60,6 +60,9 @@ class Preset:
     num_experts_per_tok: int = 0
     tokenizer_vocab_size: int = 512
     peaked: bool = True
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    moe_intermediate_size: int = 0  # Qwen3-MoE's experts
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE's mlp_only_layers
 
 
 PRESETS: dict[str, Preset] = {
@@ -68,6 +71,10 @@ PRESETS: dict[str, Preset] = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
     "tiny-qwen2": Preset("qwen2", 64, 160, 2, 4, 2, None, rope_theta=1000000.0, tie_word_embeddings=True),
     "tiny-mixtral": Preset("mixtral", 64, 96, 2, 4, 2, None, num_experts=4, num_experts_per_tok=2),
+    # Qwen3: q/k norms and a head_dim that is not hidden_size // heads; its MoE with one dense layer.
+    "tiny-qwen3": Preset("qwen3", 64, 160, 2, 4, 2, None, rope_theta=1000000.0, head_dim=32),
+    "tiny-qwen3-moe": Preset("qwen3_moe", 64, 160, 3, 4, 2, None, rope_theta=1000000.0, head_dim=32,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, dense_layers=(1,)),
     # The ~56M-parameter Llama shape the engine benchmarks use.
     "bench-llama-56m": Preset("llama", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
                               tokenizer_vocab_size=1024, peaked=False),
@@ -100,7 +107,8 @@ def build_tokenizer(vocab_size: int):
 
 
 def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     cfg = {
         "architectures": [arch[p.model_type]],
         "model_type": p.model_type,
@@ -110,7 +118,7 @@ def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
         "num_hidden_layers": p.num_layers,
         "num_attention_heads": p.num_heads,
         "num_key_value_heads": p.num_kv_heads,
-        "head_dim": p.hidden_size // p.num_heads,
+        "head_dim": p.head_dim or p.hidden_size // p.num_heads,
         "hidden_act": "silu",
         "max_position_embeddings": p.max_position_embeddings,
         "rms_norm_eps": 1e-5,
@@ -122,51 +130,32 @@ def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if p.model_type == "qwen2":
+    if p.model_type.startswith("qwen"):
         cfg.update(use_sliding_window=False, sliding_window=None)
     if p.model_type == "mixtral":
         cfg.update(num_local_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok)
+    if p.model_type == "qwen3_moe":
+        cfg.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok, norm_topk_prob=True,
+                   moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1,
+                   mlp_only_layers=list(p.dense_layers))
     return cfg
 
 
 def _weights(p: Preset, vocab_size: int, seed: int) -> dict:
     import torch
 
+    from pdserve.engine.models.arch import ModelArch
+    from pdserve.engine.models.loader import checkpoint_tensors
+
     g = torch.Generator().manual_seed(seed)
-    h, inter, hd = p.hidden_size, p.intermediate_size, p.hidden_size // p.num_heads
+    h = p.hidden_size
     # Peaked presets: large embedding/head scale so top tokens win by wide margins (see module doc).
     emb_std, head_std, layer_std = (1.0, 8.0 / h ** 0.5, 1.5 / h ** 0.5) if p.peaked else (0.02, 0.02, 0.02)
-
-    def randn(*shape, std):
-        return torch.randn(*shape, generator=g) * std
-
-    w = {"model.embed_tokens.weight": randn(vocab_size, h, std=head_std if p.tie_word_embeddings else emb_std)}
-    for i in range(p.num_layers):
-        pre = f"model.layers.{i}."
-        w[pre + "self_attn.q_proj.weight"] = randn(p.num_heads * hd, h, std=layer_std)
-        w[pre + "self_attn.k_proj.weight"] = randn(p.num_kv_heads * hd, h, std=layer_std)
-        w[pre + "self_attn.v_proj.weight"] = randn(p.num_kv_heads * hd, h, std=layer_std)
-        w[pre + "self_attn.o_proj.weight"] = randn(h, p.num_heads * hd, std=layer_std)
-        if p.model_type == "qwen2":
-            for proj, n in (("q", p.num_heads), ("k", p.num_kv_heads), ("v", p.num_kv_heads)):
-                w[pre + f"self_attn.{proj}_proj.bias"] = randn(n * hd, std=0.1)
-        if p.num_experts:
-            w[pre + "block_sparse_moe.gate.weight"] = randn(p.num_experts, h, std=1.0 / h ** 0.5)
-            for e in range(p.num_experts):
-                ex = pre + f"block_sparse_moe.experts.{e}."
-                w[ex + "w1.weight"] = randn(inter, h, std=layer_std)
-                w[ex + "w3.weight"] = randn(inter, h, std=layer_std)
-                w[ex + "w2.weight"] = randn(h, inter, std=layer_std)
-        else:
-            w[pre + "mlp.gate_proj.weight"] = randn(inter, h, std=layer_std)
-            w[pre + "mlp.up_proj.weight"] = randn(inter, h, std=layer_std)
-            w[pre + "mlp.down_proj.weight"] = randn(h, inter, std=layer_std)
-        w[pre + "input_layernorm.weight"] = 1.0 + randn(h, std=0.1)
-        w[pre + "post_attention_layernorm.weight"] = 1.0 + randn(h, std=0.1)
-    w["model.norm.weight"] = 1.0 + randn(h, std=0.1)
-    if not p.tie_word_embeddings:
-        w["lm_head.weight"] = randn(vocab_size, h, std=head_std)
-    return {k: v.contiguous() for k, v in w.items()}
+    std = {"embedding": head_std if p.tie_word_embeddings else emb_std, "lm_head": head_std, "linear": layer_std,
+           "bias": 0.1, "router": 1.0 / h ** 0.5, "norm": 0.1}
+    arch = ModelArch.from_dict(_config(p, vocab_size, 0, 0))
+    return {name: (torch.randn(*shape, generator=g) * std[kind] + (kind == "norm")).contiguous()
+            for name, shape, kind in checkpoint_tensors(arch)}
 
 
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0) -> Path:

@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tenso
     """norm(x) as a new tensor; with `add`, x += add first, in place. `scalars`: eps and
     1 / hidden as 0-dim tensors on x's device, for the fp32 torch path (an op with a Python
     scalar costs several microseconds more on CPU; a decode step runs two norms per layer)."""
-    if cpu_kernels.usable(x, weight) and x.is_contiguous():
+    if cpu_kernels.usable(x, weight) and x.dim() == 2 and x.is_contiguous():
         return cpu_kernels.rms_norm(x, weight, eps, add)
     if _on_gpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == x.dtype:
         return triton_fused.rms_norm(x, weight, eps, add)

@@ -16,7 +16,8 @@ import torch
 from pdserve.errors import ModelLoadError, UnsupportedModelError
 
 # model_type -> the family file that implements it.
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral"}
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+                         "mixtral": "mixtral", "qwen3_moe": "mixtral"}
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -51,6 +52,13 @@ class ModelArch:
     sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before rotary
+    moe_intermediate_size: int = 0  # each expert's, where it differs from the dense MLPs' (Qwen3-MoE)
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1 (Mixtral does)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead of experts
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return self.is_moe and layer_idx not in self.dense_layers
 
     @property
     def family(self) -> str:
@@ -100,10 +108,10 @@ class ModelArch:
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads or (not cfg.get("head_dim") and hidden % heads):
+            raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                                 f"({kv_heads}) and, without head_dim, divide hidden_size ({hidden})")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        if hidden % heads or heads % kv_heads:
-            raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must divide hidden_size "
-                                 f"({hidden}) and be a multiple of num_key_value_heads ({kv_heads})")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
 
@@ -116,8 +124,9 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
             window = None
+        moe = _moe_fields(cfg, model_type, source)
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         return cls(
             model_type=model_type,
@@ -138,6 +147,28 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,
-            num_experts=int(cfg.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if model_type == "mixtral" else 0,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
+
+
+def _moe_fields(cfg: dict, model_type: str, source: str) -> dict:
+    """The MoE fields of `ModelArch` from a Mixtral or Qwen3-MoE config ({} for a dense model)."""
+    if model_type == "mixtral":
+        return {"num_experts": int(cfg.get("num_local_experts", 0)),
+                "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 0))}
+    if model_type != "qwen3_moe":
+        return {}
+    # Qwen3-MoE: hub checkpoints say num_experts; transformers 5 writes num_local_experts.
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = int(cfg["num_hidden_layers"])
+    dense |= {i for i in range(layers) if (i + 1) % step}  # transformers: sparse where (i + 1) % step == 0
+    if not experts or not cfg.get("num_experts_per_tok") or not cfg.get("moe_intermediate_size"):
+        raise ModelLoadError(f"{source}: a qwen3_moe config needs num_experts, num_experts_per_tok and "
+                             f"moe_intermediate_size")
+    return {"num_experts": experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "dense_layers": tuple(sorted(i for i in dense if 0 <= i < layers))}

@@ -1,4 +1,5 @@
-"""Llama-family decoder in plain torch: Llama 2/3, Mistral, Qwen2 (qkv bias, tied embeddings).
+"""Llama-family decoder in plain torch: Llama 2/3, Mistral, Qwen2 (qkv bias, tied embeddings), Qwen3
+(q/k norms, an explicit head_dim).
 
 `forward(input_ids, positions)` takes a step's flattened tokens and returns hidden states;
 `compute_logits` maps the rows that need sampling to vocabulary logits; `c_decoder` does both
@@ -53,10 +54,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim,
                               scale=arch.head_dim ** -0.5)
+        if arch.qk_norm:  # Qwen3: each q and k head normalised (weights shared by the heads) before rotary
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
+        if hasattr(self, "q_norm"):
+            heads[:, :nq] = self.q_norm(heads[:, :nq].reshape(-1, self.head_dim)).view(x.shape[0], nq, -1)
+            heads[:, nq:nqk] = self.k_norm(heads[:, nq:nqk].reshape(-1, self.head_dim)).view(x.shape[0], -1,
+                                                                                               self.head_dim)
         RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go, in place
         return self.o_proj(self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:]))
 
@@ -97,7 +105,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings)
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, tp.rank, tp.size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, make_mlp(arch, tp), tp) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, make_mlp(arch, i, tp), tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.num_kv_heads
 
     @staticmethod
-    def make_mlp(arch: ModelArch, tp: ParallelState) -> nn.Module:
+    def make_mlp(arch: ModelArch, layer_idx: int, tp: ParallelState) -> nn.Module:
         return LlamaMLP(arch.hidden_size, arch.intermediate_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -162,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
                 a, mlp = layer.self_attn, layer.mlp
                 linears = [a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
                 return (isinstance(mlp, LlamaMLP) and a.o_proj.tp_size == 1 and a.o_proj.bias is None
+                        and not hasattr(a, "q_norm")  # Qwen3's q/k norms: not in the C step
                         and all(lin.packed_for == "pdserve" for lin in linears)
                         and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
             m = self.model

@@ -56,6 +56,46 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from e
 
 
+def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor a Hugging Face checkpoint of `arch` holds, in one fixed
+    order; kind is "embedding", "lm_head", "linear", "bias", "router" or "norm". Both of pdserve's
+    writers of random weights (`random_weights`, checkpoint.py) draw by this list."""
+    h, hd = arch.hidden_size, arch.head_dim
+    yield "model.embed_tokens.weight", (arch.vocab_size, h), "embedding"
+    for i in range(arch.num_layers):
+        pre = f"model.layers.{i}."
+        heads = {"q": arch.num_heads, "k": arch.num_kv_heads, "v": arch.num_kv_heads}
+        for proj, n in heads.items():
+            yield pre + f"self_attn.{proj}_proj.weight", (n * hd, h), "linear"
+        yield pre + "self_attn.o_proj.weight", (h, arch.num_heads * hd), "linear"
+        if arch.qkv_bias:
+            for proj, n in heads.items():
+                yield pre + f"self_attn.{proj}_proj.bias", (n * hd,), "bias"
+        if arch.qk_norm:
+            yield pre + "self_attn.q_norm.weight", (hd,), "norm"
+            yield pre + "self_attn.k_norm.weight", (hd,), "norm"
+        if arch.is_sparse_layer(i):
+            inter = arch.moe_intermediate_size or arch.intermediate_size
+            moe, names = ((pre + "block_sparse_moe.", ("w1", "w3", "w2")) if arch.model_type == "mixtral"
+                          else (pre + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+            yield moe + "gate.weight", (arch.num_experts, h), "router"
+            for e in range(arch.num_experts):
+                gate, up, down = (f"{moe}experts.{e}.{n}.weight" for n in names)
+                yield gate, (inter, h), "linear"
+                yield up, (inter, h), "linear"
+                yield down, (h, inter), "linear"
+        else:
+            inter = arch.intermediate_size
+            yield pre + "mlp.gate_proj.weight", (inter, h), "linear"
+            yield pre + "mlp.up_proj.weight", (inter, h), "linear"
+            yield pre + "mlp.down_proj.weight", (h, inter), "linear"
+        yield pre + "input_layernorm.weight", (h,), "norm"
+        yield pre + "post_attention_layernorm.weight", (h,), "norm"
+    yield "model.norm.weight", (h,), "norm"
+    if not arch.tie_word_embeddings:
+        yield "lm_head.weight", (arch.vocab_size, h), "lm_head"
+
+
 def random_weights(arch: ModelArch, dtype: torch.dtype, device: str | torch.device,
                    seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a Hugging Face checkpoint of `arch`, by its checkpoint name, drawn on
@@ -65,40 +105,16 @@ def random_weights(arch: ModelArch, dtype: torch.dtype, device: str | torch.devi
     8/sqrt(hidden), linears 1.5/sqrt(fan-in), norms 1 +- 0.1): with near-uniform next-token
     distributions, float rounding would flip greedy choices between two runs of one model."""
     g = torch.Generator(device=device).manual_seed(seed)
-    h, hd = arch.hidden_size, arch.head_dim
-
-    def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device).normal_(mean, std, generator=g)
-
-    def linear(out_features: int, in_features: int) -> torch.Tensor:
-        return normal(out_features, in_features, std=1.5 / in_features ** 0.5)
-
+    h = arch.hidden_size
     head_std = 8.0 / h ** 0.5
-    yield "model.embed_tokens.weight", normal(arch.vocab_size, h, std=head_std if arch.tie_word_embeddings else 1.0)
-    for i in range(arch.num_layers):
-        pre = f"model.layers.{i}."
-        for proj, heads in (("q", arch.num_heads), ("k", arch.num_kv_heads), ("v", arch.num_kv_heads)):
-            yield pre + f"self_attn.{proj}_proj.weight", linear(heads * hd, h)
-            if arch.qkv_bias:
-                yield pre + f"self_attn.{proj}_proj.bias", normal(heads * hd, std=0.1)
-        yield pre + "self_attn.o_proj.weight", linear(h, arch.num_heads * hd)
-        inter = arch.intermediate_size
-        if arch.is_moe:
-            yield pre + "block_sparse_moe.gate.weight", normal(arch.num_experts, h, std=1.0 / h ** 0.5)
-            for e in range(arch.num_experts):
-                ex = pre + f"block_sparse_moe.experts.{e}."
-                yield ex + "w1.weight", linear(inter, h)
-                yield ex + "w3.weight", linear(inter, h)
-                yield ex + "w2.weight", linear(h, inter)
+    std = {"embedding": head_std if arch.tie_word_embeddings else 1.0, "lm_head": head_std, "bias": 0.1,
+           "router": 1.0 / h ** 0.5, "norm": 0.1}
+    for name, shape, kind in checkpoint_tensors(arch):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        if kind == "linear":
+            yield name, tensor.normal_(0.0, 1.5 / shape[-1] ** 0.5, generator=g)
         else:
-            yield pre + "mlp.gate_proj.weight", linear(inter, h)
-            yield pre + "mlp.up_proj.weight", linear(inter, h)
-            yield pre + "mlp.down_proj.weight", linear(h, inter)
-        yield pre + "input_layernorm.weight", normal(h, std=0.1, mean=1.0)
-        yield pre + "post_attention_layernorm.weight", normal(h, std=0.1, mean=1.0)
-    yield "model.norm.weight", normal(h, std=0.1, mean=1.0)
-    if not arch.tie_word_embeddings:
-        yield "lm_head.weight", normal(arch.vocab_size, h, std=head_std)
+            yield name, tensor.normal_(1.0 if kind == "norm" else 0.0, std[kind], generator=g)
 
 
 def _random_weights_seed(path: Path) -> int:

@@ -1,7 +1,12 @@
-"""Mixtral-style sparse MoE decoder: Llama attention, and a top-k routed mixture of SwiGLU experts.
+"""Sparse MoE decoders: Llama attention (Qwen3's, with q/k norms, for Qwen3-MoE) and a top-k routed
+mixture of SwiGLU experts. Mixtral and Qwen3-MoE differ only in names and routing details: Qwen3-MoE
+renormalises the chosen weights only where its config says (`norm_topk_prob`), gives experts an
+intermediate size of their own, and may keep dense MLPs in some layers (`mlp_only_layers`,
+`decoder_sparse_step`).
 
 Experts are stored stacked (`w13`: gate and up `[experts, 2*intermediate, hidden]`, `w2`:
-`[experts, hidden, intermediate]`), so under expert parallelism a rank owns a contiguous range. Routing follows Mixtral: softmax over all experts in fp32, top-k, renormalise.
+`[experts, hidden, intermediate]`), so under expert parallelism a rank owns a contiguous range.
+Routing: softmax over all experts in fp32, top-k, renormalise (Mixtral always).
 
 On a GPU with Triton (and no expert parallelism) the experts run as fused kernels
 (`kernels/triton_moe.py`) that route on the device: no host sync, so the decode step can be
@@ -30,9 +35,10 @@ class MixtralMoE(nn.Module):
     gathered again). Either way the router (`gate`) is replicated."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 tp: ParallelState = SINGLE):
+                 tp: ParallelState = SINGLE, renormalize: bool = True):
         super().__init__()
         self.tp = tp
+        self.renormalize = renormalize
         self.ep = tp.expert_parallel and tp.size > 1
         self.top_k = top_k
         self.num_experts = num_experts
@@ -70,7 +76,9 @@ class MixtralMoE(nn.Module):
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top_w, top_i = probs.topk(self.top_k, dim=-1)
-        return (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype), top_i
+        if self.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_w.to(x.dtype), top_i
 
     def _expert(self, x: torch.Tensor, local_expert: int) -> torch.Tensor:
         gate, up = torch.mm(x, self.w13[local_expert]).chunk(2, dim=-1)
@@ -133,17 +141,28 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return self.parallel.size == 1 and all(m.is_fused for m in self.modules() if isinstance(m, MixtralMoE))
 
     @staticmethod
-    def make_mlp(arch: ModelArch, tp: ParallelState) -> nn.Module:
-        return MixtralMoE(arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok, tp)
+    def make_mlp(arch: ModelArch, layer_idx: int, tp: ParallelState) -> nn.Module:
+        if not arch.is_sparse_layer(layer_idx):
+            return LlamaForCausalLM.make_mlp(arch, layer_idx, tp)
+        return MixtralMoE(arch.hidden_size, arch.moe_intermediate_size or arch.intermediate_size, arch.num_experts,
+                          arch.num_experts_per_tok, tp, renormalize=arch.norm_topk_prob)
+
+    # Qwen3-MoE's expert projections by Mixtral's names.
+    _EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
 
     def map_weight_name(self, name: str):
-        # model.layers.N.block_sparse_moe.experts.E.w1.weight -> model.layers.N.mlp.w13, (E, "w1")
-        if ".block_sparse_moe." in name:
-            prefix, rest = name.split(".block_sparse_moe.")
-            if rest == "gate.weight":
-                return f"{prefix}.mlp.gate.weight", None
-            _, expert, which, _ = rest.split(".")
-            return f"{prefix}.mlp.{'w2' if which == 'w2' else 'w13'}", (int(expert), which)
+        # Mixtral: model.layers.N.block_sparse_moe.experts.E.w1.weight -> model.layers.N.mlp.w13, (E, "w1");
+        # Qwen3-MoE: model.layers.N.mlp.experts.E.gate_proj.weight -> the same; its gate is mlp.gate already.
+        for marker in (".block_sparse_moe.", ".mlp."):
+            prefix, sep, rest = name.partition(marker)
+            if sep and (rest == "gate.weight" or rest.startswith("experts.")):
+                if rest == "gate.weight":
+                    return f"{prefix}.mlp.gate.weight", None
+                _, expert, proj, _ = rest.split(".")
+                which = self._EXPERT_NAMES.get(proj)
+                if which is None:
+                    return None
+                return f"{prefix}.mlp.{'w2' if which == 'w2' else 'w13'}", (int(expert), which)
         return super().map_weight_name(name)
 
     def expected_shape(self, param, owner, shard):

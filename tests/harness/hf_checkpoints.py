@@ -1,0 +1,69 @@
+"""Tiny checkpoints of each supported family written by `transformers` itself: its config class,
+its model class, `save_pretrained` in several shards. The engine must load what `transformers`
+writes, so these (not pdserve's own `make-model` writer) are the parity tests' inputs.
+
+transformers' initialisation (std 0.02) gives near-uniform next-token distributions, where float
+rounding flips greedy choices between any two implementations; the weights are redrawn at
+checkpoint.py's "peaked" scales first (embedding 1, LM head 8/sqrt(hidden), linears
+1.5/sqrt(fan-in), norms 1 +- 0.1), so the top token wins by a wide margin and greedy tokens
+compare exactly. The tokenizer is the tiny presets' (copied from a `make_checkpoint` directory).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+# family -> (config class, model class, config fields beyond the shared ones)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "intermediate_size": 160}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 32, "intermediate_size": 160, "moe_intermediate_size": 48, "num_experts": 4,
+                   "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [1]}),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _peaked_(model: torch.nn.Module, hidden: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif "embed_tokens" in name:
+            value = torch.randn(p.shape, generator=g)
+        elif name.startswith("lm_head"):
+            value = torch.randn(p.shape, generator=g) * 8.0 / hidden ** 0.5
+        elif name.endswith("bias"):
+            value = 0.1 * torch.randn(p.shape, generator=g)
+        else:  # [..., out, in]: linears, routers and stacked experts
+            value = torch.randn(p.shape, generator=g) * 1.5 / p.shape[-1] ** 0.5
+        p.data.copy_(value)
+
+
+def write_checkpoint(family: str, out_dir: Path, tokenizer_dir: str | Path, seed: int = 0,
+                     num_layers: int = 2) -> Path:
+    """`family`'s tiny model, random at peaked scales, saved by `transformers` in several shards."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    src = Path(tokenizer_dir)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size()
+    hidden = 64
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    _peaked_(model, hidden, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size="100KB")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out_dir / name)
+    return out_dir

@@ -1,0 +1,98 @@
+"""The families beyond Llama/Mixtral (issue #44), each from a checkpoint `transformers` wrote in
+several shards: `pdserve generate --json` gives transformers' greedy tokens with a cache small
+enough to preempt; chunked prefill equals unchunked; two ranks (tensor or expert parallel)
+equal one."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.sampling_params import SamplingParams
+from tests.harness.hf_checkpoints import FAMILIES, write_checkpoint
+from tests.integration.engine.test_tensor_parallel import generate, same_tokens_close_logprobs
+
+MAX_NEW = 16
+NUM_KV_BLOCKS = 24  # 16-token blocks: holds the longest request, not the whole batch
+
+
+def _text_prompts() -> list[str]:
+    """8 prompts of 1 to ~300 tokens."""
+    rng = random.Random(3)
+    words = "the model token cache block serve prefill decode paris london quick brown fox".split()
+    return [" ".join(rng.choice(words) for _ in range(n)) for n in (0, 1, 7, 15, 16, 40, 120, 210)]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_checkpoint(request, checkpoints, tmp_path_factory) -> tuple[str, str]:
+    family = request.param
+    path = write_checkpoint(family, tmp_path_factory.mktemp(family), checkpoints["tiny-llama"])
+    assert len(list(path.glob("*.safetensors"))) > 1  # sharded, as real checkpoints are
+    return family, str(path)
+
+
+_reference: dict[str, list[list[int]]] = {}
+
+
+def _transformers_greedy(path: str, prompt_ids: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    if path not in _reference:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outs = []
+        for ids in prompt_ids:
+            t = torch.tensor([ids])
+            with torch.no_grad():
+                gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_NEW, do_sample=False)
+            outs.append(gen[0, len(ids):].tolist())
+        _reference[path] = outs
+    return _reference[path]
+
+
+def _prompt_ids(path: str) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    return [tok.encode(p).ids for p in _text_prompts()]
+
+
+def test_generate_json_matches_transformers_with_preemption(family_checkpoint, capsys):
+    from pdserve.cli import main
+
+    family, path = family_checkpoint
+    assert ModelArch.from_dir(path).model_type == family
+    ids = _prompt_ids(path)
+    assert min(map(len, ids)) == 1 and 250 <= max(map(len, ids)) <= 300
+    args = ["generate", "--model", path, "--json", "--max-tokens", str(MAX_NEW), "--num-kv-blocks", str(NUM_KV_BLOCKS)]
+    for p in _text_prompts():
+        args += ["--prompt", p]
+    assert main(args) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in records] == _transformers_greedy(path, ids)
+    # The same batch on the same cache preempts (the CLI does not say so; the engine does).
+    llm = LLM(path, num_kv_blocks=NUM_KV_BLOCKS)
+    llm.generate(ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_pool.num_free_blocks == NUM_KV_BLOCKS
+
+
+def test_chunked_prefill_equals_unchunked(family_checkpoint):
+    _, path = family_checkpoint
+    ids = _prompt_ids(path)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    whole = [o.token_ids for o in LLM(path).generate(ids, params)]
+    chunked = [o.token_ids for o in LLM(path, max_num_batched_tokens=32, max_num_seqs=4).generate(ids, params)]
+    assert chunked == whole == _transformers_greedy(path, ids)
+
+
+def test_two_ranks_equal_one(family_checkpoint):
+    family, path = family_checkpoint
+    one = generate(path)
+    same_tokens_close_logprobs(one, generate(path, tensor_parallel_size=2))
+    if ModelArch.from_dir(path).is_moe:
+        same_tokens_close_logprobs(one, generate(path, tensor_parallel_size=2, enable_expert_parallel=True))
