@@ -8,6 +8,8 @@ Starting Ray and serving from the command line is `pdserve.launch`'s.
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,11 +131,52 @@ def build(config: ServeConfig) -> "Application":
 
 
 def build_app(args: dict[str, Any]) -> "Application":
-    """`serve run pdserve.app:build_app model=... mode=colocated` or the `args` of a Serve config.
-    A config with problems raises `ConfigError` explaining each (Ray Serve shows its message)."""
+    """`serve run pdserve.app:build_app model=... mode=colocated engine.max_num_seqs=8` (a dotted
+    key names a nested field) or the `args` of a Serve config. A config with problems raises a
+    `ConfigError` explaining each, which Ray Serve shows as it is."""
     from pdserve.config_check import load
 
-    return build(load(args, "the application's args"))
+    try:
+        config = load(_undotted(args), "the application's args")
+    except ConfigError as e:
+        raise serve_config_error()(str(e)) from None
+    return build(config)
+
+
+def _undotted(args: Any) -> Any:
+    """`{"engine.max_num_seqs": "8"}` as `{"engine": {"max_num_seqs": "8"}}` (`serve run` passes
+    flat key=value strings); a dotted key whose parent is not a mapping stays as it is (and is
+    reported as an unknown field)."""
+    if not isinstance(args, dict):
+        return args
+    nested = copy.deepcopy({k: v for k, v in args.items() if not (isinstance(k, str) and "." in k)})
+    for key, value in args.items():
+        if not (isinstance(key, str) and "." in key):
+            continue
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                nested[key] = value
+                break
+        else:
+            node[leaf] = value
+    return nested
+
+
+@functools.cache
+def serve_config_error() -> type[ConfigError]:
+    """A ConfigError that Ray Serve prints as its message alone, without a traceback: `serve run`
+    (a click command) prints a ClickException as `Error: <message>`, and a deploy from a Serve
+    config (`serve deploy`, KubeRay, `pdserve serve`) makes a RayServeException the application's
+    status message as it is, where any other error becomes its traceback. Made on first use, so
+    importing this module imports no Ray."""
+    import click
+    from ray.serve.exceptions import RayServeException
+
+    return type("ServeConfigError", (ConfigError, RayServeException, click.ClickException),
+                {"__module__": __name__, "__doc__": ConfigError.__doc__})
 
 
 def serve_config(config: ServeConfig) -> dict[str, Any]:

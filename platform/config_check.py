@@ -59,11 +59,14 @@ def _problem(error: dict) -> Problem:
     owner, field = _walk(ServeConfig, loc)
     if error["type"] == "extra_forbidden":
         known = list(owner.model_fields) if owner else []
+        # A field of that name below this place, else anywhere (e.g. `model` under an engine).
+        elsewhere = owner and (_field_below(owner, loc[-1], ".".join(loc[:-1])) or _field_below(ServeConfig, loc[-1]))
+        if elsewhere:
+            where, field = elsewhere
+            target = repr(where) if "." in where else f"the top-level {where!r}"
+            return Problem(path, f"unknown field {loc[-1]!r} (did you mean {target}?)", field.description or "")
         close = difflib.get_close_matches(loc[-1], known, n=1)
         message = f"unknown field {loc[-1]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-        if len(loc) > 1 and loc[-1] in ServeConfig.model_fields:  # e.g. `model` under an engine
-            return Problem(path, message, f"{loc[-1]} is a field of the config's top level: "
-                                          f"{ServeConfig.model_fields[loc[-1]].description}")
         return Problem(path, message, f"fields here: {', '.join(known)}" if known else "")
     message = error["msg"].removeprefix("Value error, ")
     value = error.get("input")
@@ -88,6 +91,20 @@ def _walk(model: type[BaseModel], loc: tuple[str, ...]):
         if i < len(loc) - 1:
             owner = _model_of(field.annotation)
     return owner, field
+
+
+def _field_below(model: type[BaseModel], name: str, prefix: str = "") -> tuple[str, Any] | None:
+    """The shallowest path of a field called `name` in `model` (at `prefix`) and its info: where a
+    field written in the wrong place belongs."""
+    todo = [(prefix, model)]
+    while todo:
+        at, model = todo.pop(0)
+        for key, field in model.model_fields.items():
+            if key == name:
+                return ".".join(filter(None, (at, key))), field
+            if (inner := _model_of(field.annotation)) is not None:
+                todo.append((".".join(filter(None, (at, key))), inner))
+    return None
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

@@ -51,8 +51,14 @@ gateway: {port: abc}
                              "prefill.engine.model", "decode.engine", "gateway.port"}
     assert problems["prefil"].startswith("unknown field 'prefil' (did you mean 'prefill'?)")
     assert problems["prefill.engine.blok_size"].startswith("unknown field 'blok_size' (did you mean 'block_size'?)")
-    assert problems["prefill.engine.model"].startswith("unknown field 'model' | model is a field of the config's top "
-                                                       "level: Local Hugging Face checkpoint directory")
+    assert problems["prefill.engine.model"].startswith("unknown field 'model' (did you mean the top-level 'model'?) "
+                                                       "| Local Hugging Face checkpoint directory")
+    # a field written in the wrong place: where it belongs (below this place first), and what it is for
+    assert _problems("max_num_seqs: 8\ndecode: {min_replicas: 2}") == {
+        "max_num_seqs": "unknown field 'max_num_seqs' (did you mean 'engine.max_num_seqs'?) | Most sequences in one "
+                        "batch.",
+        "decode.min_replicas": "unknown field 'min_replicas' (did you mean 'decode.autoscaling.min_replicas'?) | "
+                               "Fewest replicas; 0 only with scale_to_zero."}
     assert "max_num_batched_tokens (512) must be at least max_num_seqs (600)" in problems["decode.engine"]
     assert problems["prefill.num_replicas"].endswith("| Replicas in this pool.")
     assert problems["prefill.autoscaling"].startswith("min_replicas 3 exceeds max_replicas 2")
@@ -110,10 +116,12 @@ BROKEN = "engine:\n  max_num_seqs: 0\nprefill:\n  num_replicas: 0\nmode: split\n
 
 
 def test_every_entry_point_explains_every_problem(tmp_path, capsys):
-    """`pdserve serve`, `serve-config` and `build_app` report a config's problems as `pdserve config
-    validate` does: all of them, each where it is, and no traceback."""
-    from pdserve.app import build_app, load_config
+    """`pdserve serve` and `serve-config` report a config's problems as `pdserve config validate`
+    does: all of them, each where it is, and no traceback. (`build_app` under Ray Serve:
+    tests/integration/serving/test_config_errors.py.)"""
+    from pdserve.app import _undotted, load_config
     from pdserve.cli import main
+    from pdserve.config_check import load
     from pdserve.errors import ConfigError
 
     path = tmp_path / "broken.yaml"
@@ -124,8 +132,14 @@ def test_every_entry_point_explains_every_problem(tmp_path, capsys):
         assert "3 problems" in err and "Traceback" not in err
         for where in ("engine.max_num_seqs", "prefill.num_replicas", "mode"):
             assert where in err, (command, err)
-    with pytest.raises(ConfigError, match="(?s)3 problems.*engine.max_num_seqs.*prefill.num_replicas"):
-        build_app({"engine": {"max_num_seqs": 0}, "prefill": {"num_replicas": 0}, "mode": "split"})
+    # build_app's args: `serve run` passes flat strings, a dotted key names a nested field
+    args = _undotted({"engine.max_num_seqs": "0", "prefill.num_replicas": "0", "mode": "split", "x.y": 1})
+    assert args == {"engine": {"max_num_seqs": "0"}, "prefill": {"num_replicas": "0"}, "mode": "split",
+                    "x": {"y": 1}}
+    assert _undotted({"engine": {"block_size": 8}, "engine.seed": "1", "mode": "colocated", "mode.x": 1}) == {
+        "engine": {"block_size": 8, "seed": "1"}, "mode": "colocated", "mode.x": 1}
+    with pytest.raises(ConfigError, match="(?s)4 problems.*engine.max_num_seqs.*prefill.num_replicas"):
+        load(args, "the application's args")
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(str(tmp_path / "missing.yaml"))
     path.write_text("engine: [unclosed\n")
