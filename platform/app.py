@@ -44,7 +44,7 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
 # step's parallel regions (one per kernel), short enough that between steps the core goes back to
 # the gateway and Serve. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made every region a futex
 # wake-up: when decode steps were OpenMP regions too, the engine alone took 9.2 ms against 6.0 ms
-# per batch-1 step. (Decode steps now run on the decoder's own threads: cpu_kernels.c.)
+# per batch-1 step. (Decode steps now run on the decoder's own threads: cpu_decoder_threads.c.)
 ENGINE_ENV = {**SERVE_ENV, "GOMP_SPINCOUNT": "2000"}
 
 

@@ -23,6 +23,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forward_context
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
 from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
@@ -30,6 +31,9 @@ from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, needs_only_argmax, token_logprob
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+_UNDECIDED = object()
 
 
 @dataclass
@@ -53,6 +57,9 @@ class ModelRunner:
         self.parallel = parallel
         self.block_size = kv_cache.block_size
         self.workspace = GatherWorkspace()
+        # The model as one C call per decode step (cpu_decoder.DecoderModel), or None where it does not
+        # run there; decided on the first decode-only step (a prefill pool's engine never takes one).
+        self._c_decoder = _UNDECIDED
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         # Decodes first: attention handles them as one batch, prefill chunks one by one.
@@ -113,10 +120,13 @@ class ModelRunner:
     def _decode_in_one_call(self, chunks: list[ScheduledChunk], requests: list[Request]) -> list[SampledToken] | None:
         """A decode-only step where every row samples, in one C call from token ids to logits
         (or, when every request needs only its argmax, to tokens) where the model runs there
-        (`c_decoder`); None where it does not. Its integers go as one int64 array, without
-        tensors: on a cache the step's weights have just swept, each torch op (a tensor from a
-        list, a split, a view, inference mode) costs ~10-60 us, a few percent of a batch-1 step."""
-        decoder = self.model.c_decoder(self.kv_cache)
+        (`cpu_decoder.decoder_for`); None where it does not. Its integers go as one int64 array,
+        without tensors: on a cache the step's weights have just swept, each torch op (a tensor
+        from a list, a split, a view, inference mode) costs ~10-60 us, a few percent of a batch-1
+        step."""
+        if self._c_decoder is _UNDECIDED:
+            self._c_decoder = cpu_decoder.decoder_for(self.model, self.kv_cache)
+        decoder = self._c_decoder
         if decoder is None:
             return None
         ids, positions, slots, lens, tables = self._decode_rows(chunks)

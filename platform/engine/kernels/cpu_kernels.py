@@ -8,10 +8,7 @@ them): built into one library on first use, called through ctypes.
   decode batch sizes it streams the weights faster than oneDNN's or MKL's matmul on these shapes.
   Panels hold fp32, or bf16 (weight-only bf16: rounded once when packed, widened exactly in
   registers, products and sums in fp32), which halves the bytes a decode step streams.
-- `DecoderModel.decode_step`: a decode-only step of a dense Llama-family model in one call, token
-  ids to logits, over the same kernels (at batch 1 the Python between them had cost ~3 ms of a
-  ~12 ms step), on threads of its own that share the work without waiting for one another, so a
-  thread descheduled by the replica's other processes does not stall the step.
+- the decode step in one call (`pdserve_decoder_*`): bound here, driven by `cpu_decoder.py`.
 - `argmax`: greedy sampling's argmax over the vocabulary.
 - `rms_norm` (optionally adding the residual first), `silu_mul`, `rotary_`: one pass each where
   torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
@@ -40,8 +37,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import weakref
-from array import array
 from pathlib import Path
 
 import torch
@@ -287,86 +282,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class DecoderLayerPointers(ctypes.Structure):
-    """`pdserve_decoder_layer`: one layer's weights (norms; linears packed by `pack_linear`, in bf16
-    where the shape's `weight_bf16` says so) and its K and V caches `[num_blocks, block_size,
-    kv_heads, head_dim]` (fp32, or bf16 where the shape's `kv_bf16` says so), by address."""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up",
-                                                     "down", "k_cache", "v_cache")]
-
-
-class DecoderShape(ctypes.Structure):
-    """`pdserve_decoder_shape`."""
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                                    "block_size", "vocab", "num_blocks", "max_position", "kv_bf16",
-                                                    "weight_bf16")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-class _DecoderModelPointers(ctypes.Structure):
-    """`pdserve_decoder_model`."""
-    _fields_ = [("layers", ctypes.c_void_p), ("num_layers", ctypes.c_int64)] + [
-        (name, ctypes.c_void_p) for name in ("embedding", "cos_sin", "final_norm", "lm_head")]
-
-
-class DecoderModel:
-    """A dense decoder model as the C side sees it (`pdserve_decoder`), for `decode_step`: its
-    layers, the embedding table `[vocab rows, hidden]`, the rotary table `[max_position, 2,
-    head_dim // 2]`, the final norm's weight and the LM head packed by `pack_linear`, all fp32 and
-    dense. `tensors`: every tensor behind those addresses (weights, the KV cache), kept alive here
-    for as long as the decoder's threads may read them. One caller at a time (the engine's loop)."""
-
-    def __init__(self, layers: list[DecoderLayerPointers], shape: DecoderShape, embedding: torch.Tensor,
-                 cos_sin: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 tensors: list[torch.Tensor]):
-        lib = load()
-        self.shape = shape
-        self._tensors = [embedding, cos_sin, final_norm, lm_head, *tensors]
-        pointers = (DecoderLayerPointers * len(layers))(*layers)
-        model = _DecoderModelPointers(ctypes.addressof(pointers), len(layers), embedding.data_ptr(),
-                                      cos_sin.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr())
-        handle = lib.pdserve_decoder_new(ctypes.byref(model), ctypes.byref(shape), DECODE_ITEM_BYTES)  # copies
-        if not handle:
-            raise MemoryError("could not allocate the CPU decoder")
-        self._handle = handle
-        # Joins the decoder's threads and frees it when this object goes (or at exit), before the
-        # tensors above can go.
-        self._free = weakref.finalize(self, lib.pdserve_decoder_free, handle)
-
-    def decode_step(self, ints: array, m: int, width: int,
-                    greedy: bool = False) -> tuple[torch.Tensor, list[int] | None]:
-        """Logits `[m, vocab]` of a decode-only step, one new token per sequence, and with `greedy`
-        each row's argmax token (as `argmax`; else None). `ints`: int64, `m` token ids, then their
-        positions, cache slots and sequence lengths (`m` each), then the block tables (`m` rows of
-        `width`). Writes the tokens' K and V into the cache."""
-        logits = torch.empty(m, self.shape.vocab, dtype=torch.float32)
-        tokens = (ctypes.c_int64 * m)() if greedy else None
-        failed = load().pdserve_decoder_step(self._handle, ints.buffer_info()[0], m, width, logits.data_ptr(),
-                                             tokens, torch.get_num_threads())
-        if failed == 1:
-            raise MemoryError("the CPU decode step could not allocate its buffers")
-        if failed:
-            raise ValueError("a decode step's token id, position, cache slot, length or block id is out of range")
-        return logits, None if tokens is None else list(tokens)
-
-    def stats(self) -> dict[str, int]:
-        """Since this decoder was made: steps; items a thread took from another's share (`stolen`);
-        items a thread computed because the one that claimed them sat on them (`redone`);
-        results dropped because another thread published first (`dropped`)."""
-        out = (ctypes.c_int64 * 4)()
-        load().pdserve_decoder_stats(self._handle, out)
-        return dict(zip(("steps", "stolen", "redone", "dropped"), out))
-
-    def chaos(self, permille: int, max_us: int) -> None:
-        """For tests: every thread sleeps up to `max_us` before `permille` of its publishes and of
-        its steps, as threads descheduled by other processes would."""
-        load().pdserve_decoder_chaos(self._handle, permille, max_us)
-
-
 PANEL = 16  # columns per panel of a packed weight (cpu_linear.h)
-# Weight bytes per work item of a decode step's matmuls: ~5 us of streaming, enough to pay for the
-# item's bookkeeping; small enough that a thread that finds its share done can take over the rest.
-DECODE_ITEM_BYTES = 128 * 1024
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pdserve_paged_decode_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _T, _P, _I, _P, _P, _I, _I, _I, _I,

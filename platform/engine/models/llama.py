@@ -2,10 +2,11 @@
 (q/k norms, an explicit head_dim).
 
 `forward(input_ids, positions)` takes a step's flattened tokens and returns hidden states;
-`compute_logits` maps the rows that need sampling to vocabulary logits; `c_decoder` does both
-for a decode step in one C call where it can. Attention metadata and
+`compute_logits` maps the rows that need sampling to vocabulary logits. Attention metadata and
 the KV cache come from the forward context the runner sets. Weights load from Hugging Face
-checkpoint names through each layer's own `weight_loader`.
+checkpoint names through each layer's own `weight_loader`; the kernels package lays them out for
+its kernels after loading, and runs a decode step of a model it can take in one C call
+(`kernels/cpu_decoder.py`, which reads these modules' weights by name).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention import Attention
-from pdserve.engine.kernels import cpu_kernels, ops
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kernels import ops
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (LMHead, MergedColumnParallelLinear, QKVParallelLinear,
@@ -148,64 +148,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    _c_model: tuple[KVCache, cpu_kernels.DecoderModel | None] | None = None
-
-    def c_decoder(self, kv: KVCache) -> cpu_kernels.DecoderModel | None:
-        """This model over this KV cache as one C call per decode step, from token ids to logits
-        (`cpu_kernels.DecoderModel`: the same kernels as `forward` and `compute_logits`, without
-        Python between them), where the model runs there: a dense fp32 model on CPU, one rank, a
-        dense fp32 or bf16 cache. None otherwise: the caller runs `forward` and `compute_logits`."""
-        if not self._runs_in_c():
-            return None
-        if self._c_model is None or self._c_model[0] is not kv:  # decided once per cache
-            in_c = cpu_kernels.usable_cache(kv.kv)
-            self._c_model = (kv, self._model_for_c(kv) if in_c else None)
-        return self._c_model[1]
-
-    def _runs_in_c(self) -> bool:
-        """Whether `DecoderModel` can run this model: dense MLPs, one rank, fp32 weights with every
-        linear packed for pdserve's C matmul, all in one dtype (decided once, after `finalize`)."""
-        if not hasattr(self, "_all_in_c"):
-            def plain(layer: DecoderLayer) -> bool:
-                a, mlp = layer.self_attn, layer.mlp
-                linears = [a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
-                return (isinstance(mlp, LlamaMLP) and a.o_proj.tp_size == 1 and a.o_proj.bias is None
-                        and not hasattr(a, "q_norm")  # Qwen3's q/k norms: not in the C step
-                        and all(lin.packed_for == "pdserve" for lin in linears)
-                        and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
-            m = self.model
-            packed = {lin.packed.dtype for lin in self.modules()
-                      if isinstance(lin, _Linear) and lin.packed_for == "pdserve"}
-            self._all_in_c = (self.parallel.size == 1 and self.lm_head.packed_for == "pdserve" and len(packed) == 1
-                              and cpu_kernels.usable(m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight)
-                              and m.embed_tokens.weight.is_contiguous() and m.rotary.cos_sin.is_contiguous()
-                              and all(plain(layer) for layer in m.layers))
-        return self._all_in_c
-
-    def _model_for_c(self, kv: KVCache) -> cpu_kernels.DecoderModel:
-        def address(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
-        m = self.model
-        pointers, tensors = [], [kv.kv]
-        for i, layer in enumerate(m.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = kv.layer(i).unbind(0)
-            weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.qkv_proj.packed,
-                       a.qkv_proj.bias, a.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
-            tensors += [w for w in weights if w is not None]
-            pointers.append(cpu_kernels.DecoderLayerPointers(*(address(w) for w in weights), address(k_cache),
-                                                             address(v_cache)))
-        first = m.layers[0]
-        attn = first.self_attn.attn
-        shape = cpu_kernels.DecoderShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                                         attn.head_dim, first.mlp.intermediate_size, kv.block_size,
-                                         self.lm_head.out_features, kv.num_blocks, m.rotary.cos_sin.shape[0],
-                                         kv.dtype == torch.bfloat16, self.lm_head.packed.dtype == torch.bfloat16,
-                                         first.input_layernorm.eps, attn.scale)
-        return cpu_kernels.DecoderModel(pointers, shape, m.embed_tokens.weight, m.rotary.cos_sin, m.norm.weight,
-                                        self.lm_head.packed, tensors)
-
     def num_decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: all but the embedding table, of which it reads a row.
         (For a MoE model this counts every expert: an upper bound.)"""
@@ -213,20 +155,12 @@ class LlamaForCausalLM(nn.Module):
         return total + sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                            if "embed_tokens" not in n)
 
-    def finalize(self, packed_dtype: torch.dtype = torch.float32) -> None:
-        """After loading: lay weights out for inference (see layers.py). The linears that pack for
-        pdserve's matmul go back to back into one buffer of `packed_dtype` (fp32, or bf16 for
-        weight-only bf16), in the order a decode step reads them (the layers', then the LM head)."""
+    def finalize(self) -> None:
+        """After loading: the LM head, from its checkpoint tensor or the tied embedding. (Each
+        module then lays its own weights out in its `finalize`: the loader runs those through the
+        kernels package, which packs the linears for the kernel that will run them.)"""
         source = self.model.embed_tokens if self.lm_head is None else self.lm_head
         self.lm_head = LMHead(source.weight.data, self.arch.vocab_size, self.parallel.rank, self.parallel.size)
-        packing = [m for m in self.modules() if isinstance(m, _Linear) and m.packs_for_pdserve]
-        arena = cpu_kernels.packed_arena([tuple(m.weight.shape) for m in packing], packed_dtype) if packing else []
-        for module, buffer in zip(packing, arena):
-            module.finalize(buffer)
-        in_arena = {id(m) for m in packing}
-        for module in self.modules():
-            if module is not self and hasattr(module, "finalize") and id(module) not in in_arena:
-                module.finalize()
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor; None to skip it."""

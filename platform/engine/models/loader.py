@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.mixtral import MixtralForCausalLM
@@ -167,5 +168,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
     model.load_weights(weights)
     if weight_dtype not in (None, dtype):
         round_weight_matrices(model, dtype, weight_dtype)
-    model.finalize(packed_dtype=weight_dtype or torch.float32)
+    model.finalize()
+    cpu_decoder.lay_out_weights(model, packed_dtype=weight_dtype or torch.float32)
     return model.eval(), arch

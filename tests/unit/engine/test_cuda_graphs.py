@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -41,9 +42,8 @@ def test_capture_sizes():
 def test_static_buffers_and_padding_give_the_engines_tokens(checkpoints, preset, monkeypatch):
     # On the CPU the graphs are not captured: `run` runs the same buffers and padding eagerly.
     # The C decoder is off on both sides, so both run the model op by op and may be compared exactly.
+    monkeypatch.setattr(cpu_decoder, "decoder_for", lambda model, kv: None)
     reference, graphed = (LLM(checkpoints[preset], max_num_seqs=8) for _ in range(2))
-    for llm in (reference, graphed):
-        monkeypatch.setattr(llm.engine.model, "c_decoder", lambda kv: None)
     engine = graphed.engine
     graphs = DecodeGraphs(engine.model, engine.kv_cache, 8, -(-engine.max_model_len // engine.kv_cache.block_size),
                           "cpu")
