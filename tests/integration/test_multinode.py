@@ -13,7 +13,7 @@ from tests.conftest import free_port as _free_port
 
 def test_pools_land_on_their_node_types_and_kv_crosses_raylets(tiny_llama):
     script = Path(__file__).with_name("multinode_app.py")
-    root = Path(__file__).parents[3]
+    root = Path(__file__).parents[2]
     proc = subprocess.run([sys.executable, str(script), tiny_llama, str(_free_port())], cwd=root,
                           capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": str(root)})

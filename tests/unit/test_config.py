@@ -11,7 +11,7 @@ from pdserve.app import build, load_config, serve_config
 from pdserve.cli import main
 from pdserve.config import ServeConfig
 
-CONFIGS = Path(__file__).parents[3] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 @pytest.mark.parametrize("name", ["tiny-cpu.yaml", "tiny-cpu-colocated.yaml"])
