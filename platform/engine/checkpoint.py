@@ -73,6 +73,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-mixtral": Preset("mixtral", 64, 96, 2, 4, 2, None, num_experts=4, num_experts_per_tok=2),
     # Qwen3: q/k norms and a head_dim that is not hidden_size // heads; its MoE with one dense layer.
     "tiny-qwen3": Preset("qwen3", 64, 160, 2, 4, 2, None, rope_theta=1000000.0, head_dim=32),
+    # Phi-3: fused q/k/v and gate/up tensors, LongRoPE (short factors: within its pretraining length).
+    "tiny-phi3": Preset("phi3", 64, 160, 2, 4, 2, None,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
+                                      "long_factor": [1.0 + i / 2 for i in range(8)],
+                                      "original_max_position_embeddings": 2048}),
     "tiny-qwen3-moe": Preset("qwen3_moe", 64, 160, 3, 4, 2, None, rope_theta=1000000.0, head_dim=32,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, dense_layers=(1,)),
     # The ~56M-parameter Llama shape the engine benchmarks use.
@@ -108,7 +113,7 @@ def build_tokenizer(vocab_size: int):
 
 def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
     cfg = {
         "architectures": [arch[p.model_type]],
         "model_type": p.model_type,
@@ -134,6 +139,9 @@ def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
         cfg.update(use_sliding_window=False, sliding_window=None)
     if p.model_type == "mixtral":
         cfg.update(num_local_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok)
+    if p.model_type == "phi3":
+        cfg.update(original_max_position_embeddings=p.rope_scaling["original_max_position_embeddings"],
+                   pad_token_id=eos_id)
     if p.model_type == "qwen3_moe":
         cfg.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok, norm_topk_prob=True,
                    moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1,

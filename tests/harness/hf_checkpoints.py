@@ -23,6 +23,11 @@ FAMILIES = {
                   {"head_dim": 32, "intermediate_size": 160, "moe_intermediate_size": 48, "num_experts": 4,
                    "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
                    "mlp_only_layers": [1]}),
+    # LongRoPE within its pretraining length (the short factors); test_model_families crosses it.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"intermediate_size": 160, "pad_token_id": 0, "original_max_position_embeddings": 2048,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
+                               "long_factor": [1.0 + i / 2 for i in range(8)]}}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -44,8 +49,9 @@ def _peaked_(model: torch.nn.Module, hidden: int, seed: int) -> None:
 
 
 def write_checkpoint(family: str, out_dir: Path, tokenizer_dir: str | Path, seed: int = 0,
-                     num_layers: int = 2) -> Path:
-    """`family`'s tiny model, random at peaked scales, saved by `transformers` in several shards."""
+                     num_layers: int = 2, **config_fields) -> Path:
+    """`family`'s tiny model, random at peaked scales, saved by `transformers` in several shards;
+    `config_fields` override the family's config."""
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
@@ -57,7 +63,7 @@ def write_checkpoint(family: str, out_dir: Path, tokenizer_dir: str | Path, seed
     config = getattr(transformers, config_cls)(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, **extra)
+        bos_token_id=1, eos_token_id=2, **{**extra, **config_fields})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     _peaked_(model, hidden, seed)

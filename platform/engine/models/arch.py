@@ -16,7 +16,7 @@ import torch
 from pdserve.errors import ModelLoadError, UnsupportedModelError
 
 # model_type -> the family file that implements it.
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3",
                          "mixtral": "mixtral", "qwen3_moe": "mixtral"}
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -117,9 +117,17 @@ class ModelArch:
 
         rope = dict(cfg.get("rope_parameters") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = rope or cfg.get("rope_scaling")
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0:
+            raise UnsupportedModelError(f"{source}: partial_rotary_factor {partial} is not supported (rotary "
+                                        f"embeddings over the whole head only)")
+        scaling = dict(rope or cfg.get("rope_scaling") or {}) or None
         if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
+        if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su") \
+                and "original_max_position_embeddings" not in scaling:  # Phi-3 keeps it beside rope_scaling
+            scaling["original_max_position_embeddings"] = int(cfg.get("original_max_position_embeddings")
+                                                              or need("max_position_embeddings"))
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

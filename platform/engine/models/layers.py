@@ -233,12 +233,16 @@ class LMHead(_Linear):
 # -- rotary position embedding --------------------------------------------------------------------
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
-                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for a rope config (HF semantics)."""
+                  max_position_embeddings: int, max_position: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for a rope config (HF semantics).
+    `max_position`: the longest sequence this engine serves (longrope picks its factors by it)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq, 1.0
+    if kind in ("longrope", "su"):  # Phi-3; "su" is its older name
+        return _longrope_inv_freq(head_dim, theta, scaling, max_position_embeddings,
+                                  max_position or max_position_embeddings)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0
@@ -254,7 +258,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, max_position_embeddings)
     raise UnsupportedModelError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn, longrope)")
+
+
+def _longrope_inv_freq(dim: int, base: float, s: dict, max_pos: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE: frequencies divided per dimension by `short_factor` within the pretraining length,
+    by `long_factor` past it. transformers switches a whole forward pass to the long factors once
+    its sequence passes `original_max_position_embeddings`, after its earlier keys were cached
+    rotated by the short ones; here one table serves every sequence, so the rule is per engine:
+    the long factors when this engine serves sequences past the pretraining length (vLLM's rule),
+    else the short ones. Sequences that stay within it, or pass it from their first step, get
+    transformers' numbers either way."""
+    original = int(s["original_max_position_embeddings"])
+    factors = s["long_factor"] if max_position > original else s["short_factor"]
+    if len(factors) != dim // 2:
+        raise UnsupportedModelError(f"longrope factors have {len(factors)} entries; head_dim {dim} needs {dim // 2}")
+    factor = s.get("factor") or max_pos / original
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents), float(attention_factor)
 
 
 def _yarn_inv_freq(dim: int, base: float, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
@@ -298,7 +322,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
                  max_position_embeddings: int):
         super().__init__()
-        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, 2, head_dim // 2]: cos and sin side by side, one gather per step.
         self.register_buffer("cos_sin", torch.stack((freqs.cos(), freqs.sin()), dim=1) * attention_factor,

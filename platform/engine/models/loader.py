@@ -22,10 +22,11 @@ from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.mixtral import MixtralForCausalLM
+from pdserve.engine.models.phi3 import Phi3ForCausalLM
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.errors import ModelLoadError
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM, "phi3": Phi3ForCausalLM}
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 
 
@@ -66,8 +67,12 @@ def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], 
     for i in range(arch.num_layers):
         pre = f"model.layers.{i}."
         heads = {"q": arch.num_heads, "k": arch.num_kv_heads, "v": arch.num_kv_heads}
-        for proj, n in heads.items():
-            yield pre + f"self_attn.{proj}_proj.weight", (n * hd, h), "linear"
+        fused = arch.model_type == "phi3"  # Phi-3 stores q, k, v (and gate, up) as one tensor each
+        if fused:
+            yield pre + "self_attn.qkv_proj.weight", (sum(heads.values()) * hd, h), "linear"
+        else:
+            for proj, n in heads.items():
+                yield pre + f"self_attn.{proj}_proj.weight", (n * hd, h), "linear"
         yield pre + "self_attn.o_proj.weight", (h, arch.num_heads * hd), "linear"
         if arch.qkv_bias:
             for proj, n in heads.items():
@@ -87,8 +92,11 @@ def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], 
                 yield down, (h, inter), "linear"
         else:
             inter = arch.intermediate_size
-            yield pre + "mlp.gate_proj.weight", (inter, h), "linear"
-            yield pre + "mlp.up_proj.weight", (inter, h), "linear"
+            if fused:
+                yield pre + "mlp.gate_up_proj.weight", (2 * inter, h), "linear"
+            else:
+                yield pre + "mlp.gate_proj.weight", (inter, h), "linear"
+                yield pre + "mlp.up_proj.weight", (inter, h), "linear"
             yield pre + "mlp.down_proj.weight", (h, inter), "linear"
         yield pre + "input_layernorm.weight", (h,), "norm"
         yield pre + "post_attention_layernorm.weight", (h,), "norm"

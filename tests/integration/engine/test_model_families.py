@@ -96,3 +96,21 @@ def test_two_ranks_equal_one(family_checkpoint):
     same_tokens_close_logprobs(one, generate(path, tensor_parallel_size=2))
     if ModelArch.from_dir(path).is_moe:
         same_tokens_close_logprobs(one, generate(path, tensor_parallel_size=2, enable_expert_parallel=True))
+
+
+def test_phi3_longrope_short_and_long_factors(checkpoints, tmp_path):
+    """LongRoPE past a 64-token pretraining length: an engine that serves longer sequences uses
+    the long factors (transformers too, once a sequence passes 64 tokens), one that does not
+    uses the short ones (transformers too, within 64 tokens)."""
+    path = str(write_checkpoint("phi3", tmp_path / "phi3-long", checkpoints["tiny-llama"],
+                                original_max_position_embeddings=64))
+    ids = _prompt_ids(path)
+    expected = _transformers_greedy(path, ids)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    long_ids = [i for i, p in enumerate(ids) if len(p) > 64]
+    short_ids = [i for i, p in enumerate(ids) if len(p) + MAX_NEW <= 64]
+    assert len(long_ids) >= 2 and len(short_ids) >= 3
+    served_long = LLM(path).generate([ids[i] for i in long_ids], params)
+    assert [o.token_ids for o in served_long] == [expected[i] for i in long_ids]
+    served_short = LLM(path, max_model_len=64).generate([ids[i] for i in short_ids], params)
+    assert [o.token_ids for o in served_short] == [expected[i] for i in short_ids]

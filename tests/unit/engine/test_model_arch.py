@@ -1,4 +1,4 @@
-"""What `ModelArch` reads from the configs of the families added in #44 (Qwen3, Qwen3-MoE), and
+"""What `ModelArch` reads from the configs of the families added in #44 (Qwen3, Qwen3-MoE, Phi-3), and
 that pdserve's own presets of them hold exactly the tensors their configs imply."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from pdserve.engine.checkpoint import PRESETS, _config
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.loader import checkpoint_tensors
-from pdserve.errors import ModelLoadError
+from pdserve.errors import ModelLoadError, UnsupportedModelError
 
 QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 160,
              "moe_intermediate_size": 48, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -55,3 +55,27 @@ def test_preset_tensors_follow_the_config(preset):
     if arch.is_moe:  # layer 1 is dense, the others hold experts under Qwen3-MoE's names
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in names
         assert "model.layers.1.mlp.gate_proj.weight" in names and "model.layers.1.mlp.gate.weight" not in names
+
+
+def test_phi3_preset_stores_fused_projections():
+    arch = ModelArch.from_dict(_config(PRESETS["tiny-phi3"], 512, 1, 2))
+    shapes = {name: shape for name, shape, _ in checkpoint_tensors(arch)}
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == ((4 + 2 + 2) * 16, 64)
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 160, 64)
+    assert "model.layers.0.self_attn.q_proj.weight" not in shapes
+
+
+def test_phi3_longrope_reads_the_pretraining_length_beside_rope_scaling():
+    cfg = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 160,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096,
+           "original_max_position_embeddings": 256,
+           "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    assert ModelArch.from_dict(cfg).rope_scaling["original_max_position_embeddings"] == 256
+
+
+def test_a_partial_rotary_factor_is_refused_by_name():
+    cfg = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 160,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 4096,
+           "partial_rotary_factor": 0.75}
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
+        ModelArch.from_dict(cfg)
