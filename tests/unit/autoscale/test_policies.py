@@ -1,12 +1,9 @@
-"""pdserve's autoscaling policies on Ray Serve's context, and the config that wires them."""
+"""pdserve's autoscaling policies on a stand-in for Ray Serve's context (the config that wires them:
+tests/unit/test_app.py and tests/integration/test_app.py)."""
 
 from types import SimpleNamespace
 
-import pytest
-from pydantic import ValidationError
-
 from pdserve.autoscale.policies import DecodeLoadPolicy, PrefillQueuePolicy, UnifiedPolicy
-from pdserve.config import ServeConfig
 
 
 def ctx(current=1, requests=0.0, **metrics):
@@ -30,28 +27,6 @@ def test_decode_scales_on_running_sequences_and_kv_usage():
     assert policy(ctx(requests=30, num_running=[2], kv_usage=[0.1]))[0] == 4  # handles' queue counts too
     unified = UnifiedPolicy(1000, 4, 8, 0.5)
     assert unified(ctx(queued_prefill_tokens=[5000], num_running=[1], kv_usage=[0.1]))[0] == 5
-
-
-def test_pools_get_their_policy_and_bounds(tiny_llama):
-    from pdserve.app import KV_HEADROOM_ROUTER, PREFIX_AWARE_ROUTER, _pool_options
-
-    auto = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 5, "target_queued_prefill_tokens": 512}
-    cfg = ServeConfig(model=tiny_llama, prefill={"num_replicas": 2, "autoscaling": auto})
-    options = _pool_options(cfg, cfg.prefill, "Prefill", PREFIX_AWARE_ROUTER)
-    assert "num_replicas" not in options
-    a = options["autoscaling_config"]
-    assert (a["min_replicas"], a["max_replicas"], a["initial_replicas"], a["downscale_delay_s"]) == (1, 3, 2, 5)
-    assert a["policy"] == {"policy_function": "pdserve.autoscale.policies:PrefillQueuePolicy",
-                           "policy_kwargs": {"target_queued_tokens": 512, "target_ongoing_requests": 8}}
-    assert _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["num_replicas"] == 1
-
-
-def test_scale_to_zero_must_be_asked_for():
-    with pytest.raises(ValidationError, match="scale_to_zero"):
-        ServeConfig(prefill={"autoscaling": {"min_replicas": 0}})
-    ServeConfig(prefill={"autoscaling": {"min_replicas": 0, "scale_to_zero": True}})
-    with pytest.raises(ValidationError, match="exceeds max_replicas"):
-        ServeConfig(decode={"autoscaling": {"min_replicas": 5, "max_replicas": 2}})
 
 
 def test_ratio_band_raises_the_pool_that_falls_behind():
@@ -81,18 +56,3 @@ def test_pool_ratio_policy_decides_for_both_pools():
     idle = PoolRatioPolicy({}, {}, min_ratio=2, max_ratio=4)
     prefill, decode = pool("Prefill", queued_prefill_tokens=[0]), pool("Decode", num_running=[0], kv_usage=[0.0])
     assert idle({"p": prefill, "d": decode})[0] == {"p": 2, "d": 1}
-
-
-def test_pool_ratio_needs_both_pools_autoscaling(tiny_llama):
-    auto = {"min_replicas": 1, "max_replicas": 3}
-    with pytest.raises(ValidationError, match="autoscaling on both"):
-        ServeConfig(model=tiny_llama, prefill={"autoscaling": auto}, pool_ratio={})
-    with pytest.raises(ValidationError, match="exceeds"):
-        ServeConfig(model=tiny_llama, prefill={"autoscaling": auto}, decode={"autoscaling": auto},
-                    pool_ratio={"min_prefill_per_decode": 3, "max_prefill_per_decode": 2})
-    cfg = ServeConfig(model=tiny_llama, prefill={"autoscaling": auto}, decode={"autoscaling": auto}, pool_ratio={})
-    from pdserve.app import serve_config
-
-    policy = serve_config(cfg)["applications"][0]["autoscaling_policy"]
-    assert policy["policy_function"] == "pdserve.autoscale.policies:PoolRatioPolicy"
-    assert policy["policy_kwargs"]["min_ratio"] == 0.25 and "target_kv_usage" in policy["policy_kwargs"]["decode"]
