@@ -1,11 +1,15 @@
-"""Writes deploy/helm/pdserve/values.schema.json: the chart's values, with `config` checked as a
-pdserve config.
+"""Writes the chart's two schemas, from the pydantic models in platform/config.py and the chart's
+own keys:
 
-The `config` part is generated from the pydantic models in platform/config.py (field names, types,
-ranges and descriptions), so `helm install` rejects what ServeConfig would reject at deploy time,
-minus the checks JSON Schema cannot express (those run in the chart's templates and in
-`pdserve config validate`). The chart-only keys are written out below. tests/helm fails when the
-file is stale:
+- deploy/helm/pdserve/values.schema.json: the chart's values (Helm checks them before rendering).
+  `config` is only typed there (a map, its YAML text, or null): a config given as text is out of
+  JSON Schema's reach, and both forms should be explained alike.
+- deploy/helm/pdserve/files/config.schema.json: a pdserve config (ServeConfig: field names, types,
+  bounds, descriptions, defaults). The chart's templates check `config` against it when they render
+  (templates/_config_check.tpl), reporting every problem as `pdserve config validate` does; editors
+  can use it for config files too.
+
+tests/helm fails when either file is stale:
 
     python deploy/helm/gen_values_schema.py
 """
@@ -16,12 +20,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import ServeConfig
+from pdserve.config import EngineConfig, ServeConfig
 
-SCHEMA_PATH = Path(__file__).parent / "pdserve" / "values.schema.json"
-# Degrees a replica may span: GPUs per node come in powers of two, and so do KV-head counts. Over
-# these, "a multiple of the prefill degree" is "at least the prefill degree".
-TP_SIZES = [1, 2, 4, 8, 16]
+CHART = Path(__file__).parent / "pdserve"
+SCHEMA_PATH = CHART / "values.schema.json"
+CONFIG_SCHEMA_PATH = CHART / "files" / "config.schema.json"
 DNS_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 Schema = dict[str, Any]
@@ -46,63 +49,22 @@ def _tidy(node: Any) -> Any:
     return node
 
 
-def _nested(path: tuple[str, ...], leaf: Schema) -> Schema:
-    """`leaf` applied at path (each key required on the way down)."""
-    for key in reversed(path):
-        leaf = {"required": [key], "properties": {key: leaf}}
-    return leaf
-
-
-def _tp_is(path: tuple[str, ...], sizes: list[int]) -> Schema:
-    return _nested(path, {"required": ["tensor_parallel_size"], "properties": {"tensor_parallel_size": {"enum": sizes}}})
-
-
-def _tp_unset(path: tuple[str, ...]) -> Schema:
-    return {"not": _nested(path, {"required": ["tensor_parallel_size"]})}
-
-
-def _tp_rules() -> tuple[list[Schema], Schema]:
-    """The decode degree must be a multiple of the prefill degree (ServeConfig._check_engines); a
-    pool's engine overrides the top-level one. One if/then per case, so a failure names the one
-    field to change. Returns the rules and the named conditions they share."""
-    named = {"disaggregated": {"properties": {"mode": {"not": {"const": "colocated"}}}},
-             "prefillInherits": _tp_unset(("prefill", "engine")),
-             "decodeInherits": _tp_unset(("decode", "engine")),
-             "engineInherits": _tp_unset(("engine",)),
-             "decodeSets": {"not": _tp_unset(("decode", "engine"))},
-             "engineSets": {"not": _tp_unset(("engine",))}}
-    ref = {name: {"$ref": f"#/definitions/tp/{name}"} for name in named}
-    rules = []
-    for p in TP_SIZES[1:]:
-        allowed = [q for q in TP_SIZES if q >= p]
-        prefill_sets = _tp_is(("prefill", "engine"), [p])
-        prefill_inherits = {"allOf": [ref["prefillInherits"], _tp_is(("engine",), [p])]}
-        for prefill in (prefill_sets, prefill_inherits):
-            rules.append({"if": {"allOf": [ref["disaggregated"], prefill, ref["decodeSets"]]},
-                          "then": _tp_is(("decode", "engine"), allowed)})
-        # decode inherits the top-level degree (or 1 when there is none) while prefill sets its own
-        rules.append({"if": {"allOf": [ref["disaggregated"], prefill_sets, ref["decodeInherits"], ref["engineSets"]]},
-                      "then": _tp_is(("engine",), allowed)})
-        rules.append({"if": {"allOf": [ref["disaggregated"], prefill_sets, ref["decodeInherits"], ref["engineInherits"]]},
-                      "then": _tp_is(("decode", "engine"), allowed)})
-    return rules, named
-
-
-def config_definitions() -> Schema:
-    """ServeConfig and its parts; `engine` maps are EngineOverrides (EngineConfig's fields, each optional)."""
+def config_schema() -> Schema:
+    """ServeConfig as JSON Schema, plus EngineConfig (whose defaults the template's checks across
+    engine fields read: an `engine` map has none of its own)."""
     serve = _tidy(ServeConfig.model_json_schema())
     definitions = serve.pop("definitions", None) or serve.pop("$defs")
-    definitions["EngineOverrides"]["properties"]["tensor_parallel_size"] = {
-        "enum": TP_SIZES, "description": "Ranks (GPUs) one replica spans: 1, 2, 4, 8 or 16."}
-    # The chart reads these to size the pods: their types matter before Ray ever sees them.
+    engine = _tidy(EngineConfig.model_json_schema())
+    engine["description"] = "Defaults of the engine fields (an `engine` map sets them: EngineOverrides)."
+    # The chart sizes the pods from these (Ray would reject other types later, in the cluster).
     options = definitions["PoolConfig"]["properties"]["ray_actor_options"]
     options["properties"] = {"num_cpus": {"type": "number", "minimum": 0},
                              "num_gpus": {"type": "number", "minimum": 0},
                              "accelerator_type": {"type": "string"},
                              "resources": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0}}}
-    rules, named = _tp_rules()
-    serve["allOf"] = rules
-    return {"ServeConfig": serve, **definitions, "tp": named}
+    return {"$schema": "http://json-schema.org/draft-07/schema#",
+            "$comment": "Generated by deploy/helm/gen_values_schema.py from platform/config.py: edit that, then run it.",
+            "title": "pdserve config", **serve, "definitions": {**definitions, "EngineConfig": engine}}
 
 
 def _string_map() -> Schema:
@@ -140,7 +102,6 @@ def values_schema() -> Schema:
     pods_in = _closed({"namespace": string, "podLabels": _string_map()})
     named_items = lambda *required: {"type": "array", "items": {"type": "object", "required": list(required)}}
     definitions = {
-        **config_definitions(),
         "poolGroup": _closed(_group_properties()),
         "extraGroup": _closed({**_group_properties(), "name": {"type": "string", "pattern": DNS_LABEL, "maxLength": 40},
                                "pool": {"enum": ["prefill", "decode"]}, "acceleratorType": string},
@@ -157,9 +118,8 @@ def values_schema() -> Schema:
         "properties": {
             "global": {"type": "object"},
             "config": {"type": ["object", "string", "null"],
-                       "description": "The pdserve config: a map (checked here), its YAML text (checked when rendered), "
-                                      "or null for the embedded default.",
-                       "if": {"type": "object"}, "then": {"$ref": "#/definitions/ServeConfig"}},
+                       "description": "The pdserve config: a map, its YAML text, or null for the embedded default. "
+                                      "Checked when the chart renders, against files/config.schema.json."},
             "image": image,
             "imagePullSecrets": named_items("name"),
             "nameOverride": string,
@@ -243,5 +203,7 @@ def render(schema: Schema, width: int = 118) -> str:
 
 
 if __name__ == "__main__":
-    SCHEMA_PATH.write_text(render(values_schema()))
-    print(f"wrote {SCHEMA_PATH}")
+    for path, schema in ((SCHEMA_PATH, values_schema()), (CONFIG_SCHEMA_PATH, config_schema())):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(render(schema))
+        print(f"wrote {path}")

@@ -316,7 +316,7 @@ def test_the_rendered_redis_start_runs_redis_with_the_password(render, tmp_path,
 
 
 def test_api_keys_come_only_from_the_secret(helm, render):
-    with pytest.raises(helm.HelmError, match=r"config.gateway.api_keys: .* apiKeys.keys"):
+    with pytest.raises(helm.HelmError, match=r"gateway.api_keys: API keys given in the config .*\n .* apiKeys.keys"):
         render({"config": "gateway: {api_keys: [sk-inline]}"})
     with_keys = render({"apiKeys": {"keys": ["sk-a"]}})
     assert all(_env(c)["PDSERVE_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULLNAME}-api-keys"

@@ -47,16 +47,23 @@ app.kubernetes.io/part-of: pdserve
 {{/*
 The pdserve config from the values: a map, or YAML text (`--set-file config=FILE`). Rendered as
 YAML; callers read it back with fromYaml (a fresh copy every time, so .Values is never changed).
+A config with problems fails the render with the report `pdserve config validate` would print
+(_config_check.tpl): every template that reads the config reads it here.
 */}}
 {{- define "pdserve.userConfig" -}}
+{{- if not (hasKey . "pdserveUserConfig") -}}
 {{- $config := .Values.config | default dict -}}
 {{- if kindIs "string" $config -}}
 {{- $config = fromYaml $config -}}
 {{- if hasKey $config "Error" -}}
-{{- fail (printf "config: not a YAML mapping of pdserve config fields (%s); check it with `pdserve config validate FILE`" (get $config "Error")) -}}
+{{- fail (printf "config: 1 problem\n  (config): not valid YAML, or not a mapping of pdserve config fields (%s)\n      check the file with `pdserve config validate FILE`" (get $config "Error")) -}}
 {{- end -}}
 {{- end -}}
-{{- toYaml $config -}}
+{{- with include "pdserve.configReport" (dict "root" . "config" $config) -}}{{- fail . -}}{{- end -}}
+{{- /* Kept in the root context: one check per render, not one per caller. */ -}}
+{{- $_ := set . "pdserveUserConfig" (toYaml $config) -}}
+{{- end -}}
+{{- get . "pdserveUserConfig" -}}
 {{- end -}}
 
 {{/* The pools that run, in the order of their worker groups: colocated mode has one (decode = Unified). */}}
