@@ -105,14 +105,15 @@ class AsyncLLMEngine:
         is running, else on the loop thread right after the current step. Its exception is raised
         here. It runs to completion even when the caller is cancelled, and the cancellation is
         raised only after that, so the caller's cleanup sees what it did. Calls (and `call_soon`s)
-        run in the order they were made."""
+        run in the order they were made. A dead engine takes none: it would reserve blocks (a
+        decode replica's KV pull) for requests it can never run."""
+        if not self.is_healthy:
+            raise EngineDeadError("the engine loop is not running; retry on another replica") from self._error
         if not self._calls and self._lock.acquire(blocking=False):
             try:
                 return fn(*args)
             finally:
                 self._lock.release()
-        if not self.is_healthy:
-            raise EngineDeadError("the engine loop is not running; retry on another replica") from self._error
         future = asyncio.get_running_loop().create_future()
         self._calls.append((fn, args, asyncio.get_running_loop(), future))
         self._has_work.set()

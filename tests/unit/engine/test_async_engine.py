@@ -149,6 +149,9 @@ def test_dead_loop_fails_open_streams_and_reports_unhealthy(async_engine):
         assert "simulated" in str(dead.value.__cause__) and "simulated" not in str(dead.value)
         with pytest.raises(EngineDeadError):
             await async_engine.generate("y", [5, 6, 7], GREEDY)
+        # Nor does a dead engine take calls: a decode replica would reserve blocks for a pull.
+        with pytest.raises(EngineDeadError):
+            await async_engine.call(async_engine.engine.add_prefilled_request, "z", [5, 6, 7], GREEDY, None, None)
 
     asyncio.run(main())
     assert not async_engine.is_healthy
