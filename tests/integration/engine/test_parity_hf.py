@@ -1,11 +1,18 @@
-"""Greedy output is token-identical to transformers' `generate`, whatever the batching does."""
+"""The engine against transformers, its reference: greedy output is token-identical to
+`generate` whatever the batching does, prompt logprobs equal its log-softmax, transformers loads
+the checkpoints pdserve generates (and its sharded save of one gives the same tokens), and the
+RoPE scalings give its inverse frequencies. (Loading a transformers model takes seconds: the
+unit tier checks the engine against itself instead.)"""
 
+import math
 import random
+import shutil
 
 import pytest
 import torch
 
 from pdserve.engine.llm import LLM
+from pdserve.engine.models.layers import rope_inv_freq
 from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import TINY_PRESETS
 
@@ -94,3 +101,67 @@ def test_mistral_config_matches_transformers(checkpoints, tmp_path):
                                max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):].tolist() for p in prompts]
     _, got = _run(str(tmp_path / "m"), prompts)
     assert got == expected
+
+
+def test_prompt_logprobs_match_transformers(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(20, 20 + 45))
+    llm = LLM(tiny_llama, max_num_batched_tokens=16, max_num_seqs=4)  # chunked: scores span steps
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # warm the prefix cache: it must be bypassed
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
+        assert lp.token_id == prompt[i]
+        assert math.isclose(lp.logprob, ref[i - 1, prompt[i]].item(), abs_tol=1e-4)
+        assert [t for t, _ in lp.top] == ref[i - 1].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_transformers_loads_the_generated_checkpoint(checkpoints, preset):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[preset])
+    tok = AutoTokenizer.from_pretrained(checkpoints[preset])
+    assert model.config.model_type == preset.split("-")[1]
+    ours = LLM(checkpoints[preset]).tokenizer
+    text = "hello world, the quick brown fox jumps"
+    assert tok(text).input_ids == ours.encode(text)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        ours.apply_chat_template(messages)
+
+
+def test_sharded_checkpoint_loads(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = checkpoints["tiny-qwen2"]
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{f}", tmp_path / f)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    assert LLM(str(tmp_path)).generate(["paris"], greedy)[0].token_ids == \
+        LLM(src).generate(["paris"], greedy)[0].token_ids
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "beta_fast": 16, "beta_slow": 2},
+])
+def test_rope_scaling_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=4096,
+                      rope_scaling=dict(scaling), rope_theta=10000.0)
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    inv_freq, factor = rope_inv_freq(64, 10000.0, scaling, 4096)
+    assert torch.allclose(inv_freq, ref_inv_freq.float(), rtol=1e-6)
+    assert factor == pytest.approx(ref_factor)

@@ -1,4 +1,5 @@
-"""Checkpoints: what loads, what transformers loads, and the typed errors for what does not."""
+"""Checkpoints: what loads, and the typed errors for what does not. (What transformers makes of them:
+tests/integration/engine/test_parity_hf.py.)"""
 
 import json
 import shutil
@@ -11,26 +12,9 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.models.arch import ModelArch
-from pdserve.engine.models.layers import rope_inv_freq
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, UnsupportedModelError
-from tests.conftest import TINY_PRESETS
-
-
-@pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_transformers_loads_the_generated_checkpoint(checkpoints, preset):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoints[preset])
-    tok = AutoTokenizer.from_pretrained(checkpoints[preset])
-    assert model.config.model_type == preset.split("-")[1]
-    ours = LLM(checkpoints[preset]).tokenizer
-    text = "hello world, the quick brown fox jumps"
-    assert tok(text).input_ids == ours.encode(text)
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
-        ours.apply_chat_template(messages)
 
 
 def test_checkpoints_are_deterministic(tmp_path):
@@ -42,43 +26,11 @@ def test_checkpoints_are_deterministic(tmp_path):
     assert (a / "tokenizer.json").read_text() == (c / "tokenizer.json").read_text()
 
 
-def test_sharded_checkpoint_loads(checkpoints, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    src = checkpoints["tiny-qwen2"]
-    AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path, max_shard_size="100KB")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{src}/{f}", tmp_path / f)
-    assert (tmp_path / "model.safetensors.index.json").is_file()
-    greedy = SamplingParams(max_tokens=10, temperature=0)
-    assert LLM(str(tmp_path)).generate(["paris"], greedy)[0].token_ids == \
-        LLM(src).generate(["paris"], greedy)[0].token_ids
-
-
 def test_bfloat16_dtype(tiny_llama):
     model, _ = load_model(tiny_llama, torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     [out] = LLM(tiny_llama, dtype="bfloat16").generate(["paris"], SamplingParams(max_tokens=5, temperature=0))
     assert len(out.token_ids) == 5
-
-
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 256},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "beta_fast": 16, "beta_slow": 2},
-])
-def test_rope_scaling_matches_transformers(scaling):
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=4096,
-                      rope_scaling=dict(scaling), rope_theta=10000.0)
-    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
-    inv_freq, factor = rope_inv_freq(64, 10000.0, scaling, 4096)
-    assert torch.allclose(inv_freq, ref_inv_freq.float(), rtol=1e-6)
-    assert factor == pytest.approx(ref_factor)
 
 
 def _edit_config(src, dst, **changes):

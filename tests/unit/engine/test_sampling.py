@@ -131,20 +131,3 @@ def test_invalid_sampling_parameters(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param and param in str(e.value)
-
-
-def test_prompt_logprobs_match_transformers(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    prompt = list(range(20, 20 + 45))
-    llm = LLM(tiny_llama, max_num_batched_tokens=16, max_num_seqs=4)  # chunked: scores span steps
-    llm.generate([prompt], SamplingParams(max_tokens=1))  # warm the prefix cache: it must be bypassed
-    [out] = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-    for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
-        assert lp.token_id == prompt[i]
-        assert math.isclose(lp.logprob, ref[i - 1, prompt[i]].item(), abs_tol=1e-4)
-        assert [t for t, _ in lp.top] == ref[i - 1].topk(2).indices.tolist()
