@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.models.quantization import Fp8BlockScheme, parse_quantization
 from pdserve.errors import ModelLoadError, UnsupportedModelError
 
 # model_type -> the family file that implements it.
@@ -56,6 +57,7 @@ class ModelArch:
     moe_intermediate_size: int = 0  # each expert's, where it differs from the dense MLPs' (Qwen3-MoE)
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1 (Mixtral does)
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead of experts
+    quantization: Fp8BlockScheme | None = None  # how the stored weights are quantized (quantization.py)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         return self.is_moe and layer_idx not in self.dense_layers
@@ -156,6 +158,7 @@ class ModelArch:
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            quantization=parse_quantization(cfg.get("quantization_config"), source),
             **moe,
         )
 

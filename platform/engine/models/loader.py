@@ -6,27 +6,30 @@ read through model.safetensors.index.json); or, in place of weights, `random_wei
 config and seed (`random_weights`): a model at a real one's shapes with no checkpoint to read, as
 vLLM's `load_format: dummy` (benchmarks/gpu_suite.py). Out: a model in eval mode on the requested
 device and dtype. Errors: `ModelLoadError` / `UnsupportedModelError` saying what is missing or
-wrong. Nothing is downloaded.
+wrong. Block-wise FP8 checkpoints (quantization.py) load dequantized to `dtype`. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.mixtral import MixtralForCausalLM
 from pdserve.engine.models.phi3 import Phi3ForCausalLM
+from pdserve.engine.models.quantization import dequantize_fp8_weights
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.errors import ModelLoadError
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM, "phi3": Phi3ForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM, "phi3": Phi3ForCausalLM,
+                 "gemma3": Gemma3ForCausalLM}
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 
 
@@ -56,6 +59,19 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, f.get_tensor(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from e
+
+
+def tensor_reader(files: list[Path]) -> Callable[[str], torch.Tensor | None]:
+    """Any tensor of the checkpoint by name, from whichever shard holds it (None if none does): the
+    shards' headers are read once and the files stay mapped while the reader lives."""
+    shards = {}
+    for path in files:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: not a valid safetensors file ({e})") from e
+        shards.update((name, f) for name in f.keys())
+    return lambda name: shards[name].get_tensor(name) if name in shards else None
 
 
 def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -100,6 +116,9 @@ def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], 
             yield pre + "mlp.down_proj.weight", (h, inter), "linear"
         yield pre + "input_layernorm.weight", (h,), "norm"
         yield pre + "post_attention_layernorm.weight", (h,), "norm"
+        if arch.family == "gemma3":
+            yield pre + "pre_feedforward_layernorm.weight", (h,), "norm"
+            yield pre + "post_feedforward_layernorm.weight", (h,), "norm"
     yield "model.norm.weight", (h,), "norm"
     if not arch.tie_word_embeddings:
         yield "lm_head.weight", (arch.vocab_size, h), "lm_head"
@@ -168,8 +187,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | None = None, device: 
             model = model_cls(arch, max_position or arch.context_len, parallel)
         weights = random_weights(arch, dtype, device, seed)
     else:
-        weights = iter_weights(safetensors_files(model_dir))
+        files = safetensors_files(model_dir)
+        weights = iter_weights(files)
         model = model_cls(arch, max_position or arch.context_len, parallel)
+        if arch.quantization is not None:  # FP8 checkpoints: dequantized tensor by tensor as they load
+            weights = dequantize_fp8_weights(weights, arch.quantization, dtype, tensor_reader(files),
+                                             keep=lambda name: model.map_weight_name(name) is not None)
     for p in model.parameters():  # buffers (rotary tables) stay fp32
         p.data = p.data.to(dtype=dtype, device=device)
     model.to(device)
