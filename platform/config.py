@@ -57,6 +57,10 @@ class EngineConfig(BaseModel):
                           "only in one that prefills nothing else, so the prompt before it is not slowed by a "
                           "chunk of it. Off suits CPU prefill pools, where a larger step is no more efficient.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    grammar_cache_size: int = Field(
+        256, ge=1, description="Compiled structured-output grammars (JSON schemas, regexes, choices, grammars) an "
+                               "engine keeps, least recently used evicted; a request whose grammar is cached starts "
+                               "without compiling (~1-20 ms a schema).")
     enforce_eager: bool = Field(
         False, description="On CUDA, run decode steps op by op instead of replaying CUDA graphs captured at "
                            "startup (one per batch size up to max_num_seqs; dense models on one rank). "
@@ -267,6 +271,11 @@ class GatewayConfig(BaseModel):
     max_logit_bias_entries: int = Field(300, ge=0, description="Most `logit_bias` entries (OpenAI's limit); values "
                                                                "lie in [-100, 100].")
     max_chat_messages: int = Field(2048, ge=1, description="Most `messages` in one chat completion.")
+    max_structured_output_chars: int = Field(
+        65536, ge=1, description="Longest structured-output constraint, in characters: a `response_format` JSON "
+                                 "schema, or `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar` (and "
+                                 "`structured_outputs`) as JSON text. Compiling is bounded too (llguidance's parser "
+                                 "limits): a schema past them is a 400.")
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request's deadline, end to end: past it the request is aborted wherever it is "
                                  "(queued, in prefill, streaming) and frees what it holds; the client gets a 504 (or "

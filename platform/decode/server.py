@@ -95,6 +95,7 @@ class DecodeServer:
         self.num_in_flight_requests += 1
         self.num_resumed_requests += bool(req.output_token_ids)
         try:
+            await self.engine.prepare(req.params)  # its grammar compiled off the step loop, before any work
             where, num_uncached = await self._where_to_prefill(req)
             if where != "remote":
                 overflow = where != "local"

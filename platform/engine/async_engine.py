@@ -30,9 +30,10 @@ from collections import deque
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.grammar import GrammarError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.errors import ReplicaError
+from pdserve.errors import InvalidRequestError, ReplicaError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,6 +85,7 @@ class AsyncLLMEngine:
         """Queue a request (raising on bad input, or a `deadline_s` already past: see
         `LLMEngine.add_request`; with `output_token_ids`, resumed after them) and return its
         stream of outputs."""
+        await self.prepare(params)
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
                                        prefill_only, prefill_pause_s, deadline_s, output_token_ids, forward=forward)
 
@@ -94,6 +96,19 @@ class AsyncLLMEngine:
         prefill's output, not yet sent). Its deadline is the one given to `add_prefilled_request`."""
         return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute,
                                        first=first, forward=forward)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the request's structured output on a worker thread unless the engine has it
+        cached, so admitting the request never compiles on the step loop. A grammar that does not
+        compile raises `InvalidRequestError` here."""
+        spec = params.structured
+        grammars = self.engine.grammars
+        if spec is None or grammars.is_cached(spec):
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
+        except GrammarError as e:
+            raise InvalidRequestError(f"invalid structured output: {e}", param="structured_outputs") from None
 
     def locked(self, fn: Callable[..., T], *args) -> T:
         """Run `fn(*args)` under the engine lock, between steps (KV bookkeeping from other threads)."""

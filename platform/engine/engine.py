@@ -15,7 +15,8 @@ outputs (`AsyncLLMEngine` raises it in that request's stream). Only a failure of
 device itself (the forward pass, a collective) raises out of `step()`.
 
 Stop conditions, in order: a stop string (text cut before it), a stop token id, EOS (unless
-`ignore_eos`), `max_tokens`, the model's context length. The stop or EOS token stays in
+`ignore_eos`), a structured output that is complete (its grammar allows nothing more: "stop"),
+`max_tokens`, the model's context length. The stop or EOS token stays in
 `token_ids` and never appears in the text.
 
 A request may be resumed (`add_request(..., output_token_ids=...)`): another engine generated and
@@ -24,6 +25,12 @@ seeded sampler's position and usage count them) and are prefilled with the promp
 cache applies to both). They are replayed through the stop checks and the detokenizer as the
 first engine ran them, their text discarded, so the next text delta is the one that engine would
 have sent next: a greedy or seeded continuation is exactly the uninterrupted run's.
+
+A request with a structured output (`SamplingParams.structured`) gets a grammar matcher at
+admission (`pdserve.engine.grammar`; compiled on a miss, which `AsyncLLMEngine.prepare` does
+off the step loop first), advanced by `_process_token` with every output: sampled here, taken
+over from a prefill replica, or replayed for a resumed request (an output its grammar refuses is
+an `InvalidRequestError`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.block_hash import block_hashes, root_hash
+from pdserve.engine.grammar import GrammarCompiler, GrammarError
 from pdserve.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import check_parallel
@@ -99,6 +107,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer.tok.to_str(), self.arch.vocab_size, self.eos_token_ids,
+                                        config.grammar_cache_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held_kv: dict[str, list[int]] = {}  # prefill-only requests' blocks awaiting export
         self._prefilled: dict[str, Request] = {}  # imported requests whose KV is being filled in
@@ -235,6 +245,10 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequestError(f"stop token id {describe_value(bad)} is outside the vocabulary [0, {vocab})",
                                       param="stop_token_ids")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias token id {describe_value(bad)} is outside the vocabulary "
+                                      f"[0, {vocab})", param="logit_bias")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -249,6 +263,11 @@ class LLMEngine:
             raise DeadlineExceededError("the request's deadline passed before it was queued")
         req = Request(request_id, list(prompt_token_ids), params, self.kv_cache.block_size, time.monotonic(),
                       deadline_s=deadline_s)
+        if params.structured is not None:
+            try:
+                req.grammar = self.grammars.matcher(params.structured)
+            except GrammarError as e:
+                raise InvalidRequestError(f"invalid structured output: {e}", param="structured_outputs") from None
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                                 params.skip_special_tokens)
         if output_token_ids:
@@ -262,6 +281,9 @@ class LLMEngine:
         try:
             for token_id in output_token_ids:
                 self._process_token(req, token_id, None)
+                if req.grammar is not None and req.grammar.error is not None:
+                    raise InvalidRequestError(f"the resumed outputs break the request's structured output at "
+                                              f"output {req.num_output_tokens}", param="output_token_ids")
                 if req.is_finished:
                     raise InvalidRequestError(f"the resumed outputs already end the request ({req.finish_reason}) "
                                               f"at output {req.num_output_tokens} of {len(output_token_ids)}",
@@ -379,6 +401,13 @@ class LLMEngine:
                              req.prompt_logprobs if first and req.params.prompt_logprobs is not None else None,
                              req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens, kv_block_ids)
 
+    @staticmethod
+    def _grammar_ends(req: Request, token_id: int) -> bool:
+        """Advance the request's grammar by its new output; True when nothing can follow it. A
+        token the grammar refuses leaves the matcher in error (the sampler's next mask, or the
+        replay, raises for this request alone)."""
+        return req.grammar.advance(token_id) and req.grammar.is_stopped
+
     def _process_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> str:
         """Append a sampled token, apply the stop conditions; returns the new text."""
         req.append_token(token_id)
@@ -392,6 +421,8 @@ class LLMEngine:
         elif token_id in p.stop_token_ids:
             req.finish("stop", token_id)
         elif not p.ignore_eos and token_id in self.eos_token_ids:
+            req.finish("stop", None)
+        elif req.grammar is not None and self._grammar_ends(req, token_id):
             req.finish("stop", None)
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             req.finish("length")

@@ -1,7 +1,10 @@
 """Turn a batch of next-token logits into sampled tokens, per-request parameters applied.
 
-Order (as vLLM): penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample
-(a top-k of the vocabulary's size or more is no filter).
+Order (as vLLM): logit bias -> penalties -> grammar mask -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> sample (a top-k of the vocabulary's size or more is no filter).
+Logit biases of the whole batch are added in one scatter; the grammar mask is computed only for
+the rows whose request has a grammar (`Request.grammar`, `pdserve.engine.grammar`), filled in
+one call for all of them, and sets every token the grammar does not allow to -inf.
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A request with a seed
 draws E from a generator seeded by its seed and the position of the token being drawn
 (`counter_seed`), so its samples depend neither on what else is in the batch nor on which engine
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.grammar import allowed_tokens
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
@@ -32,11 +36,15 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        if any(p.has_penalties for p in params):
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained or any(p.has_penalties or p.logit_bias for p in params):
             logits = logits.clone()
+            apply_logit_bias(logits, params)
             for i, r in enumerate(requests):
                 if r.params.has_penalties:
                     apply_penalties(logits[i], r)
+            if constrained:
+                apply_grammar_masks(logits, [requests[i] for i in constrained], constrained)
 
         if all(p.is_greedy for p in params):
             tokens = argmax(logits)
@@ -84,7 +92,8 @@ def needs_only_argmax(requests: list[Request]) -> bool:
     """Whether sampling these requests is each row's argmax and nothing else (greedy, no
     penalties, no logprobs): then a model that picks the argmax as it writes the logits (the C
     decode step) stands in for the sampler."""
-    return all(r.params.is_greedy and not r.params.has_penalties and r.params.logprobs is None for r in requests)
+    return all(r.params.is_greedy and not r.params.has_penalties and r.params.logprobs is None
+               and not r.params.logit_bias and r.grammar is None for r in requests)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -106,6 +115,28 @@ def apply_penalties(row: torch.Tensor, r: Request) -> None:
     if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
         counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=row.shape[0])[: row.shape[0]]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def apply_logit_bias(logits: torch.Tensor, params) -> None:
+    """In place: each row's `logit_bias`, the whole batch in one scatter (ids lie in the
+    vocabulary: the engine checked them at admission)."""
+    rows, tokens, biases = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(i)
+            tokens.append(token)
+            biases.append(bias)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    """In place: -inf for every token the grammar of `requests[j]` does not allow in row
+    `rows[j]`. The grammar's vocabulary is the model's (`GrammarCompiler.vocab_size`)."""
+    allowed = allowed_tokens([r.grammar for r in requests], logits.shape[-1]).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def apply_filters(logits: torch.Tensor, params) -> torch.Tensor:

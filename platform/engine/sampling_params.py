@@ -10,9 +10,15 @@ temperature 1, top_p 1, no top_k/min_p, no penalties. The rules:
 - `seed`: a signed 64-bit integer, [-2**63, 2**63-1] (vLLM's rule); each token is drawn from a
   generator seeded by the seed and the token's position (`sampler.counter_seed`);
 - `stop_token_ids`: non-negative integers (the engine, which knows the vocabulary, checks that
-  they lie inside it).
+  they lie inside it);
+- `logit_bias`: (token id, bias) pairs, ids non-negative and distinct (the engine checks the
+  vocabulary), biases finite in [-100, 100] (OpenAI's range), added to the logits before
+  penalties, filters and sampling (greedy too);
+- `structured`: a `StructuredOutput`, the grammar every output must follow (its text is checked
+  where it is compiled: `pdserve.engine.grammar`).
 
-It does not bound counts or lengths (stop strings, ids): the gateway does, before this.
+It does not bound counts or lengths (stop strings, ids, bias entries, a grammar's text): the
+gateway does, before this.
 """
 
 from __future__ import annotations
@@ -26,10 +32,35 @@ _MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 512
 MAX_TOP_K = 2**31 - 1
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # name -> (lowest, highest, whether the lowest is excluded)
 _RANGES = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
            "repetition_penalty": (0.0, 2.0, True), "presence_penalty": (-2.0, 2.0, False),
            "frequency_penalty": (-2.0, 2.0, False)}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output (vLLM's structured outputs), the key its grammar is
+    compiled and cached under.
+
+    `kind` and `value`: "json" (a JSON schema, as JSON text), "json_object" (any JSON object;
+    value ""), "regex" (a regular expression the whole output matches), "choice" (a JSON list of
+    the strings the output may be), "grammar" (Lark, or GBNF as llama.cpp writes it).
+    `any_whitespace`: JSON may carry free whitespace between tokens; off by default, as vLLM's
+    `disable_any_whitespace`: a model can otherwise emit whitespace until `max_tokens`."""
+    kind: str
+    value: str = ""
+    any_whitespace: bool = False
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"got {describe_value(self.kind)}", param="structured_outputs")
+        if not isinstance(self.value, str) or not isinstance(self.any_whitespace, bool):
+            raise InvalidRequestError("a structured output's value is text and any_whitespace a boolean",
+                                      param="structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -53,6 +84,8 @@ class SamplingParams:
     # the same salt (`pdserve.engine.block_hash.root_hash`). Not a sampling setting, but it travels
     # with the request to every pool as these do.
     cache_salt: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -63,6 +96,13 @@ class SamplingParams:
             if not isinstance(value, (list, tuple)):
                 raise InvalidRequestError(f"{name} must be a list, got {describe_value(value)}", param=name)
             object.__setattr__(self, name, tuple(value))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        if not isinstance(self.logit_bias, (list, tuple)):
+            raise InvalidRequestError(f"logit_bias must map token ids to biases, got {describe_value(self.logit_bias)}",
+                                      param="logit_bias")
+        object.__setattr__(self, "logit_bias", tuple(tuple(e) if isinstance(e, (list, tuple)) else e
+                                                     for e in self.logit_bias))
         if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -97,6 +137,14 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+        for entry in self.logit_bias:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or not _is_int(entry[0]) or entry[0] < 0
+                    or not _is_number(entry[1]) or abs(entry[1]) > MAX_LOGIT_BIAS):
+                bad("logit_bias", f"entries are (token id >= 0, bias in [-100, 100]), got {describe_value(entry)}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            bad("logit_bias", "names a token id twice")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", f"must be a StructuredOutput, got {describe_value(self.structured)}")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,199 @@
+"""Constrained decoding: a request's `StructuredOutput` compiled into a grammar, and a matcher
+that says which tokens may come next.
+
+In: a `StructuredOutput` (`sampling_params.py`) and the model's tokenizer (its tokenizer.json,
+vocabulary size and EOS ids). Out: `GrammarCompiler.matcher(spec)`, a fresh `GrammarMatcher`
+per request, and `allowed_tokens(matchers, vocab_size)`, the batch's masks as one boolean
+tensor (the sampler sets every other token's logit to -inf).
+
+The library is llguidance (benchmarks/grammar_mask.py and RESULTS.md say why: it installs
+with no dependencies, and its mask costs tens of microseconds a token on CPU). A spec is
+compiled once per compiler and kept in a bounded LRU cache; a request's matcher is a copy of the
+cached one (~10 us). Compiling is bounded by llguidance's parser limits (grammar size, lexer fuel
+for the compile and for each mask), so a hostile schema fails with an error instead of costing
+unbounded time; the caller bounds the text's size (gateway) and keeps compiles off the engine's
+step loop (`AsyncLLMEngine.prepare`).
+
+A matcher's state is the tokens it has accepted: it cannot be serialised, and need not be. The
+engine advances it with every output token it appends (sampled, taken over from a prefill
+replica, or replayed for a resumed request), so a request preempted by recompute keeps its
+matcher, and a decode replica that continues another engine's sequence rebuilds it by replaying
+the outputs. It does not know about requests, sampling or where the grammar text came from (the
+gateway names the request field in its errors).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from pdserve.engine.sampling_params import StructuredOutput
+
+# llguidance's defaults but tighter where one request could hold the engine: a mask step's lexer
+# fuel (~14k/ms) and Earley items (~20k/ms) bound each token's mask to a few milliseconds.
+_LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=100_000,
+               step_max_items=50_000, max_lexer_states=100_000, verbose_errors=False)
+
+
+class GrammarError(ValueError):
+    """The spec is not a grammar llguidance can compile (the message says why)."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # pragma: no cover - installed with pdserve[serve]
+        raise GrammarError("structured output needs llguidance (pip install 'pdserve[serve]')") from e
+    return llguidance
+
+
+def grammar_text(spec: StructuredOutput):
+    """The spec as an llguidance grammar (its JSON form), before any tokenizer is involved."""
+    llg = _llguidance()
+    ws = {"whitespace_flexible": spec.any_whitespace}
+    try:
+        if spec.kind == "json":
+            return llg.LLMatcher.grammar_from_json_schema(spec.value, overrides=ws)
+        if spec.kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=ws)
+        if spec.kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(spec.value)
+        if spec.kind == "choice":
+            choices = json.loads(spec.value)
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+                raise GrammarError("choice must be a non-empty list of strings")
+            return llg.LLMatcher.grammar_from_regex("|".join(_literal(c) for c in choices))
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return llg.LLMatcher.grammar_from_lark(any_to_lark(spec.value))
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a JSON, GBNF or schema error, in the library's words
+        raise GrammarError(str(e)[:500]) from None
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches exactly it (every character but letters and digits escaped)."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text) or "(?:)"
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher, executor=None):
+        self._m = matcher
+        self.executor = executor  # llguidance's thread pool, for a batch's masks
+
+    def advance(self, token_id: int) -> bool:
+        """Accept the next output token; False when the grammar does not allow it."""
+        return self._m.consume_token(token_id)
+
+    @property
+    def is_stopped(self) -> bool:
+        """Nothing can follow: the output is complete (only EOS would be allowed), or in error."""
+        return self._m.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def fill(self, bitmask: torch.Tensor) -> None:
+        """Write the next token's mask (1 bit a token, int32 words) into a contiguous CPU row."""
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+
+
+def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
+    """`[len(matchers), vocab_size]` booleans: the tokens each matcher allows next. Filled in
+    parallel on llguidance's threads when there are several (they let go of the GIL)."""
+    words = (vocab_size + 31) // 32
+    bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+    executor = matchers[0].executor if len(matchers) > 1 else None
+    if executor is not None:
+        executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                         words * 4, len(matchers))
+    else:
+        for i, m in enumerate(matchers):
+            m.fill(bitmask[i])
+    for m in matchers:
+        if m.error is not None:
+            raise GrammarError(f"the grammar failed: {m.error[:300]}")
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits).bool()
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer and keeps the last `cache_size` (thread-safe: compile on
+    any thread; llguidance lets go of the GIL while it compiles)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 256):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self.cache_size = cache_size
+        self._tokenizer = None  # built on first use (~0.1-1 s at 150k tokens)
+        self._executor = None
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+
+    def _setup(self):
+        with self._lock:
+            if self._tokenizer is None:
+                llg = _llguidance()
+                self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                  eos_token=self._eos or None)
+                self._executor = llg.LLExecutor()
+            return self._tokenizer
+
+    def is_cached(self, spec: StructuredOutput) -> bool:
+        with self._lock:
+            return spec in self._cache
+
+    def compile(self, spec: StructuredOutput) -> None:
+        """Compile `spec` into the cache (a hit only refreshes it); raises `GrammarError`."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return
+        tokenizer = self._setup()
+        llg = _llguidance()
+        grammar = grammar_text(spec)
+        limits = llg.LLParserLimits(**_LIMITS)
+        error = llg.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+        if error:
+            raise GrammarError(error.splitlines()[0][:500] if error.strip() else "invalid grammar")
+        matcher = llg.LLMatcher(tokenizer, grammar, limits=limits, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error()[:500])
+        # The first mask builds the lexer: paid here, not in an engine step.
+        GrammarMatcher(matcher).fill(torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32))
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error()[:500])
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec] = matcher
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the start of `spec`'s grammar (compiled here on a miss)."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+        if compiled is None:
+            self.compile(spec)
+            with self._lock:
+                compiled = self._cache.get(spec)
+            if compiled is None:  # evicted at once (a cache of 0): use it uncached
+                raise GrammarError("the grammar cache holds no entries")
+        return GrammarMatcher(compiled.deep_copy(), self._executor)
