@@ -48,10 +48,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunkMeta]
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+    _window_masks: dict = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_mask(self, block_size: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """The torch path's `[num_decodes, 1, 1, max_blocks * block_size]` mask, built on first use
-        and shared by every layer of the step."""
+        and shared by every layer of the step (one per sliding window)."""
+        if window is not None:
+            if window not in self._window_masks:
+                width = self.decode_block_tables.shape[1] * block_size
+                self._window_masks[window] = decode_mask(self.decode_seq_lens, width, dtype, window)
+            return self._window_masks[window]
         if self._decode_mask is None:
             width = self.decode_block_tables.shape[1] * block_size
             self._decode_mask = decode_mask(self.decode_seq_lens, width, dtype)
@@ -106,11 +112,16 @@ def get_forward_context() -> ForwardContext:
 
 
 class Attention(nn.Module):
-    """Paged attention over this layer's slice of the KV cache (no weights of its own)."""
+    """Paged attention over this layer's slice of the KV cache (no weights of its own).
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    A sliding-window layer (`sliding_window` W: each query sees its last W positions, itself
+    included) runs the torch path on every device: the C and Triton kernels take no window yet."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -124,6 +135,8 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
         nd = meta.num_decode_tokens
+        if self.sliding_window is not None:
+            return self._forward_window(q, k, v, k_cache, v_cache, ctx).view(num_tokens, -1)
         if q.is_cuda and triton_paged.HAS_TRITON:
             triton_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return self._forward_triton(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
@@ -143,6 +156,23 @@ class Attention(nn.Module):
                 out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
                                                    p.block_table, p.context_len, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _forward_window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A sliding-window layer's step on the torch path (any device)."""
+        meta, window = ctx.attn, self.sliding_window
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        out = q.new_empty(q.shape)
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, self.scale, ctx.workspace,
+                                              meta.decode_mask(k_cache.shape[1], q.dtype, window))
+        for p in meta.prefills:
+            s, e = p.query_start, p.query_start + p.query_len
+            out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.block_table,
+                                               p.context_len, self.scale, window)
+        return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

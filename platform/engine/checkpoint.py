@@ -63,6 +63,8 @@ class Preset:
     head_dim: int | None = None  # None: hidden_size // num_heads
     moe_intermediate_size: int = 0  # Qwen3-MoE's experts
     dense_layers: tuple[int, ...] = ()  # Qwen3-MoE's mlp_only_layers
+    sliding_window: int | None = None  # Gemma 3's window, for the layers `layer_types` says slide
+    layer_types: tuple[str, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {
@@ -80,6 +82,9 @@ PRESETS: dict[str, Preset] = {
                                       "original_max_position_embeddings": 2048}),
     "tiny-qwen3-moe": Preset("qwen3_moe", 64, 160, 3, 4, 2, None, rope_theta=1000000.0, head_dim=32,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, dense_layers=(1,)),
+    # Gemma 3: sliding layers (a 40-token window) around a global one, q/k norms, gelu, four norms a layer.
+    "tiny-gemma3": Preset("gemma3_text", 64, 160, 3, 4, 2, None, head_dim=16, sliding_window=40,
+                          layer_types=("sliding_attention", "full_attention", "sliding_attention")),
     # The ~56M-parameter Llama shape the engine benchmarks use.
     "bench-llama-56m": Preset("llama", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
                               tokenizer_vocab_size=1024, peaked=False),
@@ -113,7 +118,8 @@ def build_tokenizer(vocab_size: int):
 
 def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
     cfg = {
         "architectures": [arch[p.model_type]],
         "model_type": p.model_type,
@@ -142,6 +148,12 @@ def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     if p.model_type == "phi3":
         cfg.update(original_max_position_embeddings=p.rope_scaling["original_max_position_embeddings"],
                    pad_token_id=eos_id)
+    if p.model_type == "gemma3_text":
+        cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"],
+                   sliding_window=p.sliding_window, layer_types=list(p.layer_types),
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": p.rope_theta},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+        del cfg["hidden_act"], cfg["rope_theta"], cfg["rope_scaling"]
     if p.model_type == "qwen3_moe":
         cfg.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok, norm_topk_prob=True,
                    moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1,

@@ -28,14 +28,32 @@ FAMILIES = {
              {"intermediate_size": 160, "pad_token_id": 0, "original_max_position_embeddings": 2048,
               "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
                                "long_factor": [1.0 + i / 2 for i in range(8)]}}),
+    # Gemma 3: sliding layers around a global one, a 40-token window (not a whole number of
+    # 16-token blocks), linear rope scaling on the global layer only, its own
+    # attention scale, soft-capped logits.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 160, "sliding_window": 40,
+                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                     "query_pre_attn_scalar": 24, "final_logit_softcapping": 50.0,
+                     "pad_token_id": 0,
+                     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def _peaked_(model: torch.nn.Module, hidden: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by 1 + weight, and its embedding (tied to the LM head) by sqrt(hidden):
+    # the norms after attention and after the MLP get a gain of ~16 so each layer's output is not
+    # drowned by the scaled embedding (else the next token is the current one, whatever came before).
+    gemma = model.config.model_type.startswith("gemma")
     for name, p in sorted(model.named_parameters()):
-        if name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
+            gain = 16.0 if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")) else 1.0
+            value = gain - 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif name.endswith("norm.weight"):
             value = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
         elif "embed_tokens" in name:
             value = torch.randn(p.shape, generator=g)
@@ -60,10 +78,10 @@ def write_checkpoint(family: str, out_dir: Path, tokenizer_dir: str | Path, seed
 
     vocab = Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size()
     hidden = 64
-    config = getattr(transformers, config_cls)(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, **{**extra, **config_fields})
+    shared = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_cls)(**{**shared, **extra, **config_fields})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     _peaked_(model, hidden, seed)

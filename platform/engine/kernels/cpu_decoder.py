@@ -57,6 +57,8 @@ def _runs_in_c(model: nn.Module) -> bool:
                 and all(lin.packed_for == "pdserve" for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj))
                 and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
 
+    if not getattr(model, "runs_in_c_decoder", True):  # Gemma 3: sliding windows, four norms a layer
+        return False
     m = model.model
     packed = {mod.packed.dtype for mod in model.modules() if getattr(mod, "packed_for", None) == "pdserve"}
     return (model.parallel.size == 1 and model.lm_head.packed_for == "pdserve" and len(packed) == 1

@@ -12,6 +12,11 @@ cache holds them, fresh ones included, so a token's output does not depend on wh
   sequences' blocks into a reusable workspace (fresh large allocations cost page faults on CPU).
 - `paged_prefill_attention`: a chunk of queries per sequence attending to a cached prefix plus
   itself, causal.
+
+With a `window` W (a sliding-window layer, Gemma 3's), the query at position p attends only the
+keys at positions p - W + 1 .. p (transformers' `kv_idx > q_idx - sliding_window`); the blocks
+wholly before that may be any valid block id (a sliding layer's table gives back blocks that fall
+out of its window).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            workspace: GatherWorkspace | None = None,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
+                           mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: `[batch, num_heads, head_dim]`; block_tables: `[batch, max_blocks]` (padding entries may
     be any valid block id); seq_lens: `[batch]`. `mask` (`decode_mask(seq_lens, max_blocks *
     block_size)`) may be passed in so a step builds it once for all layers.
@@ -66,28 +71,33 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k = k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     v = v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     if mask is None:
-        mask = decode_mask(seq_lens, max_len, q.dtype)
+        mask = decode_mask(seq_lens, max_len, q.dtype, window)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
-def decode_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[batch, 1, 1, max_len]` additive mask: 0 inside each sequence, -inf past its end. Additive
-    in the query dtype, because SDPA converts a boolean mask to that on every call."""
-    outside = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+def decode_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype = torch.float32,
+                window: int | None = None) -> torch.Tensor:
+    """`[batch, 1, 1, max_len]` additive mask: 0 inside each sequence (its last `window` positions
+    with one), -inf elsewhere. Additive in the query dtype, because SDPA converts a boolean mask to
+    that on every call."""
+    pos = torch.arange(max_len, device=seq_lens.device)[None, :]
+    outside = pos >= seq_lens[:, None]
+    if window is not None:
+        outside |= pos < seq_lens[:, None] - window
     mask = torch.zeros(outside.shape, dtype=dtype, device=seq_lens.device).masked_fill_(outside, float("-inf"))
     return mask[:, None, None, :]
 
 
 def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                            context_len: int, scale: float) -> torch.Tensor:
+                            context_len: int, scale: float, window: int | None = None) -> torch.Tensor:
     """One sequence's chunk: q `[q_len, num_heads, head_dim]`, its fresh K/V `[q_len, kv_heads,
     head_dim]` (already written to the cache), `context_len` = cached prefix + q_len. Returns
     `[q_len, num_heads, head_dim]`."""
     q_len = q.shape[0]
     qt = q.transpose(0, 1).unsqueeze(0)
-    if context_len == q_len:
+    if context_len == q_len and (window is None or q_len <= window):
         # Nothing cached before this chunk: attend to the fresh K/V (as the cache holds them), no gather.
         k = k_new.to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
         v = v_new.to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -100,7 +110,10 @@ def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.T
     v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len].to(q.dtype)
     # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
     q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+    k_pos = torch.arange(context_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
     out = F.scaled_dot_product_attention(qt, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

@@ -18,7 +18,8 @@ from pdserve.errors import ModelLoadError, UnsupportedModelError
 
 # model_type -> the family file that implements it.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3",
-                         "mixtral": "mixtral", "qwen3_moe": "mixtral"}
+                         "mixtral": "mixtral", "qwen3_moe": "mixtral",
+                         "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -57,6 +58,14 @@ class ModelArch:
     moe_intermediate_size: int = 0  # each expert's, where it differs from the dense MLPs' (Qwen3-MoE)
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1 (Mixtral does)
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead of experts
+    # Gemma 3: each layer's sliding window in tokens (None: a global layer); () when no layer slides
+    # apart from the others (Mistral's one `sliding_window` for every layer is `sliding_window`).
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # or gelu_pytorch_tanh (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 3), else head_dim's
+    local_rope_theta: float | None = None  # the sliding layers' rotary base, where it differs (Gemma 3)
+    local_rope_scaling: dict | None = None
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     quantization: Fp8BlockScheme | None = None  # how the stored weights are quantized (quantization.py)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
@@ -91,6 +100,8 @@ class ModelArch:
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> "ModelArch":
         model_type = cfg.get("model_type")
+        if model_type in ("gemma3", "gemma3_text"):
+            cfg = _gemma3_text_config(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"{source}: model_type {model_type!r} is not supported "
@@ -114,10 +125,14 @@ class ModelArch:
             raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                                  f"({kv_heads}) and, without head_dim, divide hidden_size ({hidden})")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        gemma = _gemma3_fields(cfg, source) if model_type in ("gemma3", "gemma3_text") else {}
 
         rope = dict(cfg.get("rope_parameters") or {})
+        if gemma:  # Gemma 3 nests one rope config per layer type; the global layers' goes on below
+            rope = dict(rope.get("full_attention") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         if partial != 1.0:
@@ -134,7 +149,7 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         window = cfg.get("sliding_window")
-        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+        if (model_type.startswith("qwen") and not cfg.get("use_sliding_window", False)) or gemma:
             window = None
         moe = _moe_fields(cfg, model_type, source)
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -157,9 +172,11 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(gemma),
+            hidden_act=act,
             quantization=parse_quantization(cfg.get("quantization_config"), source),
             **moe,
+            **gemma,
         )
 
 
@@ -183,3 +200,55 @@ def _moe_fields(cfg: dict, model_type: str, source: str) -> dict:
             "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
             "dense_layers": tuple(sorted(i for i in dense if 0 <= i < layers))}
+
+
+# Gemma3TextConfig's defaults: hub checkpoints (the 4B and larger ones nest the text model's config
+# in `text_config`) write only the fields that differ from them.
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                         "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                         "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                         "query_pre_attn_scalar": 256, "sliding_window": 4096, "bos_token_id": 2,
+                         "eos_token_id": 1, "rope_theta": 1_000_000.0}
+
+
+def _gemma3_text_config(cfg: dict) -> dict:
+    """A Gemma 3 config (`gemma3_text`, or `gemma3`'s `text_config`) with Gemma3TextConfig's defaults
+    filled in; the top level's token ids, dtype and tying apply where the text config has none."""
+    text = cfg.get("text_config") if cfg.get("model_type") == "gemma3" else cfg
+    if not isinstance(text, dict):
+        raise ModelLoadError("a gemma3 config needs its language model's config in 'text_config'")
+    top = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "dtype", "torch_dtype")
+           if cfg.get(k) is not None}
+    return {**_GEMMA3_TEXT_DEFAULTS, **top, **{k: v for k, v in text.items() if v is not None},
+            "model_type": cfg["model_type"]}
+
+
+def _gemma3_fields(cfg: dict, source: str) -> dict:
+    """The Gemma 3 fields of `ModelArch`: which layers slide (`layer_types`, else every
+    `sliding_window_pattern`-th layer is global), the local rotary settings (transformers 5 nests
+    them per layer type in `rope_parameters`; older configs say `rope_local_base_freq`), the
+    attention scale and the final logits' soft cap."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{source}: layer_types must name sliding_attention or full_attention for each of "
+                             f"the {layers} layers, got {types!r}")
+    if cfg.get("attn_logit_softcapping") is not None or cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{source}: attn_logit_softcapping and use_bidirectional_attention are not "
+                                    f"supported (Gemma 3's causal language model uses neither)")
+    window = int(cfg.get("sliding_window") or 0)
+    if window <= 0:
+        raise ModelLoadError(f"{source}: a gemma3 config needs a positive sliding_window")
+    local = dict((cfg.get("rope_parameters") or {}).get("sliding_attention") or {})
+    theta = float(local.pop("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+    if local.get("rope_type", "default") == "default":
+        local = {}
+    cap = cfg.get("final_logit_softcapping")
+    return {"layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+            "local_rope_theta": theta, "local_rope_scaling": local or None,
+            "final_logit_softcapping": float(cap) if cap else None}
