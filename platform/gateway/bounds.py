@@ -2,9 +2,11 @@
 work: each violation is an `InvalidRequestError` naming the `param` (an OpenAI-shaped 400).
 
 `check_counts` runs on the parsed JSON object, before the pydantic models build anything from
-it, so a request of 50,000 prompts costs a `len()`, not 50,000 objects. The rest run on the
-validated request: stop strings' lengths, `logit_bias` entries, sequences per request, and the
-characters of text prompts against what the context could hold.
+it, so a request of 50,000 prompts costs a `len()`, not 50,000 objects, and a constraint's text
+(a JSON schema, regex, choices or grammar: `structured.py`) over `max_structured_output_chars`
+is refused before anything compiles it. The rest run on the validated request: stop strings'
+lengths, `logit_bias` entries, sequences per request, and the characters of text prompts
+against what the context could hold.
 
 The character bound (`max_prompt_chars`) rejects a text prompt that cannot fit `max_model_len`
 whatever it says, without tokenizing it: no token of the vocabulary covers more characters than
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from pdserve.config import GatewayConfig
 from pdserve.errors import InvalidRequestError
+from pdserve.gateway.structured import constraint_chars
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # Unicode normalization (NFC/NFKC) composes at most three characters into one (Hangul L+V+T);
@@ -65,6 +68,7 @@ class RequestBounds:
     max_logit_bias: int
     max_messages: int
     max_prompt_chars: int | None  # None: no bound before tokenizing
+    max_structured_output_chars: int = GatewayConfig.model_fields["max_structured_output_chars"].default
 
     @classmethod
     def of(cls, gateway: GatewayConfig, tokenizer_json: dict, max_model_len: int) -> "RequestBounds":
@@ -72,7 +76,7 @@ class RequestBounds:
         return cls(gateway.max_prompts_per_request, gateway.max_sequences_per_request, gateway.max_n,
                    gateway.max_stop_sequences, gateway.max_stop_sequence_chars, gateway.max_stop_token_ids,
                    gateway.max_logit_bias_entries, gateway.max_chat_messages,
-                   None if per_token is None else per_token * max_model_len)
+                   None if per_token is None else per_token * max_model_len, gateway.max_structured_output_chars)
 
     def check_counts(self, data: dict) -> None:
         """The sizes of a parsed body's lists, before anything is built from them."""
@@ -84,6 +88,10 @@ class RequestBounds:
         _at_most(_len(stop) if isinstance(stop, list) else 0, self.max_stops, "stop", "stop sequences")
         _at_most(_len(data.get("stop_token_ids")), self.max_stop_token_ids, "stop_token_ids", "stop token ids")
         _at_most(_len(data.get("logit_bias")), self.max_logit_bias, "logit_bias", "logit_bias entries")
+        chars, param = constraint_chars(data)
+        if chars > self.max_structured_output_chars:
+            raise InvalidRequestError(f"the output constraint has {chars} characters as JSON; at most "
+                                      f"{self.max_structured_output_chars} are allowed", param=param)
         n = data.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > self.max_n:
             raise InvalidRequestError(f"n must be at most {self.max_n}", param="n")

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.config import GatewayConfig
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, PromptTooLongError
 from pdserve.gateway.auth import ApiKeys
@@ -47,6 +47,7 @@ from pdserve.gateway.bounds import RequestBounds, check_logit_bias, tokenizer_js
 from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.gateway.request_body import parse_json_object, read_body
+from pdserve.gateway.structured import StructuredOutputChecker
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
 from pdserve.protocol import GenerateRequest
 from pdserve.telemetry.requests import RequestRecord
@@ -116,6 +117,7 @@ class OpenAIService:
         self.max_model_len, self.config, self.metrics = max_model_len, config, metrics
         self.api_keys = ApiKeys(config.api_keys)
         self.bounds = RequestBounds.of(config, tokenizer_json(tokenizer), max_model_len)
+        self.structured = StructuredOutputChecker(tokenizer)  # compiles each constraint once, 400 if bad
         self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="pdserve-parse")
         self._large_threads = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse-large")
@@ -168,12 +170,15 @@ class OpenAIService:
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, param)
 
-    def _check_sampling(self, body) -> None:
+    def _check_sampling(self, body) -> StructuredOutput | None:
+        """Checks of the sampling fields before tokenizing; returns the compiled output constraint."""
+        body.refuse_unsupported()
         vocab = self.tokenizer.vocab_size
         self.bounds.check_stops(body.stop)
         check_logit_bias(body.logit_bias, vocab)
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
             raise InvalidRequestError(f"stop_token_ids must lie in the vocabulary [0, {vocab})", param="stop_token_ids")
+        return self.structured(body)
 
     def _fan_out(self, rec: RequestRecord, rid: str, prompts: list[list[int]], n: int,
                  make_params: Callable[[int], SamplingParams]) -> list[tuple[int, GenerateRequest]]:
@@ -309,7 +314,7 @@ class OpenAIService:
         for p in prompts:
             if isinstance(p, str):
                 self.bounds.check_prompt_chars(len(p), "prompt")
-        self._check_sampling(body)
+        structured = self._check_sampling(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         for ids in prompts:
@@ -317,7 +322,7 @@ class OpenAIService:
         k = body.logprobs
         prompt_k = k if body.echo else None  # echo + logprobs: score the prompt too (lm-eval)
         return self._fan_out(rec, rid, prompts, body.n,
-                             lambda i: body.sampling_params(max_tokens, k, prompt_k, i, salt))
+                             lambda i: body.sampling_params(max_tokens, k, prompt_k, i, salt, structured))
 
     def _echo(self, c: _Choice) -> str:
         return self.tokenizer.decode(c.prompt_ids)
@@ -393,12 +398,13 @@ class OpenAIService:
         self.bounds.check_sequences(1, body.n)
         messages = body.template_messages()
         self.bounds.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        self._check_sampling(body)
+        structured = self._check_sampling(body)
         ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._check_length(ids, asked, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return self._fan_out(rec, rid, [ids], body.n, lambda i: body.sampling_params(max_tokens, k, None, i, salt)), k
+        return self._fan_out(rec, rid, [ids], body.n,
+                             lambda i: body.sampling_params(max_tokens, k, None, i, salt, structured)), k
 
     def _chat_logprobs(self, lps: list[TokenLogprob], k: int) -> dict:
         def entry(tid: int, lp: float) -> dict:

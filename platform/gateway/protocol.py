@@ -2,16 +2,20 @@
 
 Pydantic validates types; ranges are checked once, by `SamplingParams` (and the request's size
 by `bounds.py`, before these models are built). Unknown fields are ignored, as OpenAI and vLLM
-do, so clients that send newer fields keep working.
+do, so clients that send newer fields keep working. OpenAI fields that would change what is
+generated but are not implemented are declared only to be refused (`refuse_unsupported`: a 400
+naming the field), never ignored; metadata fields (`user`, `metadata`, `store`,
+`service_tier`) are accepted and change nothing. Output constraints (`response_format`, vLLM's
+`guided_*` and `structured_outputs`) are read by `structured.py`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.errors import InvalidRequestError
 
 TokenIds = list[StrictInt]
@@ -19,6 +23,37 @@ TokenIds = list[StrictInt]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or JSON of a schema."""
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: one constraint, and whether JSON may carry free whitespace
+    (`disable_any_whitespace`, pdserve's default true). Unknown keys are refused: each would
+    change the output."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -44,11 +79,29 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    # Fields that change the output and are not implemented: (name, why), refused when set.
+    UNSUPPORTED: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field set that would change the output and is not implemented."""
+        for name, why in self.UNSUPPORTED:
+            if _is_set(getattr(self, name)):
+                raise InvalidRequestError(f"{name} is not supported{why}", param=name)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                        choice: int = 0, cache_salt: str | None = None) -> SamplingParams:
+                        choice: int = 0, cache_salt: str | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """Choice `choice`'s parameters; `cache_salt` is the salt the gateway settled on (see
-        `OpenAIService`), not necessarily the request's own."""
+        `OpenAIService`), not necessarily the request's own; `structured` the constraint
+        `structured.py` compiled. `logit_bias` was checked against the vocabulary
+        (`bounds.check_logit_bias`)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
         if max_tokens < 1:
@@ -63,13 +116,27 @@ class _SamplingFields(BaseModel):
         return SamplingParams(max_tokens=max_tokens, seed=seed, stop=self.stop or (),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              skip_special_tokens=self.skip_special_tokens, cache_salt=cache_salt, **set_)
+                              skip_special_tokens=self.skip_special_tokens, cache_salt=cache_salt,
+                              logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+                              structured=structured, **set_)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     logprobs: StrictInt | None = Field(None, ge=0)
     echo: bool = False
+    best_of: StrictInt | None = Field(None, ge=1)
+    suffix: Any = None  # refused (UNSUPPORTED)
+
+    UNSUPPORTED = (("suffix", " (insertion: the supported models have no fill-in-the-middle template)"),)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        # best_of = n samples n and returns them all: what n does. More than n (keep the best by
+        # log-probability) is not implemented.
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of other than n is not supported (got best_of={self.best_of}, "
+                                      f"n={self.n}); send n choices and rank them yourself", param="best_of")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -103,11 +170,39 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # Refused when set (UNSUPPORTED, and tool_choice and modalities below); declared to be seen.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+    UNSUPPORTED = (("tools", " yet (tool calling, #45)"), ("functions", " (tool calling, #45)"),
+                    ("function_call", " (tool calling, #45)"), ("prediction", " (predicted outputs)"),
+                    ("audio", " (text output only)"), ("web_search_options", ""),
+                    ("reasoning_effort", " (no reasoning models are served)"), ("verbosity", ""))
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if _is_set(self.tool_choice) and self.tool_choice not in ("none", "auto"):
+            raise InvalidRequestError("tool_choice is not supported yet (tool calling, #45)", param="tool_choice")
+        if _is_set(self.modalities) and self.modalities != ["text"]:
+            raise InvalidRequestError("only the text modality is supported", param="modalities")
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise InvalidRequestError("messages must contain at least one message", param="messages")
         return [m.for_template() for m in self.messages]
+
+
+def _is_set(value) -> bool:
+    """Set to something that asks for a behaviour: not absent, null or empty."""
+    return value is not None and value != [] and value != {} and value != ""
 
 
 class TokenizeRequest(BaseModel):
