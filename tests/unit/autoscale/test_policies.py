@@ -1,9 +1,21 @@
-"""pdserve's autoscaling policies on a stand-in for Ray Serve's context (the config that wires them:
-tests/unit/test_app.py and tests/integration/test_app.py)."""
+"""pdserve's autoscaling policies on a stand-in for Ray Serve's context, each decision counted (the
+config that wires them: tests/unit/test_app.py and tests/integration/test_app.py)."""
 
+import sys
 from types import SimpleNamespace
 
+import pytest
+
 from pdserve.autoscale.policies import DecodeLoadPolicy, PrefillQueuePolicy, UnifiedPolicy
+
+
+@pytest.fixture(autouse=True)
+def decisions(monkeypatch):
+    """What the policies count in Ray's metrics (telemetry/metrics.py, which imports Ray): kept here."""
+    recorded = []
+    metrics = SimpleNamespace(autoscaling_decision=lambda *decision: recorded.append(decision))
+    monkeypatch.setitem(sys.modules, "pdserve.telemetry.metrics", metrics)
+    return recorded
 
 
 def ctx(current=1, requests=0.0, **metrics):
@@ -12,9 +24,10 @@ def ctx(current=1, requests=0.0, **metrics):
                            aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
 
 
-def test_prefill_scales_on_queued_tokens_and_requests():
+def test_prefill_scales_on_queued_tokens_and_requests(decisions):
     policy = PrefillQueuePolicy(target_queued_tokens=1000, target_ongoing_requests=4)
     assert policy(ctx(current=2))[0] == 2  # no reports yet: hold
+    assert decisions == [("prefill", "app", 2, 2)]
     assert policy(ctx(queued_prefill_tokens=[2500, 600]))[0] == 4  # 3100 tokens / 1000
     assert policy(ctx(requests=10, queued_prefill_tokens=[0]))[0] == 3  # 10 requests / 4
     assert policy(ctx(current=3, queued_prefill_tokens=[0, 0, 0]))[0] == 0  # Serve's min_replicas floors it
@@ -39,7 +52,7 @@ def test_ratio_band_raises_the_pool_that_falls_behind():
     assert ratio_band(1, 0, 0.5, 2) == (1, 1)  # prefill woke up: decode follows
 
 
-def test_pool_ratio_policy_decides_for_both_pools():
+def test_pool_ratio_policy_decides_for_both_pools(decisions):
     from pdserve.autoscale.policies import PoolRatioPolicy
 
     policy = PoolRatioPolicy({"target_queued_tokens": 1000, "target_ongoing_requests": 4},
@@ -52,6 +65,7 @@ def test_pool_ratio_policy_decides_for_both_pools():
     prefill = pool("Prefill", queued_prefill_tokens=[5000])  # wants 5
     decode = pool("Decode", num_running=[1], kv_usage=[0.1])  # wants 1
     assert policy({"p": prefill, "d": decode})[0] == {"p": 5, "d": 3}
+    assert decisions == [("prefill", "app", 1, 5), ("decode", "app", 1, 3)]  # each pool's, after the band
     # Idle, both pools want 0 and get their minimum, 1: the band holds between those.
     idle = PoolRatioPolicy({}, {}, min_ratio=2, max_ratio=4)
     prefill, decode = pool("Prefill", queued_prefill_tokens=[0]), pool("Decode", num_running=[0], kv_usage=[0.0])
