@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -35,9 +36,10 @@ class KVExporter:
     cache_region: SharedRegion | CudaRegion | None = None  # set where importers on this host may copy out of `kv`
 
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
-                 pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None], lease_s: float = 30.0):
+                 pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None], lease_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.exporter_id, self.kv, self.layout = exporter_id, kv, layout
-        self.leases = LeaseTable(pin, unpin, lease_s)
+        self.leases = LeaseTable(pin, unpin, lease_s, clock)  # `clock`: a test's, to expire leases at once
         self.buffers = BufferPool()
         self._closed = threading.Event()
         self._expiry = threading.Thread(target=self._expire_leases, name=f"kv-leases-{exporter_id}", daemon=True)

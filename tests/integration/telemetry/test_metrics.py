@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.telemetry import metrics
 from pdserve.telemetry.metrics import ITL_BATCH_MAX, ITL_BATCH_S, GatewayMetrics
+from tests.harness.waiting import until
 
 
 class Histogram:
@@ -33,10 +34,11 @@ def test_gaps_are_recorded_in_order_within_the_batch_period(itl):
         for i in range(5):
             m.inter_token(i / 1000)
         assert itl.values == []  # kept for the batch
-        await asyncio.sleep(ITL_BATCH_S + 0.1)
+        await until(lambda: itl.values, 4 * ITL_BATCH_S, "the batch recorded")
         assert itl.values == [0.0, 0.001, 0.002, 0.003, 0.004]
         m.inter_token(0.5)  # the next batch starts its own period
-        await asyncio.sleep(ITL_BATCH_S + 0.1)
+        assert len(itl.values) == 5
+        await until(lambda: len(itl.values) == 6, 4 * ITL_BATCH_S, "the next batch recorded")
 
     asyncio.run(run())
     assert itl.values[-1] == 0.5 and len(itl.values) == 6

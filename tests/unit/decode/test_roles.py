@@ -10,6 +10,7 @@ import pytest
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import GenerateRequest
+from tests.harness.waiting import until
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -178,8 +179,7 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
 
     async def main():
         first = asyncio.ensure_future(_collect(decode, GenerateRequest("first", prompts["first"], GREEDY)))
-        while not seen_queue:
-            await asyncio.sleep(0.01)
+        await until(lambda: seen_queue, what="the first prompt waiting on the prefill replica")
         second = await _collect(decode, GenerateRequest("second", prompts["second"], GREEDY))
         held.set()
         return {"first": await first, "second": second,
@@ -214,8 +214,7 @@ def test_long_prompts_overflow_only_past_their_own_queue_limit(pools, tiny_llama
     held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until the others are placed
 
     async def until_queued(n):
-        while len(seen_queue) < n:
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen_queue) >= n, what=f"{n} prompts waiting on the prefill replica")
 
     def start(name):
         return asyncio.ensure_future(_collect(decode, GenerateRequest(name, prompts[name], GREEDY)))

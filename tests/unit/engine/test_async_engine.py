@@ -10,6 +10,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from tests.harness.waiting import until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -96,8 +97,7 @@ def test_cancelled_consumer_aborts_and_frees_blocks(async_engine):
     async def main():
         seen = []
         task = asyncio.create_task(consume(await async_engine.generate("c", list(range(10, 50)), long), seen))
-        while len(seen) < 3:
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen) >= 3, what="three outputs of the long request")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

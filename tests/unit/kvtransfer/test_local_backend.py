@@ -1,7 +1,5 @@
 """The same-process backend, and the exporter/importer contract every backend shares."""
 
-import time
-
 import pytest
 import torch
 
@@ -12,15 +10,22 @@ from pdserve.kvtransfer.local_backend import LocalImporter
 from pdserve.kvtransfer.protocol import KVLayout
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import gather_blocks
+from tests.fakes.clock import Clock
+from tests.harness.waiting import wait_until
 
 LAYOUT = KVLayout("m", num_layers=2, block_size=4, num_kv_heads=4, head_dim=8, dtype="float32")
 
 
 @pytest.fixture
-def side():
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def side(clock):
     kv = torch.randn(2, 2, 32, 4, 4, 8)
     pool = BlockPool(32, 4)
-    exporter = KVExporter("prefill-0", kv, LAYOUT, pool.incref, pool.free, lease_s=0.5)
+    exporter = KVExporter("prefill-0", kv, LAYOUT, pool.incref, pool.free, lease_s=0.5, clock=clock.time)
     yield kv, pool, exporter
     exporter.close()
 
@@ -50,13 +55,13 @@ def test_tp2_importer_gets_its_heads(side):
     assert torch.equal(dst[:, :, :2], kv[:, :, [4, 5], :, 2:4])
 
 
-def test_failures_free_the_importers_blocks(side):
+def test_failures_free_the_importers_blocks(side, clock):
     kv, pool, exporter = side
     importer = LocalImporter(torch.zeros(2, 2, 8, 4, 4, 8), LAYOUT, {"prefill-0": exporter})
     freed = []
     handle = exporter.export("idle", pool.allocate(2), 8)
-    time.sleep(0.9)  # the lease (0.5 s) expires; the expiry thread frees the blocks
-    assert pool.num_free_blocks == 30  # this test's own allocation is still out
+    clock.offset_s += 1.0  # past the lease (0.5 s): the expiry thread frees the blocks on its next round
+    wait_until(lambda: pool.num_free_blocks == 30, what="the expired lease's blocks freed")  # the test's own 2 out
     with pytest.raises(p.LeaseExpiredError):
         importer.pull(handle, [0, 1], on_failure=freed.extend)
     unknown = p.KVHandle("prefill-0", "local:prefill-0", "nope", (1,), 4, LAYOUT, "t")

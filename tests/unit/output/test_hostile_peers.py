@@ -12,6 +12,7 @@ from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.output.frames import HELLO_MAX_BYTES, VERSION, OutputChannelError, frame
 from pdserve.output.receiver import OutputChannels, OutputTooLargeError
 from pdserve.output.sender import OutputChannelServer, OutputSink
+from tests.harness.waiting import until
 
 
 def _out(rid: str, i: int, finished: bool = False) -> RequestOutput:
@@ -39,13 +40,6 @@ async def _closed_by_server(reader, timeout_s: float = 5.0) -> bool:
 
 def _hello(server, gateway="g" * 32, conn=1, **fields) -> dict:
     return {"v": VERSION, "gateway": gateway, "conn": conn, "secret": server.secret, **fields}
-
-
-async def _wait_for(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def test_an_oversized_hello_is_refused_before_it_is_read():
@@ -97,7 +91,7 @@ def test_a_byte_after_the_hello_closes_the_connection_and_aborts_its_requests():
         server, aborted = await _listening()
         reader, writer = await _open(server)
         writer.write(frame(_hello(server)))
-        await _wait_for(lambda: server.sink("g" * 32) is not None)
+        await until(lambda: server.sink("g" * 32) is not None)
         server.sink("g" * 32).request_ids.add("r1")
         writer.write(b"x")
         assert await _closed_by_server(reader)
@@ -112,7 +106,7 @@ def test_a_duplicate_gateway_id_is_refused_and_the_first_connection_kept():
         server, aborted = await _listening()
         channels = OutputChannels()
         channels.offer(await server.offer())
-        await _wait_for(lambda: server.sink(channels.gateway_id) is not None)
+        await until(lambda: server.sink(channels.gateway_id) is not None)
         honest = server.sink(channels.gateway_id)
         p = channels.register("r1")
         honest.request_ids.add("r1")
@@ -136,12 +130,12 @@ def test_the_connection_cap_refuses_the_next_connection_and_a_silent_one_times_o
     async def main():
         server, _ = await _listening(max_connections=3)
         silent = [await _open(server) for _ in range(3)]  # slow senders: no hello at all
-        await _wait_for(lambda: server._num_open == 3)
+        await until(lambda: server._num_open == 3)
         reader, _ = await _open(server)
         assert await _closed_by_server(reader, 2)  # the fourth: refused at once
         for r, _ in silent:  # each closed once its hello is late
             assert await _closed_by_server(r)
-        await _wait_for(lambda: server._num_open == 0)
+        await until(lambda: server._num_open == 0)
         server.close()
 
     asyncio.run(main())
@@ -153,9 +147,9 @@ def test_an_idle_connection_is_closed_and_a_busy_one_kept():
         busy, idle = OutputChannels(), OutputChannels()
         for channels in (busy, idle):
             channels.offer(await server.offer())
-        await _wait_for(lambda: server.num_connections == 2)
+        await until(lambda: server.num_connections == 2)
         server.sink(busy.gateway_id).request_ids.add("r1")  # a request still streaming
-        await _wait_for(lambda: server.sink(idle.gateway_id) is None, 3)
+        await until(lambda: server.sink(idle.gateway_id) is None, 3)
         await asyncio.sleep(0.5)
         assert server.sink(busy.gateway_id) is not None
         for channels in (busy, idle):
@@ -170,7 +164,7 @@ def test_flushes_split_at_the_frame_budget_and_an_output_too_large_fails_alone()
         server, aborted = await _listening()
         channels = OutputChannels()
         channels.offer(await server.offer())
-        await _wait_for(lambda: server.sink(channels.gateway_id) is not None)
+        await until(lambda: server.sink(channels.gateway_id) is not None)
         sink: OutputSink = server.sink(channels.gateway_id)
         sink.max_frame_bytes = 4096
         frames = []

@@ -12,6 +12,7 @@ from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.output.frames import ChannelDone, ChannelOffer, OutputChannelError, decode_output, encode_output
 from pdserve.output.receiver import END, OutputChannels
 from pdserve.output.sender import OutputChannelServer
+from tests.harness.waiting import until
 
 
 def out(rid: str, i: int, finished: bool = False) -> RequestOutput:
@@ -31,8 +32,7 @@ async def _connected(on_close=lambda ids: None):
     server = OutputChannelServer("127.0.0.1", on_close)
     channels = OutputChannels()
     channels.offer(await server.offer())
-    while server.sink(channels.gateway_id) is None:
-        await asyncio.sleep(0.01)
+    await until(lambda: server.sink(channels.gateway_id) is not None, what="the gateway's connection")
     return server, channels
 
 
@@ -97,8 +97,7 @@ def test_a_gateway_that_goes_aborts_its_requests_on_the_replica():
         sink = server.sink(channels.gateway_id)
         sink.request_ids.update({"a", "b"})
         channels.close()
-        while not sink.is_closed:
-            await asyncio.sleep(0.01)
+        await until(lambda: sink.is_closed, what="the replica's side closing")
         with pytest.raises(OutputChannelError):
             sink.send("a", out("a", 0))
         assert server.sink(channels.gateway_id) is None and server.num_connections == 0
@@ -116,7 +115,7 @@ def test_a_replica_that_goes_fails_only_the_requests_waiting_on_it():
         waiting, done, elsewhere = channels.register("w"), channels.register("d"), channels.register("e")
         sink.send("w", out("w", 0))
         sink.send("d", out("d", 0, finished=True))
-        await asyncio.sleep(0.05)
+        await until(lambda: waiting.num_delivered == done.num_delivered == 1, what="both outputs arriving")
         channels.done(waiting, ChannelDone(sink.conn_id, 5))  # four more were sent but never arrive
         server.close()
         items = await _drain(waiting)
@@ -142,8 +141,7 @@ def test_an_unreachable_replica_is_not_retried_at_once():
             port = s.getsockname()[1]
         channels.offer(ChannelOffer("127.0.0.1", port, "s"))
         assert channels.num_connections == 1  # connecting
-        while channels.num_connections:
-            await asyncio.sleep(0.01)
+        await until(lambda: not channels.num_connections, what="the refused connection given up")
         channels.offer(ChannelOffer("127.0.0.1", port, "s"))  # refused a moment ago: requests stay on their calls
         assert channels.num_connections == 0
 

@@ -1,9 +1,9 @@
 """Placement policy: prefix affinity, the per-candidate hot-spot guard, random ties, decode headroom."""
 
 import random
-import time
 
 from pdserve.router.policy import DecodeLoad, rank_decode, rank_prefill
+from tests.fakes.clock import Clock
 
 BS = 16
 
@@ -41,14 +41,16 @@ def test_decode_ranks_by_headroom_then_running_and_new_replicas_first():
     assert rank_decode(["a", "new"], loads, blocks_needed=5)[0] == "new"
 
 
-def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since():
-    from pdserve.router.policy import InFlight
+def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since(monkeypatch):
+    from pdserve.router import policy
 
-    f = InFlight()
+    clock = Clock()
+    monkeypatch.setattr(policy, "time", clock)
+    f = policy.InFlight()
     f.add("try-1", "q1", "a", 100)
     assert f.estimate("a", None, None) == 100  # no report yet: own work only
-    t_report = time.time()
-    time.sleep(0.01)
+    t_report = clock.time()
+    clock.offset_s += 0.01
     f.finish("q1", "a")  # finished after the report was taken
     assert f.estimate("a", 100, t_report) == 0
     f.add("try-2", "q2", "a", 40)  # sent after the report
