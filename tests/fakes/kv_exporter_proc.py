@@ -3,18 +3,15 @@
 Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
 ("export_scattered", request_id, num_tokens) -> the same over every other block (the exporter then
 gathers chunk by chunk); ("free",) -> the pool's free block count; ("connections",) -> connections
-accepted so far and open now; ("cpu",) -> the process's CPU seconds so far; ("wakeups",) -> how
-many times its threads have slept and woken so far (voluntary context switches); ("stop",). The
-cache is `make_cache(...)`, so the test process can rebuild the exact same bytes to compare against.
-With `shared`, the cache is in shared memory (`shared_zeros`), as an engine's is: importers on this
-host copy out of it (the local path). `stall` is an exporter that sends the DATA frame and a few
-chunks of a pull, then nothing.
+accepted so far and open now; ("stop",). The cache is `make_cache(...)`, so the test process can
+rebuild the exact same bytes to compare against. With `shared`, the cache is in shared memory
+(`shared_zeros`), as an engine's is: importers on this host copy out of it (the local path).
+`stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 LAYOUT = dict(model_id="test-model", num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
 NUM_BLOCKS = 4096
@@ -62,22 +59,10 @@ def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shar
             replies.put(("free", pool.num_free_blocks))
         elif cmd[0] == "connections":
             replies.put(("connections", exporter.num_connections, exporter.num_open_connections))
-        elif cmd[0] == "cpu":
-            replies.put(("cpu", time.process_time()))
-        elif cmd[0] == "wakeups":
-            replies.put(("wakeups", sum(_voluntary_switches(t) for t in os.listdir("/proc/self/task"))))
         else:
             exporter.close()
             replies.put(("stopped",))
             return
-
-
-def _voluntary_switches(thread_id: str) -> int:
-    try:
-        with open(f"/proc/self/task/{thread_id}/status") as f:
-            return int(f.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
-    except OSError:  # the thread ended meanwhile
-        return 0
 
 
 def stall(replies, num_blocks: int, num_chunks_sent: int, late_s: float | None = None) -> None:

@@ -47,12 +47,6 @@ class Exporter:
     def free_blocks(self) -> int:
         return self.call("free")[0]
 
-    def cpu_seconds(self) -> float:
-        return self.call("cpu")[0]
-
-    def wakeups(self) -> int:
-        return self.call("wakeups")[0]
-
     def connections(self) -> tuple[int, int]:
         """Connections the exporter accepted so far, and how many are open now."""
         return tuple(self.call("connections"))
@@ -516,14 +510,8 @@ def test_pulls_reuse_one_connection_and_replace_one_the_exporter_dropped(src):
             importer.pull(h, _dst(7, offset=100 * i))
             assert torch.equal(gather_blocks(kv, _dst(7, offset=100 * i)), gather_blocks(src, list(h.block_ids)))
         assert importer.num_endpoints_created == 1 and exporter.connections() == (1, 1)
-        # Waiting for the next read on the kept connection is not a busy loop (ucxx polls a
-        # pending receive from the event loop unless its requests complete through futures).
-        # Nor does UCX's progress thread wake every millisecond, as ucxx starts it (~270 times here).
-        before, woken_before = exporter.cpu_seconds(), exporter.wakeups()
-        time.sleep(0.3)  # under the 0.5 s idle timeout: the connection is still kept
-        used, woken = exporter.cpu_seconds() - before, exporter.wakeups() - woken_before
-        assert used < 0.15
-        assert woken < 60
+        # What the kept connection costs the exporter while it waits (CPU time, wakeups) is
+        # benchmarks/kvtransfer_idle.py's to measure.
         deadline = time.time() + 10  # the exporter drops the idle connection after 0.5 s
         while exporter.connections()[1] and time.time() < deadline:
             time.sleep(0.1)
