@@ -66,7 +66,7 @@ run() {
     # CUDA IPC between two processes), bounded by TESTS_TIMEOUT_S (120; 0 skips them).
     if [ "${TESTS_TIMEOUT_S:-120}" != 0 ]; then
         (cd "$here" && timeout -k 10 "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-            $(ls tests/unit/engine/test_triton_*.py tests/unit/engine/test_cuda_*.py)) 2>&1 | tail -40 | tee "$out/tests.log"
+            $(ls tests/unit/engine/test_triton_*.py tests/unit/engine/test_cuda_*.py tests/integration/engine/test_cuda_ipc.py)) 2>&1 | tail -40 | tee "$out/tests.log"
     fi
     UCX_PROTO_INFO=y timeout -k 10 "${SUITE_TIMEOUT_S:-480}" python3 "$here/benchmarks/gpu_suite.py" --out "$out" "$@" \
         2>&1 | tee "$out/suite.log"
