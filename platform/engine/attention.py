@@ -46,6 +46,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunkMeta]
+    # A model of several layer groups (kv_groups.py): each group's metadata, this one first.
+    groups: list["AttentionMetadata"] | None = None
     _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
     _window_masks: dict = field(default_factory=dict, repr=False)
@@ -132,20 +134,23 @@ class Attention(nn.Module):
         -> `[tokens, heads * head_dim]`."""
         ctx = get_forward_context()
         meta = ctx.attn
+        if meta.groups is not None:  # this layer's group's slots and block tables
+            meta = meta.groups[ctx.kv_cache.layer_groups[self.layer_idx]]
         num_tokens = q.shape[0]
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
         nd = meta.num_decode_tokens
         if self.sliding_window is not None:
-            return self._forward_window(q, k, v, k_cache, v_cache, ctx).view(num_tokens, -1)
+            return self._forward_window(q, k, v, k_cache, v_cache, meta, ctx.workspace).view(num_tokens, -1)
         if q.is_cuda and triton_paged.HAS_TRITON:
             triton_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return self._forward_triton(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if nd == num_tokens:  # a pure decode step, the common case: no staging copy
-            return self._decode(q, k_cache, v_cache, ctx).reshape(num_tokens, self.num_heads * self.head_dim)
+            return self._decode(q, k_cache, v_cache, meta, ctx.workspace).reshape(num_tokens,
+                                                                                  self.num_heads * self.head_dim)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, ctx)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, ctx.workspace)
         kernel = cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
@@ -158,15 +163,15 @@ class Attention(nn.Module):
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _forward_window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+                        v_cache: torch.Tensor, meta: AttentionMetadata, workspace: GatherWorkspace) -> torch.Tensor:
         """A sliding-window layer's step on the torch path (any device)."""
-        meta, window = ctx.attn, self.sliding_window
+        window = self.sliding_window
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         out = q.new_empty(q.shape)
         if nd:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_seq_lens, self.scale, ctx.workspace,
+                                              meta.decode_seq_lens, self.scale, workspace,
                                               meta.decode_mask(k_cache.shape[1], q.dtype, window))
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
@@ -174,15 +179,14 @@ class Attention(nn.Module):
                                                p.context_len, self.scale, window)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                workspace: GatherWorkspace) -> torch.Tensor:
         """CPU decode: the C kernel (one pass over the blocks) where it applies, else gather + SDPA."""
-        meta = ctx.attn
         if cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache):
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                         meta.decode_seq_lens, self.scale)
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                      self.scale, ctx.workspace, meta.decode_mask(k_cache.shape[1], q.dtype))
+                                      self.scale, workspace, meta.decode_mask(k_cache.shape[1], q.dtype))
 
     def _forward_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

@@ -48,3 +48,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_B
     h = parent
     # One C call per block; the comprehension keeps the loop out of the interpreter's slow path.
     return [h := _xxh3(raw[i:i + step], h) for i in range(0, end * 4, step)]
+
+
+def group_block_hash(h: int, group: int) -> int:
+    """Block hash `h` as layer group `group` names its block (kv_groups.py): group 0 uses `h` itself;
+    the others derive their own, so one prefix's blocks in different groups never share a name."""
+    return _xxh3(h.to_bytes(8, "little"), group)

@@ -47,6 +47,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.engine.grammar import GrammarCompiler, GrammarError
 from pdserve.engine.kv_cache import BlockPool, KVCacheManager
+from pdserve.engine.kv_groups import HybridKVCacheManager, layer_groups
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.llama import check_parallel
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
@@ -99,7 +100,9 @@ class LLMEngine:
         num_blocks = self.kv_cache.num_blocks
         bytes_per_block = self.kv_cache.kv[:, :, 0].numel() * self.kv_cache.kv.element_size()
         self.block_pool = BlockPool(num_blocks, config.block_size)
-        self.kv_manager = KVCacheManager(self.block_pool, config.enable_prefix_caching)
+        groups = layer_groups(self.arch.num_layers, self.arch.layer_windows)
+        self.kv_manager = (KVCacheManager(self.block_pool, config.enable_prefix_caching) if len(groups) == 1 else
+                           HybridKVCacheManager(self.block_pool, groups, config.enable_prefix_caching))
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.split_prompts_to_fill_steps)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, Sampler(config.seed), config.device,
@@ -201,7 +204,7 @@ class LLMEngine:
         # What the client's usage counts as cached: the prompt tokens the prefill replica did not
         # compute (this replica's own hits only save transfer, not compute).
         req.num_cached_tokens = first.num_cached_tokens
-        return len(hit), self.kv_manager.get_block_table(request_id)[len(hit):]
+        return self.kv_manager.import_blocks(request_id, req.num_prompt_tokens, len(hit))
 
     def start_prefilled_request(self, request_id: str, recompute: bool = False) -> None:
         """The blocks from `add_prefilled_request` hold the prompt's KV: decode from the next step.
@@ -254,7 +257,8 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
                 f"tokens, leaving no room for output. Shorten the prompt.", param="prompt")
-        need_blocks = -(-min(n + params.max_tokens, self.max_model_len) // self.kv_cache.block_size)
+        max_chunk = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
+        need_blocks = self.kv_manager.max_blocks_for(min(n + params.max_tokens, self.max_model_len), max_chunk)
         if need_blocks > self.block_pool.num_blocks:
             raise PromptTooLongError(
                 f"prompt plus max_tokens needs {need_blocks} KV blocks but this engine has "
@@ -389,7 +393,7 @@ class LLMEngine:
             req.finish(None)  # finished here, to be continued by a decode engine
             del self._detokenizers[req.request_id]
             self.scheduler.finish(req, keep_blocks=True)
-            kv_block_ids = self._held_kv[req.request_id] = list(self.kv_manager.get_block_table(req.request_id))
+            kv_block_ids = self._held_kv[req.request_id] = self.kv_manager.export_blocks(req.request_id)
         elif req.is_finished:
             text += self._detokenizers.pop(req.request_id).flush()
             self.scheduler.finish(req)

@@ -28,21 +28,27 @@ class KVCache:
     """The KV tensors of all layers, allocated once."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 layer_slots: list[int] | None = None, layer_groups: list[int] | None = None):
+        """`layer_slots`/`layer_groups` (kv_groups.py): each layer's slot in the tensor and its
+        group, for a model of several layer groups; None: one slot per layer, one group."""
         self.num_layers = num_layers
+        self.layer_slots = layer_slots
+        self.layer_groups = layer_groups
+        num_slots = num_layers if layer_slots is None else max(layer_slots) + 1
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # On CPU in shared memory: a decode replica on this host copies exported blocks straight out.
         self.kv = (shared_zeros(shape, dtype) if torch.device(device).type == "cpu"
                    else torch.zeros(shape, dtype=dtype, device=device))
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
-        return self.kv[i]
+        return self.kv[i] if self.layer_slots is None else self.kv[self.layer_slots[i]]
 
     @staticmethod
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -118,8 +124,9 @@ class BlockPool:
                 self.block_hash[block_id] = None
                 if self.cached.get(h) == block_id:
                     del self.cached[h]
-                    self.parent_of.pop(h, None)
-                    removed.append(h)
+                    if h in self.parent_of:  # published (a block of a layer group past the first is not)
+                        del self.parent_of[h]
+                        removed.append(h)
             self.ref_counts[block_id] = 1
             out.append(block_id)
         if removed and self.enable_events:
@@ -149,8 +156,9 @@ class BlockPool:
     def lookup(self, h: int) -> int | None:
         return self.cached.get(h)
 
-    def cache_block(self, block_id: int, h: int, parent_hash: int | None) -> None:
-        """Name a full, computed block by its chained hash so later requests can reuse it."""
+    def cache_block(self, block_id: int, h: int, parent_hash: int | None, publish: bool = True) -> None:
+        """Name a full, computed block by its chained hash so later requests can reuse it.
+        `publish`: record the KV event (a layer group other than the first does not: kv_groups.py)."""
         if self.block_hash[block_id] is not None:
             return
         if h in self.cached:
@@ -158,9 +166,10 @@ class BlockPool:
             return
         self.block_hash[block_id] = h
         self.cached[h] = block_id
-        self.parent_of[h] = parent_hash
-        if self.enable_events:
-            self._events.append(BlockStored([h], parent_hash))
+        if publish:
+            self.parent_of[h] = parent_hash
+            if self.enable_events:
+                self._events.append(BlockStored([h], parent_hash))
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks in use keep their contents)."""
@@ -251,3 +260,19 @@ class KVCacheManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    # -- what `HybridKVCacheManager` (kv_groups.py) answers per layer group; here, the one group --
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        return [self.block_tables.get(request_id, [])]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        return [len(self.block_tables.get(request_id, []))]
+
+    def max_blocks_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def export_blocks(self, request_id: str) -> list[int]:
+        return list(self.block_tables.get(request_id, []))
+
+    def import_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> tuple[int, list[int]]:
+        return num_hit_blocks, self.block_tables[request_id][num_hit_blocks:]

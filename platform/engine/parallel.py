@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -23,7 +23,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _STOP, _STEP = 0, 1
-_HEADER = 8
+_HEADER = 9
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ def init_group(rank: int, size: int, init_method: str, backend: str, join_timeou
 # ---- the step message
 
 @dataclass
+class GroupInputs:
+    """A layer group's own slots and block tables past the first group's (kv_groups.py): the same
+    shapes as `StepInputs`' (every group's tables have the same logical length)."""
+    slot_mapping: torch.Tensor
+    decode_tables: torch.Tensor | None
+    prefill_tables: list[torch.Tensor]
+
+
+@dataclass
 class StepInputs:
     """What every rank needs to run one forward pass (the driver builds it from its scheduler)."""
     input_ids: torch.Tensor
@@ -78,6 +87,7 @@ class StepInputs:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (query_start, query_len, context_len, table)
     logit_rows: torch.Tensor  # hidden rows whose logits the step needs: prompt-logprob rows, then samples
     num_prompt_rows: int = 0
+    groups: list[GroupInputs] = field(default_factory=list)  # layer groups 1.. (a model with several)
 
 
 def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
@@ -96,9 +106,11 @@ def broadcast_step(step: StepInputs | None, device: torch.device) -> None:
                     for v in (start, q_len, context_len, table.numel())]
     parts += [torch.tensor(prefill_meta, dtype=torch.long, device=step.input_ids.device)]
     parts += [table for *_, table in step.prefills] + [step.logit_rows]
+    for g in step.groups:
+        parts += [g.slot_mapping] + ([g.decode_tables.flatten()] if nd else []) + g.prefill_tables
     body = torch.cat([p.to(device) for p in parts])
     header[:] = torch.tensor([_STEP, step.input_ids.numel(), nd, max_blocks, len(step.prefills),
-                              step.logit_rows.numel(), body.numel(), step.num_prompt_rows])
+                              step.logit_rows.numel(), body.numel(), step.num_prompt_rows, len(step.groups)])
     dist.broadcast(header.to(device), src=0)
     dist.broadcast(body, src=0)
 
@@ -107,7 +119,7 @@ def receive_step(device: torch.device) -> StepInputs | None:
     """Worker side: the next step, or None when the driver stops the group."""
     header = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.broadcast(header, src=0)
-    op, n, nd, max_blocks, np_, nrows, size, nprompt = header.tolist()
+    op, n, nd, max_blocks, np_, nrows, size, nprompt, ngroups = header.tolist()
     if op == _STOP:
         return None
     body = torch.empty(size, dtype=torch.long, device=device)
@@ -124,7 +136,10 @@ def receive_step(device: torch.device) -> StepInputs | None:
     lens = take(nd) if nd else None
     meta = take(4 * np_).view(np_, 4).tolist()
     prefills = [(s, q, c, take(k)) for s, q, c, k in meta]
-    return StepInputs(input_ids, positions, slots, tables, lens, prefills, take(nrows), nprompt)
+    rows = take(nrows)
+    groups = [GroupInputs(take(n), take(nd * max_blocks).view(nd, max_blocks) if nd else None,
+                          [take(k) for *_, k in meta]) for _ in range(ngroups)]
+    return StepInputs(input_ids, positions, slots, tables, lens, prefills, rows, nprompt, groups)
 
 
 def usable_cpus() -> int:

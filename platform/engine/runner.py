@@ -26,7 +26,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
-from pdserve.engine.parallel import SINGLE, ParallelState, StepInputs, broadcast_step
+from pdserve.engine.parallel import SINGLE, GroupInputs, ParallelState, StepInputs, broadcast_step
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, needs_only_argmax, token_logprob
@@ -159,6 +159,11 @@ class ModelRunner:
         nd = 0 if step.decode_lens is None else step.decode_lens.numel()
         prefills = [PrefillChunkMeta(s, q, c, table) for s, q, c, table in step.prefills]
         meta = AttentionMetadata(step.slot_mapping, nd, step.decode_tables, step.decode_lens, prefills)
+        if step.groups:  # a model of several layer groups: each its own slots and tables
+            meta.groups = [meta] + [
+                AttentionMetadata(g.slot_mapping, nd, g.decode_tables, step.decode_lens,
+                                  [PrefillChunkMeta(s, q, c, table) for (s, q, c, _), table in
+                                   zip(step.prefills, g.prefill_tables)]) for g in step.groups]
         k = step.num_prompt_rows
         with forward_context(meta, self.kv_cache, self.workspace):
             hidden = self.model(step.input_ids, step.positions)
@@ -170,7 +175,12 @@ class ModelRunner:
         """The step's tensors for chunks ordered decodes first."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
-        tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
+        group_tables = None
+        if self.kv_cache.layer_groups is not None:  # several layer groups: group 0's here, the rest below
+            group_tables = [self.kv_manager.get_block_tables(c.request.request_id) for c in chunks]
+            tables = [t[0] for t in group_tables]
+        else:
+            tables = [self.kv_manager.get_block_table(c.request.request_id) for c in chunks]
         for c, table in zip(chunks, tables):
             input_ids += c.request.all_token_ids[c.start:c.end]
             positions += range(c.start, c.end)
@@ -190,10 +200,22 @@ class ModelRunner:
         for c, table in zip(chunks[num_decodes:], tables[num_decodes:]):
             prefills.append((start, c.num_new_tokens, c.end, self._tensor(table)))
             start += c.num_new_tokens
+        groups = [] if group_tables is None else [
+            self._group_inputs(chunks, [t[g] for t in group_tables], num_decodes, max_blocks)
+            for g in range(1, len(group_tables[0]))]
         if not num_decodes:
-            return StepInputs(ids, pos, slot_mapping, None, None, prefills, rows, num_prompt_rows)
+            return StepInputs(ids, pos, slot_mapping, None, None, prefills, rows, num_prompt_rows, groups)
         return StepInputs(ids, pos, slot_mapping, tables_flat.view(num_decodes, max_blocks), lens, prefills, rows,
-                          num_prompt_rows)
+                          num_prompt_rows, groups)
+
+    def _group_inputs(self, chunks: list[ScheduledChunk], tables: list[list[int]], num_decodes: int,
+                      max_blocks: int) -> GroupInputs:
+        """One more layer group's slots and block tables for the step (shapes as group 0's)."""
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for c, table in zip(chunks, tables) for p in range(c.start, c.end)]
+        decode = [b for t in tables[:num_decodes] for b in t + [0] * (max_blocks - len(t))]
+        decode_tables = self._tensor(decode).view(num_decodes, max_blocks) if num_decodes else None
+        return GroupInputs(self._tensor(slots), decode_tables, [self._tensor(t) for t in tables[num_decodes:]])
 
     @staticmethod
     def _prompt_logprob_rows(chunks: list[ScheduledChunk]) -> list[tuple[int, int, Request]]:

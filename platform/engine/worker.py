@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_groups import layer_groups, layer_slots
 from pdserve.engine.models.arch import ModelArch, parse_dtype
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import (SINGLE, ParallelState, backend_for, init_group, receive_step,
@@ -33,11 +34,15 @@ def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[t
         raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's context length "
                              f"{arch.context_len}")
     kv_dtype = next(model.parameters()).dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
-    bytes_per_block = KVCache.bytes_per_block_for(arch.num_layers, config.block_size, model.num_kv_heads,
+    # Several layer groups (Gemma 3's sliding and global layers): a block id is one group's block,
+    # `num_slots` layers deep (kv_groups.py); one group: a block id spans every layer.
+    groups = layer_groups(arch.num_layers, arch.layer_windows)
+    slots, group_of = layer_slots(groups) if len(groups) > 1 else (None, None)
+    bytes_per_block = KVCache.bytes_per_block_for(len(groups[0].layers), config.block_size, model.num_kv_heads,
                                                   arch.head_dim, kv_dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
     kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, model.num_kv_heads, arch.head_dim,
-                       kv_dtype, config.device)
+                       kv_dtype, config.device, slots, group_of)
     return model, arch, kv_cache
 
 
