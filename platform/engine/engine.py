@@ -199,7 +199,7 @@ class LLMEngine:
         self._prefilled[request_id] = req
         self._track_deadline(req)
         hit = self.kv_manager.match_prefix(req.block_hashes, req.num_tokens)
-        if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit):
+        if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit, req.num_prompt_tokens):
             return 0, None  # no room now: the caller starts it with recompute, to wait its turn here
         # What the client's usage counts as cached: the prompt tokens the prefill replica did not
         # compute (this replica's own hits only save transfer, not compute).

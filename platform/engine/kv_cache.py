@@ -220,8 +220,10 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def allocate(self, request_id: str, num_tokens: int, new_cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, new_cached_blocks: Sequence[int] = (),
+                 num_computed_tokens: int = 0) -> bool:
         """Grow the request's table to hold `num_tokens`; first take `new_cached_blocks` (a prefix hit).
+        (`num_computed_tokens` matters only to sliding layer groups: kv_groups.py.)
 
         Returns False (and changes nothing) when the pool cannot supply the blocks.
         """

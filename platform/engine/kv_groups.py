@@ -116,13 +116,23 @@ class HybridKVCacheManager:
         starts = [first_needed_block(k * bs, w, bs) for w in self.windows]
         return [tuple(found[g][j] if j >= starts[g] else None for g in range(len(self.groups))) for j in range(k)]
 
-    def allocate(self, request_id: str, num_tokens: int, new_cached_blocks: Sequence[tuple] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, new_cached_blocks: Sequence[tuple] = (),
+                 num_computed_tokens: int = 0) -> bool:
+        """As `KVCacheManager.allocate`. `num_computed_tokens`: tokens whose KV arrives from elsewhere
+        (an import); a sliding group takes no block for what its window no longer needs after them."""
         tables = self.block_tables.get(request_id) or [[] for _ in self.groups]
         length = len(tables[0])
+        if num_computed_tokens and new_cached_blocks:  # hit blocks a window has left behind: not taken
+            needed = [first_needed_block(num_computed_tokens, w, self.block_size) for w in self.windows]
+            new_cached_blocks = [tuple(b if length + j >= needed[g] else None for g, b in enumerate(entry))
+                                 for j, entry in enumerate(new_cached_blocks)]
         num_needed = -(-num_tokens // self.block_size) - length - len(new_cached_blocks)
+        start = length + len(new_cached_blocks)  # the first new entry
+        skipped = [max(0, min(first_needed_block(num_computed_tokens, w, self.block_size) - start, num_needed))
+                   for w in self.windows]
         hit_ids = [b for entry in new_cached_blocks for b in entry if b is not None]
         num_hit_free = sum(1 for b in hit_ids if self.pool.ref_counts[b] == 0)
-        if max(num_needed, 0) * len(self.groups) + num_hit_free > self.pool.num_free_blocks:
+        if max(num_needed, 0) * len(self.groups) - sum(skipped) + num_hit_free > self.pool.num_free_blocks:
             return False
         if request_id not in self.block_tables:
             self.block_tables[request_id] = tables
@@ -138,8 +148,12 @@ class HybridKVCacheManager:
                 table.extend(PLACEHOLDER_BLOCK if b is None else b for b in column)
             self._num_cached_blocks[request_id] = [len(t) for t in tables]
         if num_needed > 0:
-            for table in tables:
-                table.extend(self.pool.allocate(num_needed))
+            first_held = self._first_held[request_id]
+            for g, table in enumerate(tables):
+                if skipped[g]:  # it holds nothing before (hit blocks that far back were not taken)
+                    first_held[g] = len(table) + skipped[g]
+                    table.extend([PLACEHOLDER_BLOCK] * skipped[g])
+                table.extend(self.pool.allocate(num_needed - skipped[g]))
         return True
 
     def cache_full_blocks(self, request_id: str, hashes: Sequence[int], num_computed_tokens: int) -> None:

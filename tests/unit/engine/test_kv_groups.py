@@ -128,3 +128,26 @@ def test_the_plain_manager_answers_for_its_one_group():
     assert kv.export_blocks("r") == kv.get_block_table("r")
     assert kv.import_blocks("r", 9, 1) == (1, kv.get_block_table("r")[1:])
     assert kv.max_blocks_for(9, 4) == 3
+
+
+def test_an_import_takes_no_block_its_windows_do_not_need():
+    tokens = list(range(400, 440))  # 10 blocks, 4 past a 10-token window's reach
+    hashes = block_hashes(tokens, BS)
+    kv = _manager(num_blocks=24)  # too few for 10 blocks in each of three groups
+    assert kv.allocate("d", 40, (), num_computed_tokens=40)
+    held = kv.num_held_blocks("d")
+    assert held[0] == 10 and held[1] == held[2] == 10 - first_needed_block(40, W, BS)
+    num_local, dst = kv.import_blocks("d", 40, 0)
+    assert num_local == 0 and len(dst) == sum(held) and kv.pool.num_free_blocks == 24 - sum(held)
+    # With a local prefix that the windows have left behind, its sliding blocks go straight back.
+    kv.cache_full_blocks("d", hashes, 40)
+    kv.free("d")
+    longer = tokens + list(range(500, 516))  # 14 blocks: the windows reach back to block 11
+    hit = kv.match_prefix(block_hashes(longer, BS), len(longer))
+    assert len(hit) == 10
+    assert kv.allocate("e", 56, hit, num_computed_tokens=56)
+    num_local, dst = kv.import_blocks("e", 56, len(hit))
+    assert kv.num_held_blocks("e") == [14, 3, 3] and num_local == 10 and len(dst) == 4 + 3 + 3
+    assert kv.export_blocks("e")[num_local:] == dst
+    kv.free("e")
+    assert kv.pool.num_free_blocks == 24
