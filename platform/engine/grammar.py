@@ -30,7 +30,6 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 import numpy as np
-import torch
 
 from pdserve.engine.sampling_params import StructuredOutput
 
@@ -82,6 +81,10 @@ def _literal(text: str) -> str:
     return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text) or "(?:)"
 
 
+def _first_line(error: str) -> str:
+    return (error.strip().splitlines() or ["invalid grammar"])[0][:500]
+
+
 class GrammarMatcher:
     """One request's position in its grammar."""
 
@@ -106,19 +109,23 @@ class GrammarMatcher:
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
 
-    def fill(self, bitmask: torch.Tensor) -> None:
-        """Write the next token's mask (1 bit a token, int32 words) into a contiguous CPU row."""
-        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+    def fill(self, bitmask: np.ndarray) -> None:
+        """Write the next token's mask (1 bit a token, int32 words) into a contiguous row."""
+        assert bitmask.dtype == np.int32 and bitmask.flags.c_contiguous
+        self._m.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
 
 
-def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
-    """`[len(matchers), vocab_size]` booleans: the tokens each matcher allows next. Filled in
-    parallel on llguidance's threads when there are several (they let go of the GIL)."""
+def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int):
+    """`[len(matchers), vocab_size]` booleans (a CPU torch tensor): the tokens each matcher allows
+    next. Filled in parallel on llguidance's threads when there are several (they let go of the
+    GIL)."""
+    import torch  # here: the gateway compiles with this module and loads no torch
+
     words = (vocab_size + 31) // 32
-    bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+    bitmask = np.zeros((len(matchers), words), dtype=np.int32)
     executor = matchers[0].executor if len(matchers) > 1 else None
     if executor is not None:
-        executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+        executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
                                          words * 4, len(matchers))
     else:
         for i, m in enumerate(matchers):
@@ -126,7 +133,7 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch
     for m in matchers:
         if m.error is not None:
             raise GrammarError(f"the grammar failed: {m.error[:300]}")
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
     return torch.from_numpy(bits).bool()
 
 
@@ -167,17 +174,14 @@ class GrammarCompiler:
         tokenizer = self._setup()
         llg = _llguidance()
         grammar = grammar_text(spec)
-        limits = llg.LLParserLimits(**_LIMITS)
-        error = llg.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
-        if error:
-            raise GrammarError(error.splitlines()[0][:500] if error.strip() else "invalid grammar")
-        matcher = llg.LLMatcher(tokenizer, grammar, limits=limits, log_level=0)
+        # Building the matcher validates the grammar (an error leaves it in its error state).
+        matcher = llg.LLMatcher(tokenizer, grammar, limits=llg.LLParserLimits(**_LIMITS), log_level=0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error()[:500])
+            raise GrammarError(_first_line(matcher.get_error()))
         # The first mask builds the lexer: paid here, not in an engine step.
-        GrammarMatcher(matcher).fill(torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32))
+        GrammarMatcher(matcher).fill(np.zeros((self.vocab_size + 31) // 32, dtype=np.int32))
         if matcher.is_error():
-            raise GrammarError(matcher.get_error()[:500])
+            raise GrammarError(_first_line(matcher.get_error()))
         with self._lock:
             self.num_compiled += 1
             self._cache[spec] = matcher

@@ -41,7 +41,10 @@ def constraint_chars(data: dict) -> tuple[int, str | None]:
         value = data.get(name)
         if value is None:
             continue
-        n = len(value) if isinstance(value, str) else len(json.dumps(value, separators=(",", ":")))
+        try:
+            n = len(value) if isinstance(value, str) else len(json.dumps(value, separators=(",", ":")))
+        except RecursionError:  # the body's parser takes deeper nesting than the encoder
+            raise InvalidRequestError(f"{name} is nested too deeply", param=name) from None
         total += n
         if n > largest:
             largest, param = n, name
@@ -57,7 +60,10 @@ def _schema_text(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema (an object)", param=param)
     # Key order kept: a schema's property order is the order the output writes them in.
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise InvalidRequestError(f"{param} is nested too deeply", param=param) from None
 
 
 def structured_output(body) -> tuple[StructuredOutput, str] | None:

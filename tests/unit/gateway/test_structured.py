@@ -125,6 +125,22 @@ def test_metadata_fields_and_a_matching_best_of_are_accepted_and_logit_bias_trav
     assert all(r.params.logit_bias == ((7, -100.0), (9, 2.5)) for r in sent) and len(sent) == 2
 
 
+def _nested(depth: int) -> bytes:
+    """A completions body whose guided_json nests `depth` objects (as text: deeper than json.dumps goes)."""
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"integer"}' + "}}" * depth
+    return ('{"prompt":"hi","max_tokens":8,"guided_json":' + schema + "}").encode()
+
+
+@pytest.mark.parametrize("depth", [200, 490, 2000])
+def test_a_deeply_nested_schema_is_a_400_not_a_crash(tiny_llama, depth):
+    roomy = OpenAIService(ScriptedClient([(5, "a")]), Tokenizer(tiny_llama), "tiny", 256,
+                          GatewayConfig(max_body_bytes=2**20))
+    status, answer, sent = post(roomy, "/v1/completions", _nested(depth))
+    # Past the body parser's depth the body itself is refused (no param); within it, the schema.
+    assert status == 400 and answer["error"]["param"] == ("guided_json" if depth < 1000 else None), answer
+    assert not sent
+
+
 def test_each_schema_is_compiled_once(service):
     schema = {"type": "object", "properties": {"once": {"type": "boolean"}}}
     before = service.structured.compiler.num_compiled
