@@ -105,12 +105,25 @@ class HybridKVCacheManager:
             return []
         bs = self.block_size
         k = min(len(hashes), (num_tokens - 1) // bs)
-        found = [[self.pool.lookup(self._key(h, g)) for h in hashes[:k]] for g in range(len(self.groups))]
-        while k > 0:
-            starts = [first_needed_block(k * bs, w, bs) for w in self.windows]
-            if all(b is not None for g, s in enumerate(starts) for b in found[g][s:k]):
+        found: list[list[int | None]] = []
+        for g, w in enumerate(self.windows):  # global groups first: their run of hits bounds k
+            blocks = []
+            for h in hashes[:k] if w is None else ():
+                b = self.pool.lookup(self._key(h, g))
+                if b is None:
+                    break
+                blocks.append(b)
+            k = min(k, len(blocks)) if w is None else k
+            found.append(blocks)
+        for g, w in enumerate(self.windows):
+            if w is not None:
+                found[g] = [self.pool.lookup(self._key(h, g)) for h in hashes[:k]]
+        while k > 0:  # the longest k whose windows' blocks every sliding group holds
+            missing = [j for g, w in enumerate(self.windows) if w is not None
+                       for j in range(first_needed_block(k * bs, w, bs), k) if found[g][j] is None]
+            if not missing:
                 break
-            k -= 1
+            k = max(missing)  # a k past a missing block whose window reaches it fails too
         if k == 0:
             return []
         starts = [first_needed_block(k * bs, w, bs) for w in self.windows]
