@@ -18,7 +18,7 @@ from torch import nn
 
 from pdserve.engine.kernels import cpu_kernels, triton_paged
 from pdserve.engine.kernels.paged_attention import (GatherWorkspace, decode_mask, paged_decode_attention,
-                                                    paged_prefill_attention, write_kv)
+                                                    paged_prefill_attention, window_decode_tables, write_kv)
 from pdserve.engine.kv_cache import KVCache
 
 
@@ -52,14 +52,17 @@ class AttentionMetadata:
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
     _window_masks: dict = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, block_size: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    def window_decode(self, block_size: int, dtype: torch.dtype, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding-window layer's decode block tables cut to the window, and their mask
+        (`window_decode_tables`), built on first use and shared by the step's layers of that window."""
+        if window not in self._window_masks:
+            self._window_masks[window] = window_decode_tables(self.decode_block_tables, self.decode_seq_lens,
+                                                              block_size, window, dtype)
+        return self._window_masks[window]
+
+    def decode_mask(self, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """The torch path's `[num_decodes, 1, 1, max_blocks * block_size]` mask, built on first use
-        and shared by every layer of the step (one per sliding window)."""
-        if window is not None:
-            if window not in self._window_masks:
-                width = self.decode_block_tables.shape[1] * block_size
-                self._window_masks[window] = decode_mask(self.decode_seq_lens, width, dtype, window)
-            return self._window_masks[window]
+        and shared by every layer of the step."""
         if self._decode_mask is None:
             width = self.decode_block_tables.shape[1] * block_size
             self._decode_mask = decode_mask(self.decode_seq_lens, width, dtype)
@@ -170,9 +173,9 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         out = q.new_empty(q.shape)
         if nd:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_seq_lens, self.scale, workspace,
-                                              meta.decode_mask(k_cache.shape[1], q.dtype, window))
+            tables, mask = meta.window_decode(k_cache.shape[1], q.dtype, window)
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, tables, meta.decode_seq_lens, self.scale,
+                                              workspace, mask)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
             out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.block_table,

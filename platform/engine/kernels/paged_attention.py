@@ -76,6 +76,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.squeeze(2)
 
 
+def window_decode_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int,
+                         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sliding-window layer's decode inputs: each sequence's block table cut to the blocks its
+    window reaches (`[batch, cdiv(window - 1, block_size) + 1]` at most, so a decode step reads
+    the window, not the whole sequence), and the `[batch, 1, 1, blocks * block_size]` mask over them."""
+    width = block_tables.shape[1]
+    num = min(width, -(-(window - 1) // block_size) + 1)
+    start = ((seq_lens - window).clamp(min=0) // block_size).clamp(max=width - num)
+    index = start[:, None] + torch.arange(num, device=seq_lens.device)[None, :]
+    pos = start[:, None] * block_size + torch.arange(num * block_size, device=seq_lens.device)[None, :]
+    outside = (pos >= seq_lens[:, None]) | (pos < seq_lens[:, None] - window)
+    mask = torch.zeros(outside.shape, dtype=dtype, device=seq_lens.device).masked_fill_(outside, float("-inf"))
+    return block_tables.gather(1, index), mask[:, None, None, :]
+
+
 def decode_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype = torch.float32,
                 window: int | None = None) -> torch.Tensor:
     """`[batch, 1, 1, max_len]` additive mask: 0 inside each sequence (its last `window` positions
@@ -105,12 +120,15 @@ def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.T
         return out.squeeze(0).transpose(0, 1)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_blocks = -(-context_len // block_size)
-    blocks = block_table[:num_blocks]
-    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len].to(q.dtype)
-    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len].to(q.dtype)
+    # With a window, the blocks before the first query's window are not read (nor held, perhaps).
+    first = 0 if window is None else max(0, (context_len - q_len - window + 1) // block_size)
+    blocks = block_table[first:num_blocks]
+    start = first * block_size
+    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len - start].to(q.dtype)
+    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len - start].to(q.dtype)
     # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
     q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-    k_pos = torch.arange(context_len, device=q.device)[None, :]
+    k_pos = torch.arange(start, context_len, device=q.device)[None, :]
     mask = k_pos <= q_pos[:, None]
     if window is not None:
         mask &= k_pos > q_pos[:, None] - window
