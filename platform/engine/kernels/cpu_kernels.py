@@ -15,10 +15,10 @@ them): built into one library on first use, called through ctypes.
 
 The C sources are compiled together, once per machine type, with the system C compiler into one
 library in the cache directory (`$PDSERVE_CACHE_DIR/kernels`), keyed by every source and header,
-the compiler, its flags and the CPU, so a shared cache serves mixed hosts. `$PDSERVE_CPU_KERNELS_CFLAGS` adds flags (say
-`-mno-avx512f` to run the AVX2 kernels on a CPU that has AVX-512). Replicas starting together
-may race to build it: each builds into a file of its own and renames it into place, so a reader
-sees a whole library or none.
+the compiler, its flags and the CPU, so a shared cache serves mixed hosts.
+`$PDSERVE_CPU_KERNELS_CFLAGS` adds flags (say `-mno-avx512f` to run the AVX2 kernels on a CPU that
+has AVX-512). Replicas starting together may race to build it: each builds into a file of its
+own and renames it into place, so a reader sees a whole library or none.
 
 Where no compiler is found, or the build fails, `load()` logs why once and returns None, and
 the model stays on the torch path. `PDSERVE_CPU_KERNELS=torch` chooses the torch path on
