@@ -3,11 +3,12 @@ that says which tokens may come next.
 
 In: a `StructuredOutput` (`sampling_params.py`) and the model's tokenizer (its tokenizer.json,
 vocabulary size and EOS ids). Out: `GrammarCompiler.matcher(spec)`, a fresh `GrammarMatcher`
-per request, and `allowed_tokens(matchers, vocab_size)`, the batch's masks as one boolean
-tensor (the sampler sets every other token's logit to -inf).
+per request, and `disallowed_tokens(matchers, vocab_size)`, the batch's masks as one boolean
+tensor (the sampler sets the logits of the tokens it marks to -inf).
 
 The library is llguidance (benchmarks/grammar_mask.py and RESULTS.md say why: it installs
-with no dependencies, and its mask costs tens of microseconds a token on CPU). A spec is
+with no dependencies, it compiles a schema in milliseconds, and its masks cost tens of
+microseconds to a few milliseconds a token on CPU at 32k-123k-token vocabularies). A spec is
 compiled once per compiler and kept in a bounded LRU cache; a request's matcher is a copy of the
 cached one (~10 us). Compiling is bounded by llguidance's parser limits (grammar size, lexer fuel
 for the compile and for each mask), so a hostile schema fails with an error instead of costing
@@ -115,10 +116,10 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
 
 
-def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int):
-    """`[len(matchers), vocab_size]` booleans (a CPU torch tensor): the tokens each matcher allows
-    next. Filled in parallel on llguidance's threads when there are several (they let go of the
-    GIL)."""
+def disallowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int):
+    """`[len(matchers), vocab_size]` booleans (a CPU torch tensor): True for each token a matcher
+    does not allow next. The masks are filled in parallel on llguidance's threads when there are
+    several (they let go of the GIL), then unpacked once, without a copy into torch."""
     import torch  # here: the gateway compiles with this module and loads no torch
 
     words = (vocab_size + 31) // 32
@@ -133,8 +134,9 @@ def allowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int):
     for m in matchers:
         if m.error is not None:
             raise GrammarError(f"the grammar failed: {m.error[:300]}")
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(bits).bool()
+    np.invert(bitmask, out=bitmask)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # 0/1 bytes: valid bools
+    return torch.from_numpy(bits).view(torch.bool)[:, :vocab_size]
 
 
 class GrammarCompiler:

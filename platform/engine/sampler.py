@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.grammar import allowed_tokens
+from pdserve.engine.grammar import disallowed_tokens
 from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
@@ -134,9 +134,12 @@ def apply_logit_bias(logits: torch.Tensor, params) -> None:
 def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
     """In place: -inf for every token the grammar of `requests[j]` does not allow in row
     `rows[j]`. The grammar's vocabulary is the model's (`GrammarCompiler.vocab_size`)."""
-    allowed = allowed_tokens([r.grammar for r in requests], logits.shape[-1]).to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    banned = disallowed_tokens([r.grammar for r in requests], logits.shape[-1]).to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: one op, no gather
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(banned[j], float("-inf"))
 
 
 def apply_filters(logits: torch.Tensor, params) -> torch.Tensor:

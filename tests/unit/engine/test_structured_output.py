@@ -14,7 +14,7 @@ import torch
 
 from pdserve.engine import sampler as sampler_module
 from pdserve.engine.async_engine import AsyncLLMEngine
-from pdserve.engine.grammar import GrammarCompiler, GrammarError, allowed_tokens
+from pdserve.engine.grammar import GrammarCompiler, GrammarError, disallowed_tokens
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, needs_only_argmax
@@ -205,13 +205,13 @@ def test_the_mask_is_computed_only_for_constrained_rows(engine, monkeypatch):
 
     def spy(matchers, vocab_size):
         seen.append(len(matchers))
-        return allowed_tokens(matchers, vocab_size)
+        return disallowed_tokens(matchers, vocab_size)
 
-    monkeypatch.setattr(sampler_module, "allowed_tokens", spy)
+    monkeypatch.setattr(sampler_module, "disallowed_tokens", spy)
     tokens, _ = Sampler()(logits, reqs)
     assert seen == [2]  # one fill for the batch's two constrained rows
     digits = set(engine.tokenizer.encode("0123456789", add_special_tokens=False))
-    allowed = allowed_tokens([engine.grammars.matcher(spec)], vocab)[0]
+    allowed = ~disallowed_tokens([engine.grammars.matcher(spec)], vocab)[0]
     assert allowed[tokens[1]] and allowed[tokens[3]]
     unconstrained, _ = Sampler()(logits[[0, 2]], [reqs[0], reqs[2]])
     assert [tokens[0], tokens[2]] == unconstrained  # rows without a grammar are untouched
