@@ -142,7 +142,7 @@ def main() -> int:
         sys.exit("--config: the soak runs against a disaggregated app")
     for name, value in ray_env(config, None).items():  # as `pdserve serve` starts Ray
         os.environ.setdefault(name, value)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="error",
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="error",
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
