@@ -50,7 +50,7 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
 # free by turns, and with an arena each the freed memory stayed scattered over them. Measured by
 # benchmarks/soak.py on the tiny app: the decode replica's RSS grew 12-13 MiB per 10,000 requests,
 # steadily, with no Python object and nothing in its accounting growing (tracemalloc, replica
-# stats); with two arenas, or jemalloc preloaded, it stays flat (RESULTS.md, #42).
+# stats); with two arenas it grew 2.2-2.8 MiB per 10,000 over 30,000 requests (RESULTS.md, #42).
 ENGINE_ENV = {**SERVE_ENV, "GOMP_SPINCOUNT": "2000", "MALLOC_ARENA_MAX": "2"}
 
 
