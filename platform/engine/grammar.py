@@ -89,9 +89,10 @@ def _first_line(error: str) -> str:
 class GrammarMatcher:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher, executor=None):
+    def __init__(self, matcher, executor=None, vocab_size: int = 0):
         self._m = matcher
         self.executor = executor  # llguidance's thread pool, for a batch's masks
+        self.vocab_size = vocab_size  # the model's: what a mask covers
 
     def advance(self, token_id: int) -> bool:
         """Accept the next output token; False when the grammar does not allow it."""
@@ -202,4 +203,4 @@ class GrammarCompiler:
                 compiled = self._cache.get(spec)
             if compiled is None:  # evicted at once (a cache of 0): use it uncached
                 raise GrammarError("the grammar cache holds no entries")
-        return GrammarMatcher(compiled.deep_copy(), self._executor)
+        return GrammarMatcher(compiled.deep_copy(), self._executor, self.vocab_size)

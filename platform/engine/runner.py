@@ -72,6 +72,7 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(end - 1)
                 requests.append(c.request)
+        self.sampler.start_masks(requests)  # grammar masks filled on other threads during the forward pass
         if chunks and not prompt_rows and len(requests) == end == len(chunks) and self.parallel.size == 1:
             decoded = self._decode_in_one_call(chunks, requests)
             if decoded is None and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:

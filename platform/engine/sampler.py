@@ -4,7 +4,10 @@ Order (as vLLM): logit bias -> penalties -> grammar mask -> greedy argmax, or te
 top-k -> top-p -> min-p -> sample (a top-k of the vocabulary's size or more is no filter).
 Logit biases of the whole batch are added in one scatter; the grammar mask is computed only for
 the rows whose request has a grammar (`Request.grammar`, `pdserve.engine.grammar`), filled in
-one call for all of them, and sets every token the grammar does not allow to -inf.
+one call for all of them, and sets every token the grammar does not allow to -inf. The runner
+calls `start_masks` before the forward pass: the masks depend only on the tokens each request
+has accepted, so they are filled on a thread of their own (llguidance lets go of the GIL) while
+the model computes, and the sampler takes them when it runs on the same requests.
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A request with a seed
 draws E from a generator seeded by its seed and the position of the token being drawn
 (`counter_seed`), so its samples depend neither on what else is in the batch nor on which engine
@@ -18,6 +21,8 @@ and, where asked, `TokenLogprob`s. It does not know about stop conditions.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 from pdserve.engine.grammar import disallowed_tokens
@@ -29,6 +34,28 @@ from pdserve.engine.request import Request
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        self._mask_thread: ThreadPoolExecutor | None = None  # started with the first grammar
+        self._pending: tuple[list[Request], Future] | None = None  # masks being filled for these requests
+
+    def start_masks(self, requests: list[Request]) -> None:
+        """Begin filling the grammar masks of `requests` (the rows the next call samples)."""
+        self._pending = None
+        constrained = [r.grammar for r in requests if r.grammar is not None]
+        if not constrained:
+            return
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar-masks")
+        vocab = constrained[0].vocab_size
+        self._pending = (list(requests), self._mask_thread.submit(disallowed_tokens, constrained, vocab))
+
+    def _masks(self, requests: list[Request], constrained: list[int], vocab: int) -> torch.Tensor:
+        """The constrained rows' banned tokens: the ones `start_masks` filled for these requests,
+        else filled now."""
+        pending, self._pending = self._pending, None
+        if (pending is not None and len(pending[0]) == len(requests) and all(a is b for a, b in zip(pending[0], requests))
+                and pending[1].result().shape[-1] >= vocab):
+            return pending[1].result()[:, :vocab]
+        return disallowed_tokens([requests[i].grammar for i in constrained], vocab)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = logits.float()
@@ -44,7 +71,7 @@ class Sampler:
                 if r.params.has_penalties:
                     apply_penalties(logits[i], r)
             if constrained:
-                apply_grammar_masks(logits, [requests[i] for i in constrained], constrained)
+                apply_grammar_masks(logits, self._masks(requests, constrained, logits.shape[-1]), constrained)
 
         if all(p.is_greedy for p in params):
             tokens = argmax(logits)
@@ -131,10 +158,9 @@ def apply_logit_bias(logits: torch.Tensor, params) -> None:
         logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """In place: -inf for every token the grammar of `requests[j]` does not allow in row
-    `rows[j]`. The grammar's vocabulary is the model's (`GrammarCompiler.vocab_size`)."""
-    banned = disallowed_tokens([r.grammar for r in requests], logits.shape[-1]).to(logits.device)
+def apply_grammar_masks(logits: torch.Tensor, banned: torch.Tensor, rows: list[int]) -> None:
+    """In place: -inf in row `rows[j]` for every token `banned[j]` marks (a CPU bool tensor)."""
+    banned = banned.to(logits.device)
     if len(rows) == logits.shape[0]:  # every row constrained: one op, no gather
         logits.masked_fill_(banned, float("-inf"))
         return

@@ -245,3 +245,17 @@ def test_logit_bias_is_bounded_and_checked_against_the_vocabulary(engine):
     token = engine.tokenizer.encode("fox", add_special_tokens=False)[0]
     outs = _run(engine, "biased", SamplingParams(max_tokens=4, temperature=0, logit_bias={token: 100.0}))
     assert _tokens(outs) == [token] * 4
+
+
+def test_masks_are_filled_on_their_own_thread_during_the_forward_pass(engine, monkeypatch):
+    threads = []
+
+    def spy(matchers, vocab_size):
+        threads.append(threading.current_thread().name)
+        return disallowed_tokens(matchers, vocab_size)
+
+    monkeypatch.setattr(sampler_module, "disallowed_tokens", spy)
+    outs = _run(engine, "overlap", SamplingParams(max_tokens=40, seed=2, structured=JSON))
+    jsonschema.validate(json.loads(_text(outs)), SCHEMA)
+    assert len(threads) == len(outs)  # one fill a step
+    assert all(name.startswith("pdserve-grammar-masks") for name in threads)
