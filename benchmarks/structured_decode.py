@@ -90,7 +90,8 @@ def main() -> None:
                          "ratio": statistics.median(constrained) / statistics.median(free),
                          "ratio_serial": statistics.median(serial) / statistics.median(free),
                          "rounds": {"unconstrained": free, "constrained": constrained, "serial": serial}})
-    print("| batch | unconstrained (tok/s) | JSON schema (tok/s) | ratio | masks after the forward pass (tok/s) | ratio |")
+    print("| batch | unconstrained (tok/s) | JSON schema (tok/s) | ratio "
+          "| masks after the forward pass (tok/s) | ratio |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['unconstrained_tok_s']:.1f} | {r['constrained_tok_s']:.1f} | {r['ratio']:.3f} "

@@ -21,6 +21,7 @@ and, where asked, `TokenLogprob`s. It does not know about stop conditions.
 
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -52,9 +53,10 @@ class Sampler:
         """The constrained rows' banned tokens: the ones `start_masks` filled for these requests,
         else filled now."""
         pending, self._pending = self._pending, None
-        if (pending is not None and len(pending[0]) == len(requests) and all(a is b for a, b in zip(pending[0], requests))
-                and pending[1].result().shape[-1] >= vocab):
-            return pending[1].result()[:, :vocab]
+        if pending is not None and len(pending[0]) == len(requests) and all(map(operator.is_, pending[0], requests)):
+            banned = pending[1].result()
+            if banned.shape[-1] >= vocab:
+                return banned[:, :vocab]
         return disallowed_tokens([requests[i].grammar for i in constrained], vocab)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:

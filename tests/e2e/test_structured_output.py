@@ -137,7 +137,8 @@ def test_regex_and_choice_always_hold(app):
     for seed in range(4):
         r = app.client.completions.create(model=app.model, prompt=PROMPT, max_tokens=40, seed=seed,
                                           extra_body={"guided_regex": r"[A-Z]{2}[0-9]{3}(-[a-z]{1,3})?"})
-        assert re.fullmatch(r"[A-Z]{2}[0-9]{3}(-[a-z]{1,3})?", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+        assert re.fullmatch(r"[A-Z]{2}[0-9]{3}(-[a-z]{1,3})?", r.choices[0].text)
+        assert r.choices[0].finish_reason == "stop"
         c = app.client.chat.completions.create(model=app.model, messages=[{"role": "user", "content": PROMPT}],
                                                max_tokens=40, seed=seed,
                                                extra_body={"structured_outputs": {"choice": choices}})
