@@ -118,7 +118,7 @@ BROKEN = "engine:\n  max_num_seqs: 0\nprefill:\n  num_replicas: 0\nmode: split\n
 def test_every_entry_point_explains_every_problem(tmp_path, capsys):
     """`pdserve serve` and `serve-config` report a config's problems as `pdserve config validate`
     does: all of them, each where it is, and no traceback. (`build_app` under Ray Serve:
-    tests/integration/serving/test_config_errors.py.)"""
+    tests/integration/test_config_errors.py.)"""
     from pdserve.app import _undotted, load_config
     from pdserve.cli import main
     from pdserve.config_check import load
