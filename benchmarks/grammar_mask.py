@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from machine import machine_line  # this folder's scripts run with it on sys.path
-from pdserve.engine.checkpoint import SPECIAL_TOKENS, build_tokenizer, cache_dir
+from pdserve.engine.checkpoint import build_tokenizer, cache_dir
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -75,16 +75,8 @@ def tokenizer_json(vocab_size: int) -> str:
         return build_tokenizer(vocab_size).to_str()
     path = cache_dir() / f"bench-bpe-{vocab_size}.json"
     if not path.is_file():
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(_corpus(), trainer=trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(tok.to_str())
+        path.write_text(build_tokenizer(vocab_size, _corpus()).to_str())
     return path.read_text()
 
 

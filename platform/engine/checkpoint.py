@@ -101,8 +101,9 @@ def _corpus(num_lines: int = 4000) -> list[str]:
             for _ in range(num_lines)]
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer that prepends BOS, trained deterministically on a fixed corpus."""
+def build_tokenizer(vocab_size: int, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer that prepends BOS, trained deterministically on a fixed corpus
+    (or on `corpus`: a vocabulary larger than the fixed one's words allow)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -110,7 +111,7 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus or _corpus(), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
     return tok
