@@ -91,3 +91,14 @@ def write_checkpoint(family: str, out_dir: Path, tokenizer_dir: str | Path, seed
         if (src / name).is_file():
             shutil.copy(src / name, out_dir / name)
     return out_dir
+
+
+def transformers_greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A transformers model's greedy continuation of each prompt, one at a time (no padding)."""
+    outs = []
+    for ids in prompt_ids:
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs

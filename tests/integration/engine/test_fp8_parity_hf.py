@@ -16,6 +16,7 @@ from pdserve.engine.checkpoint import make_checkpoint
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from tests.fakes.fp8_checkpoint import write_fp8_checkpoint
+from tests.harness.hf_checkpoints import transformers_greedy
 
 pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
 
@@ -34,12 +35,7 @@ def test_fp8_greedy_matches_transformers(tmp_path):
 
     rng = random.Random(7)
     prompts = [[rng.randrange(5, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-        expected.append(out[0, len(p):].tolist())
+    expected = transformers_greedy(model, prompts, MAX_NEW)
     got = LLM(str(tmp_path / "fp8"), block_size=16).generate(prompts, SamplingParams(max_tokens=MAX_NEW,
                                                                                      temperature=0.0))
     assert [o.token_ids for o in got] == expected

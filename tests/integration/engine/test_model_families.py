@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.llm import LLM
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.sampling_params import SamplingParams
-from tests.harness.hf_checkpoints import FAMILIES, write_checkpoint
+from tests.harness.hf_checkpoints import FAMILIES, transformers_greedy, write_checkpoint
 from tests.integration.engine.test_tensor_parallel import generate, same_tokens_close_logprobs
 
 MAX_NEW = 16
@@ -44,13 +44,7 @@ def _transformers_greedy(path: str, prompt_ids: list[list[int]]) -> list[list[in
 
     if path not in _reference:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        outs = []
-        for ids in prompt_ids:
-            t = torch.tensor([ids])
-            with torch.no_grad():
-                gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=MAX_NEW, do_sample=False)
-            outs.append(gen[0, len(ids):].tolist())
-        _reference[path] = outs
+        _reference[path] = transformers_greedy(model, prompt_ids, MAX_NEW)
     return _reference[path]
 
 
