@@ -26,9 +26,6 @@ from pdserve.config import EngineConfig
 UNIT = Path(__file__).parent
 KV_CACHE_BYTES = 32 * 2**20  # tiny-llama: 4,096 blocks of 16 tokens
 DOCUMENTED_KV_CACHE_BYTES = EngineConfig.model_fields["kv_cache_memory_bytes"].default
-# Unit-tier files that still import Ray, each to move to tests/integration; test_ray_free.py fails
-# once one no longer does, so that the exception goes with it.
-WAITING_TO_MOVE = ("tests/unit/test_launch.py",)  # a test patches ray.init (the config work moves it)
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -59,10 +56,10 @@ def small_kv_caches(request, documented_kv_cache_default_after):
 
 
 @pytest.fixture(autouse=True)
-def no_ray(request):
+def no_ray():
     """Fails the test that imported Ray (the first one: once loaded, Ray stays for the session, and
     a session that ran integration tests first has it already)."""
-    had_ray = "ray" in sys.modules or request.node.nodeid.startswith(WAITING_TO_MOVE)
+    had_ray = "ray" in sys.modules
     yield
     if not had_ray and "ray" in sys.modules:
         pytest.fail("this test imported Ray; the unit tier runs without it (tests/integration has Ray)")
