@@ -1,10 +1,9 @@
 """`pdserve config validate`: every shipped config passes with a summary; each kind of mistake is
-reported at its own field path with what the field is for, and the exit status says which."""
+reported at its own field path with what the field is for. (The command's exit status, in a
+process of its own: tests/integration/test_config_check.py.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -97,19 +96,6 @@ def test_engine_overrides_follow_engine_config():
     again = ServeConfig.model_validate(args)
     assert again.engine_config(again.decode).num_kv_blocks is None
     assert again.engine_config(again.prefill) == EngineConfig(model="/m", num_kv_blocks=64, block_size=8)
-
-
-def test_the_command_exit_status(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("decode: {num_replicas: -1}\n")
-    run = lambda *files: subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "validate", *files],
-                                        capture_output=True, text=True)
-    ok = run(str(CONFIGS / "tiny-cpu.yaml"))
-    assert ok.returncode == 0 and "tiny-cpu.yaml: valid" in ok.stdout
-    failed = run(str(CONFIGS / "tiny-cpu.yaml"), str(bad), str(tmp_path / "missing.yaml"))
-    assert failed.returncode == 1
-    assert "bad.yaml: 1 problem\n  decode.num_replicas: Input should be greater than or equal to 1 (got -1)" in failed.stderr
-    assert "missing.yaml: cannot read it" in failed.stderr
 
 
 BROKEN = "engine:\n  max_num_seqs: 0\nprefill:\n  num_replicas: 0\nmode: split\n"
