@@ -1,0 +1,158 @@
+"""Where a decode replica has a prompt prefilled, from an online cost model and the latency target.
+
+A decode replica either sends a prompt to the prefill pool ("remote": its KV is pulled back) or
+prefills it in its own steps beside the streams it decodes ("local"). `place` predicts both:
+
+- remote TTFT: the prompts this replica already has waiting on the prefill pool plus this one's
+  uncached tokens, at the pool's measured rate; plus the KV transfer at the measured link rate;
+  plus a decode step (the request joins the batch between two steps).
+- local TTFT: this replica's own queued prefill tokens plus this prompt's, in chunks sized so a
+  step stays inside `itl_s` (every stream here, and any that joins meanwhile, keeps its pace), each
+  chunk in one step beside the decodes.
+- ITL damage: the stall local prefill adds to the streams here, the prefill's seconds times the
+  streams it slows (at least one: a stream that joins during it waits too). Remote prefill adds
+  none: that is what disaggregation is for.
+
+The rule: of the paths that meet the TTFT target, the one with the least damage (remote whenever
+it meets the target); when neither does, the sooner. A local prefill gets its chunk size and a
+pause: while the TTFT target leaves slack, it prefills only in steps with nothing to decode
+(see the scheduler's `prefill_pause_s`).
+
+The rates come from `CostModel`, moving averages of what this replica measures (its engine steps,
+its remote prefill calls, its pulls), starting from priors. Pure logic: no Ray, no engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Weight of a new sample in the moving averages: the last ~10 samples dominate, so a rate follows
+# a change of load within seconds of steps but one odd step moves it by a tenth.
+EMA_WEIGHT = 0.1
+
+
+@dataclass(frozen=True)
+class Target:
+    """The latency target placement aims at (`ServeConfig.slo`), in seconds."""
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the cost model has measured (or assumes, before any sample)."""
+    decode_step_s: float  # a step of this replica that only decodes, at its recent batch size
+    prefill_token_s: float  # the time one more prompt token adds to a step of this replica
+    remote_tokens_per_s: float  # prompt tokens the prefill pool clears per second for this replica
+    link_bytes_per_s: float  # KV pulled per second from a prefill replica
+
+
+@dataclass(frozen=True)
+class Load:
+    """One prompt and the replica's state as it arrives."""
+    num_uncached_tokens: int  # the prompt tokens this replica's cache lacks
+    num_remote_queued_tokens: int  # uncached tokens of this replica's prompts still with the prefill pool
+    num_local_queued_tokens: int  # prompt tokens waiting in this replica's own prefill queue
+    num_running: int  # streams this replica decodes
+    kv_bytes_per_token: int
+    max_chunk_tokens: int  # the engine's step budget (max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class Placement:
+    where: str  # "remote" | "local"
+    reason: str  # why, in words (logged, and counted by decision)
+    remote_ttft_s: float
+    local_ttft_s: float
+    local_damage_s: float  # stream-seconds of stall a local prefill would add
+    chunk_tokens: int  # local: most prompt tokens a step takes (0: any)
+    pause_s: float  # local: how long it yields to decodes first (the TTFT target's slack)
+
+
+def place(load: Load, rates: Rates, target: Target) -> Placement:
+    remote = ((load.num_remote_queued_tokens + load.num_uncached_tokens) / rates.remote_tokens_per_s
+              + load.num_uncached_tokens * load.kv_bytes_per_token / rates.link_bytes_per_s + rates.decode_step_s)
+    chunk = local_chunk_tokens(load, rates, target)
+    queued = load.num_local_queued_tokens + load.num_uncached_tokens
+    steps = math.ceil(queued / chunk)
+    local = steps * rates.decode_step_s + queued * rates.prefill_token_s if load.num_running else (
+        queued * rates.prefill_token_s)
+    damage = load.num_uncached_tokens * rates.prefill_token_s * max(1, load.num_running)
+    if remote <= target.ttft_s:
+        where, reason = "remote", "remote meets the TTFT target"
+    elif local <= target.ttft_s:
+        where, reason = "local", "only local meets the TTFT target"
+    elif local < remote:
+        where, reason = "local", "neither meets the TTFT target; local is sooner"
+    else:
+        where, reason = "remote", "neither meets the TTFT target; remote is sooner"
+    # The target's slack is spent waiting for steps with nothing to decode, less one chunk's step
+    # as margin for the prediction's error; with nothing decoding there is nothing to yield to.
+    slack = target.ttft_s - local - (rates.decode_step_s + chunk * rates.prefill_token_s)
+    pause = max(0.0, slack) if load.num_running else 0.0
+    return Placement(where, reason, remote, local, damage, chunk if load.num_running else 0, pause)
+
+
+def local_chunk_tokens(load: Load, rates: Rates, target: Target) -> int:
+    """The most prompt tokens a step beside the decodes may take so it stays inside the ITL
+    target (at least one block's worth of progress, 16 tokens, when even a pure decode step
+    misses it: the prompt must advance)."""
+    room = target.itl_s - rates.decode_step_s
+    fits = int(room / rates.prefill_token_s) if room > 0 else 0
+    return max(16, min(load.max_chunk_tokens, fits))
+
+
+class Average:
+    """An exponential moving average that starts at a prior."""
+
+    def __init__(self, prior: float):
+        self.value, self.num_samples = prior, 0
+
+    def add(self, sample: float) -> None:
+        # The first samples replace the prior quickly (weight 1/n until it falls to EMA_WEIGHT).
+        self.num_samples += 1
+        weight = max(EMA_WEIGHT, 1.0 / self.num_samples)
+        self.value += weight * (sample - self.value)
+
+
+class CostModel:
+    """The rates `place` needs, learned online by one decode replica.
+
+    Priors: a CPU-class step (20 ms to decode, 1 ms a prompt token), the prefill pool as fast as
+    this replica, a 1 GB/s link; real hardware replaces each within a few samples. Samples that
+    carry no information (a zero-length step) are skipped."""
+
+    def __init__(self, decode_step_s: float = 0.02, prefill_token_s: float = 1e-3,
+                 link_bytes_per_s: float = 1e9):
+        self.decode_step = Average(decode_step_s)
+        self.prefill_token = Average(prefill_token_s)
+        self.remote_rate = Average(0.0)  # until a remote prefill is measured: this replica's own rate
+        self.link = Average(link_bytes_per_s)
+
+    def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """One engine step: `num_decodes` sequences decoded, `num_prefill_tokens` prompt tokens
+        computed, in `seconds`."""
+        if seconds <= 0:
+            return
+        if num_prefill_tokens == 0:
+            if num_decodes:
+                self.decode_step.add(seconds)
+            return
+        base = self.decode_step.value if num_decodes else 0.0
+        self.prefill_token.add(max(seconds - base, 0.0) / num_prefill_tokens)
+
+    def remote_prefill(self, num_tokens_ahead_and_own: int, seconds: float) -> None:
+        """A remote prefill call returned `seconds` after it was made, with this many uncached
+        tokens of this replica's prompts (its own included) then with the prefill pool."""
+        if seconds <= 0 or num_tokens_ahead_and_own <= 0:
+            return
+        self.remote_rate.add(num_tokens_ahead_and_own / seconds)
+
+    def pull(self, num_bytes: int, seconds: float) -> None:
+        if seconds > 0 and num_bytes > 0:
+            self.link.add(num_bytes / seconds)
+
+    def rates(self) -> Rates:
+        remote = self.remote_rate.value if self.remote_rate.num_samples else 1.0 / self.prefill_token.value
+        return Rates(self.decode_step.value, self.prefill_token.value, remote, self.link.value)
