@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import cpu_kernels, triton_paged
+from pdserve.engine.kernels import ops
 from pdserve.engine.kernels.paged_attention import (GatherWorkspace, decode_mask, paged_decode_attention,
                                                     paged_prefill_attention, window_decode_tables, write_kv)
 from pdserve.engine.kv_cache import KVCache
@@ -144,25 +144,15 @@ class Attention(nn.Module):
         nd = meta.num_decode_tokens
         if self.sliding_window is not None:
             return self._forward_window(q, k, v, k_cache, v_cache, meta, ctx.workspace).view(num_tokens, -1)
-        if q.is_cuda and triton_paged.HAS_TRITON:
-            triton_paged.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return self._forward_triton(q, k_cache, v_cache, meta).view(num_tokens, self.num_heads * self.head_dim)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if nd == num_tokens:  # a pure decode step, the common case: no staging copy
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if nd == num_tokens:  # a pure decode step, the common case: the kernel's output, no staging copy
             return self._decode(q, k_cache, v_cache, meta, ctx.workspace).reshape(num_tokens,
                                                                                   self.num_heads * self.head_dim)
         out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, ctx.workspace)
-        kernel = cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache)
-        for p in meta.prefills:
-            s, e = p.query_start, p.query_start + p.query_len
-            if kernel:
-                cpu_kernels.paged_prefill_attention(q[s:e], k_cache, v_cache, p.block_table, p.context_len,
-                                                    self.scale, out[s:e])
-            else:
-                out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
-                                                   p.block_table, p.context_len, self.scale)
+        # the prefill chunks follow the decode tokens; on a GPU one launch takes them all
+        ops.paged_prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, meta.prefill_batch, self.scale, out)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _forward_window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -184,26 +174,6 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 workspace: GatherWorkspace) -> torch.Tensor:
-        """CPU decode: the C kernel (one pass over the blocks) where it applies, else gather + SDPA."""
-        if cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache):
-            return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_seq_lens, self.scale)
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                      self.scale, workspace, meta.decode_mask(k_cache.shape[1], q.dtype))
-
-    def _forward_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
-        """GPU path: the Triton kernels (checked against the torch path in the tests)."""
-        nd = meta.num_decode_tokens
-        if nd == q.shape[0]:  # a pure decode step: the kernel's output, no staging copy
-            return triton_paged.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                       meta.decode_seq_lens, self.scale)
-        out = q.new_empty(q.shape)
-        if nd:
-            out[:nd] = triton_paged.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                           meta.decode_seq_lens, self.scale)
-        if meta.prefills:  # every chunk in one launch (they follow the decode tokens, contiguous)
-            b = meta.prefill_batch()
-            out[nd:] = triton_paged.paged_prefill_attention(q[nd:], k_cache, v_cache, b.cu_query_lens, b.context_lens,
-                                                            b.block_tables, self.scale, max_query_len=b.max_query_len)
-        return out
+        """The decode tokens' attention, on the kernel `ops` picks (the torch path's mask built once a step)."""
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                          self.scale, workspace, lambda: meta.decode_mask(k_cache.shape[1], q.dtype))

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pdserve.engine.grammar import disallowed_tokens
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import ops
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
 
@@ -76,7 +76,7 @@ class Sampler:
                 apply_grammar_masks(logits, self._masks(requests, constrained, logits.shape[-1]), constrained)
 
         if all(p.is_greedy for p in params):
-            tokens = argmax(logits)
+            tokens = ops.argmax(logits)
         else:
             tokens = self._sample(logits, requests)
         token_list = tokens.tolist()
@@ -104,7 +104,7 @@ class Sampler:
                                                                                       r.num_output_tokens))
                 noise[i].exponential_(generator=position)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, argmax(logits), sampled)
+        return torch.where(greedy, ops.argmax(logits), sampled)
 
 
 def counter_seed(seed: int, position: int) -> int:
@@ -123,14 +123,6 @@ def needs_only_argmax(requests: list[Request]) -> bool:
     decode step) stands in for the sampler."""
     return all(r.params.is_greedy and not r.params.has_penalties and r.params.logprobs is None
                and not r.params.logit_bias and r.grammar is None for r in requests)
-
-
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax; the C kernel's where it takes the tensor (torch's costs ~45 us a row over
-    a 32k vocabulary, a few percent of a batch-1 decode step)."""
-    if cpu_kernels.usable(logits) and logits.is_contiguous() and logits.shape[-1] > 0:
-        return cpu_kernels.argmax(logits)
-    return logits.argmax(dim=-1)
 
 
 def apply_penalties(row: torch.Tensor, r: Request) -> None:

@@ -77,6 +77,31 @@ def test_no_module_imports_upward():
     assert not wrong, "\n".join(wrong)
 
 
+# What the engine outside kernels/ may import from it: the dispatch that picks a kernel per op, the
+# whole decode step in C (which asks `decoder_for` itself whether it takes a model), and the torch
+# reference (the gather workspace; the sliding-window path, which no other kernel takes yet).
+KERNEL_DISPATCH = {"pdserve.engine.kernels.ops", "pdserve.engine.kernels.cpu_decoder",
+                   "pdserve.engine.kernels.paged_attention"}
+
+
+def test_the_engine_picks_kernels_only_through_the_dispatch():
+    """The model files, the attention layer and the sampler ask `kernels/ops.py` for an op; none of
+    them names a C or Triton kernel (#43: kernels behind one dispatch)."""
+    wrong = []
+    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+        if path.parent.name == "kernels":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                 and n.module.startswith("pdserve.engine.kernels") for a in n.names}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        for name in sorted(names):
+            module = name if name.count(".") == 3 else name.rsplit(".", 1)[0]
+            if name.startswith("pdserve.engine.kernels.") and module not in KERNEL_DISPATCH:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_only_the_ray_glue_imports_ray():
     modules = sorted({_module_name(p) for p in PACKAGE.rglob("*.py")} - RAY_GLUE)
     code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"

@@ -1,26 +1,40 @@
-"""The model files' elementwise ops, each on the fastest kernel that takes its tensors: pdserve's C
-kernels on CPU (`cpu_kernels`: fp32, built), the fused Triton kernels on a GPU (`triton_fused`),
-else torch. The torch code here is the reference the other two are tested against.
+"""The one place that picks a kernel: each op the engine runs, on the fastest kernel that takes its
+tensors. pdserve's C kernels on CPU (`cpu_kernels`: fp32, built; KV caches fp32 or bf16), the Triton
+kernels on a GPU (`triton_fused`, `triton_paged`, `triton_moe`), else torch (oneDNN's packed matmul
+for a CPU linear the C kernels do not take). The torch code here, or in `paged_attention.py`, is
+the reference the others are tested against. Callers (the model files, the attention layer, the
+sampler) ask for the op and never name a kernel.
 
+Elementwise (the model files'):
 - `rms_norm(x, weight, eps, add=None)`: `weight * x / sqrt(mean(x^2) + eps)` over the last
   dimension; with `add`, x += add first, in place (the residual add fused into the next norm).
 - `rotary_(x, cos_sin)`: neox-style rotary embedding (rotate halves) of x `[tokens, heads,
   head_dim]` in place, by cos_sin `[tokens, 2, head_dim // 2]` (cos, then sin; fp32).
 - `silu_mul(gate_up)`: `silu(gate) * up` of `[tokens, 2 * inter]` holding gate and up side by side.
 
+Linear layers: `pack_linear(weight)` once at load, then `linear(x, ...)` on what it packed for.
+Experts: `fuses_moe(w13, ...)` once at load (it fixes the weights' layout), then `moe(...)`.
+Paged attention: `write_kv`, `paged_decode_attention`, `paged_prefill_attention`.
+Sampling: `argmax(logits)`.
+
 It knows nothing of layers or models: tensors in, tensors out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_kernels, triton_fused
+from pdserve.engine.kernels import cpu_kernels, paged_attention, triton_fused, triton_moe, triton_paged
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_fused.HAS_TRITON
+
+
+# -- elementwise ---------------------------------------------------------------------------------
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
@@ -77,3 +91,147 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# -- linear layers -------------------------------------------------------------------------------
+# pdserve's C matmul (column panels; fp32, or bf16 panels for fp32 activations) is faster than
+# oneDNN at batch-1 decode and behind it on prefill chunks (see models/layers.py): one packing
+# serves both, as a second packing of every weight would double the weights' memory.
+
+def packs_linear_for_c(weight: torch.Tensor) -> bool:
+    """Whether `pack_linear` packs this `[out, in]` weight for pdserve's C matmul (fp32 on CPU,
+    kernels built): then it may pack into an arena (`cpu_kernels.packed_arena`)."""
+    return cpu_kernels.usable(weight)
+
+
+def pack_linear(weight: torch.Tensor, packed_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, str | None]:
+    """`[out, in]` weight -> (packed, packed_for): "pdserve" (the C matmul's panels, written into
+    `packed_out` when given), "onednn" (oneDNN's packed layout, on CPU), or (None, None) where
+    neither takes it: `linear` then runs torch's on the weight as it is."""
+    if packs_linear_for_c(weight):
+        return cpu_kernels.pack_linear(weight, packed_out), "pdserve"
+    packed = _onednn_pack(weight)
+    return (packed, "onednn") if packed is not None else (None, None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None, packed_for: str | None,
+           out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + b` on what `pack_linear` packed for (`weight` is read only when it packed nothing)."""
+    if packed_for == "pdserve":
+        return cpu_kernels.linear(x, packed, out_features, bias)
+    if packed_for == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`[out, in]` weight packed for oneDNN's matmul on CPU; None where that is not available."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) \
+            or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
+    except (RuntimeError, AttributeError):  # a torch build without this private op
+        return None
+
+
+# -- mixture of experts --------------------------------------------------------------------------
+
+def fuses_moe(w13: torch.Tensor, is_expert_parallel: bool) -> bool:
+    """Whether `moe` runs these experts as fused Triton kernels (one rank, on a GPU): they keep the
+    checkpoint's `[experts, out, in]` and route on the device (no host sync, so CUDA graphs can
+    capture the step). Otherwise the torch loop, on `[experts, in, out]` for `x @ W`."""
+    return not is_expert_parallel and w13.is_cuda and triton_moe.HAS_TRITON
+
+
+def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+        is_fused: bool) -> torch.Tensor:
+    """Sum over each token's chosen experts of `top_w * expert(x)`: x `[tokens, hidden]`, top_w and
+    top_i `[tokens, top_k]`; w13 (gate, then up) and w2 in the layout `fuses_moe` chose."""
+    if is_fused:
+        return triton_moe.fused_moe(x, w13, w2, top_w, top_i)
+    out = torch.zeros_like(x)
+    for expert in top_i.unique().tolist():
+        token, slot = (top_i == expert).nonzero(as_tuple=True)
+        out.index_add_(0, token, expert_mlp(x[token], w13[expert], w2[expert]) * top_w[token, slot, None])
+    return out
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU MLP in the loop's layout: w13 `[in, 2 * inter]`, w2 `[inter, in]`."""
+    gate, up = torch.mm(x, w13).chunk(2, dim=-1)
+    return torch.mm(F.silu(gate) * up, w2)
+
+
+# -- paged attention -----------------------------------------------------------------------------
+# KV caches `[num_blocks, block_size, num_kv_heads, head_dim]` (one layer's K or V).
+
+def _triton_attention(q: torch.Tensor) -> bool:
+    return q.is_cuda and triton_paged.HAS_TRITON
+
+
+def _c_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return cpu_kernels.usable(q) and cpu_kernels.usable_cache(k_cache)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v `[tokens, kv_heads, head_dim]` into the caches' slots (`[tokens]` int64)."""
+    if _triton_attention(k):
+        triton_paged.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        paged_attention.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           workspace: paged_attention.GatherWorkspace,
+                           mask: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """One query token per sequence: q `[batch, heads, head_dim]`, block_tables `[batch, max_blocks]`,
+    seq_lens `[batch]` -> `[batch, heads, head_dim]`. `mask()` gives the torch path's mask
+    (`paged_attention.decode_mask`), called only where that path runs: a step builds it once."""
+    if _triton_attention(q):
+        return triton_paged.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if _c_attention(q, k_cache):
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace,
+                                                  mask())
+
+
+def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, chunks: Sequence, batch: Callable[[], object], scale: float,
+                            out: torch.Tensor) -> None:
+    """The prefill chunks of a step into `out`. q, k, v and out hold the step's tokens `[tokens,
+    heads, head_dim]` (k, v with kv_heads, already written to the caches); `chunks` (each with
+    `query_start`, `query_len`, `context_len` and `block_table`) follow one another to the end of
+    them. `batch()` gives them as one varlen batch (`cu_query_lens`, `context_lens`,
+    `block_tables`, `max_query_len`), called only where one launch takes them all (Triton)."""
+    if _triton_attention(q):
+        _prefill_triton(q, k_cache, v_cache, chunks[0].query_start, batch(), scale, out)
+        return
+    is_c = _c_attention(q, k_cache)
+    for p in chunks:
+        s, e = p.query_start, p.query_start + p.query_len
+        if is_c:
+            cpu_kernels.paged_prefill_attention(q[s:e], k_cache, v_cache, p.block_table, p.context_len, scale,
+                                                out[s:e])
+        else:
+            out[s:e] = paged_attention.paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache,
+                                                               p.block_table, p.context_len, scale)
+
+
+def _prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, b,
+                    scale: float, out: torch.Tensor) -> None:
+    """Every chunk from token `start` on in one launch (`b`: `paged_prefill_attention`'s batch)."""
+    out[start:] = triton_paged.paged_prefill_attention(q[start:], k_cache, v_cache, b.cu_query_lens, b.context_lens,
+                                                       b.block_tables, scale, max_query_len=b.max_query_len)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax; the C kernel's where it takes the tensor (torch's costs ~45 us a row over
+    a 32k vocabulary, a few percent of a batch-1 decode step)."""
+    if cpu_kernels.usable(logits) and logits.is_contiguous() and logits.shape[-1] > 0:
+        return cpu_kernels.argmax(logits)
+    return logits.argmax(dim=-1)

@@ -2,18 +2,18 @@
 tensor-parallel role.
 
 Each parallel layer owns its shard and loads it itself (`weight_loader(param, full_tensor,
-shard_id)` narrows the checkpoint tensor to this rank's part), so tensor parallelism changes
-shapes and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
+shard_id)` narrows the checkpoint tensor to this rank's part), so tensor parallelism changes shapes
+and adds one all-reduce, never the model code. With `tp_size == 1` they are plain linears.
 Parameters are created empty in the checkpoint's `[out, in]` layout and the loader fills them; then
-`finalize()` packs each weight once for the CPU: for pdserve's C matmul (`cpu_kernels.linear`,
-column panels, fp32 or, with `weight_dtype: bfloat16`, bf16) for fp32 models where the kernels
-are built, else for oneDNN's matmul. The C matmul is
-faster than oneDNN at batch-1 decode, where a step streams its weights (the whole decode step
-runs in C there), level with it at a few rows, and behind it on prefill chunks: 0.83x at
-16-2048 rows with AVX-512 on the Zen 5 machines of the 2026-11-24 runs (benchmarks/cpu_linear.py;
-figures in benchmarks/RESULTS.md). Prefill runs on it all the same: a second packing of every
-weight, for oneDNN, would double the weights' memory. The norm and the rotary embedding run on
-`kernels/ops.py`, which picks the C kernels, fused Triton kernels on a GPU, or torch per op.
+`finalize()` packs each weight once for the CPU, as `kernels/ops.py` chooses: for pdserve's C
+matmul (column panels, fp32 or, with `weight_dtype: bfloat16`, bf16) for fp32 models where the
+kernels are built, else for oneDNN's matmul. The C matmul is faster than oneDNN at batch-1 decode,
+where a step streams its weights (the whole decode step runs in C there), level with it at a few
+rows, and behind it on prefill chunks: 0.83x at 16-2048 rows with AVX-512 on the Zen 5 machines of
+the 2026-11-24 runs (benchmarks/cpu_linear.py; figures in benchmarks/RESULTS.md). Prefill runs on
+it all the same: a second packing of every weight, for oneDNN, would double the weights' memory.
+The norm and the rotary embedding run on `kernels/ops.py` too, which picks the C kernels, fused
+Triton kernels on a GPU, or torch per op.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import cpu_kernels, ops
+from pdserve.engine.kernels import ops
 from pdserve.errors import UnsupportedModelError
 
 
@@ -55,37 +55,18 @@ class RMSNorm(nn.Module):
         param.data.copy_(loaded)
 
 
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`[out, in]` weight packed for oneDNN's matmul on CPU; None where that is not available."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) \
-            or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
-    except (RuntimeError, AttributeError):  # a torch build without this private op
-        return None
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
-
 class _Linear(nn.Module):
     """Shared by the parallel linears: the checkpoint's `[out, in]` while loading; after
     `finalize()`, packed for the CPU (see the module docstring), else unchanged."""
 
     packed: torch.Tensor | None = None
-    packed_for: str | None = None  # "pdserve" (cpu_kernels.linear) or "onednn"
+    packed_for: str | None = None  # "pdserve" (the C matmul) or "onednn": `ops.pack_linear`
 
     def finalize(self, packed_out: torch.Tensor | None = None) -> None:
         """packed_out: where to pack for pdserve's matmul (from `cpu_kernels.packed_arena`), when
         `packs_for_pdserve`; else a buffer of its own."""
         self.out_features = self.weight.shape[0]
-        if self.packs_for_pdserve:
-            self.packed, self.packed_for = cpu_kernels.pack_linear(self.weight.data, packed_out), "pdserve"
-        else:
-            self.packed = _onednn_pack(self.weight.data)
-            self.packed_for = "onednn" if self.packed is not None else None
+        self.packed, self.packed_for = ops.pack_linear(self.weight.data, packed_out)
         stored = self.packed if self.packed_for == "pdserve" else self.weight  # pdserve's may hold bf16
         self.num_weight_bytes = self.weight.numel() * stored.element_size()
         if self.packed is not None:
@@ -94,14 +75,10 @@ class _Linear(nn.Module):
     @property
     def packs_for_pdserve(self) -> bool:
         """Whether `finalize` packs the weight for pdserve's C matmul (fp32 on CPU, kernels built)."""
-        return self.weight is not None and cpu_kernels.usable(self.weight)
+        return self.weight is not None and ops.packs_linear_for_c(self.weight)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_for == "pdserve":
-            return cpu_kernels.linear(x, self.packed, self.out_features, bias)
-        if self.packed_for == "onednn":
-            return _onednn_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        return ops.linear(x, self.weight, self.packed, self.packed_for, self.out_features, bias)
 
 
 class ColumnParallelLinear(_Linear):

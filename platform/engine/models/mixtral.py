@@ -8,9 +8,9 @@ Experts are stored stacked (`w13`: gate and up `[experts, 2*intermediate, hidden
 `[experts, hidden, intermediate]`), so under expert parallelism a rank owns a contiguous range.
 Routing: softmax over all experts in fp32, top-k, renormalise (Mixtral always).
 
-On a GPU with Triton (and no expert parallelism) the experts run as fused kernels
-(`kernels/triton_moe.py`) that route on the device: no host sync, so the decode step can be
-captured as a CUDA graph. Elsewhere a loop over the chosen experts runs them, the reference.
+`kernels/ops.py` runs the experts: on a GPU with Triton (and no expert parallelism) as fused
+kernels that route on the device (no host sync, so the decode step can be captured as a CUDA
+graph); elsewhere as a loop over the chosen experts, the reference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import triton_moe
+from pdserve.engine.kernels import ops
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.models.layers import _param
@@ -68,7 +68,7 @@ class MixtralMoE(nn.Module):
     def finalize(self) -> None:
         """Choose the path: the fused kernels keep the checkpoint's `[experts, out, in]`, reading
         weight rows along `in`; the loop stores `[experts, in, out]` for `x @ W` (see layers.py)."""
-        self.is_fused = not self.ep and self.w13.is_cuda and triton_moe.HAS_TRITON
+        self.is_fused = ops.fuses_moe(self.w13, self.ep)
         if not self.is_fused:
             self.w13 = nn.Parameter(self.w13.data.transpose(1, 2).contiguous(), requires_grad=False)
             self.w2 = nn.Parameter(self.w2.data.transpose(1, 2).contiguous(), requires_grad=False)
@@ -80,21 +80,12 @@ class MixtralMoE(nn.Module):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return top_w.to(x.dtype), top_i
 
-    def _expert(self, x: torch.Tensor, local_expert: int) -> torch.Tensor:
-        gate, up = torch.mm(x, self.w13[local_expert]).chunk(2, dim=-1)
-        return torch.mm(F.silu(gate) * up, self.w2[local_expert])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep:
             return self._forward_expert_parallel(x)
         top_w, top_i = self._route(x)
-        if self.is_fused:
-            out = triton_moe.fused_moe(x, self.w13, self.w2, top_w, top_i)
-        else:
-            out = torch.zeros_like(x)
-            for expert in top_i.unique().tolist():
-                token, slot = (top_i == expert).nonzero(as_tuple=True)
-                out.index_add_(0, token, self._expert(x[token], expert) * top_w[token, slot, None])
+        out = ops.moe(x, self.w13, self.w2, top_w, top_i, self.is_fused)
         if self.tp.size > 1:
             torch.distributed.all_reduce(out)
         return out
@@ -123,7 +114,8 @@ class MixtralMoE(nn.Module):
         y = torch.empty_like(rows)
         for expert in row_experts.unique().tolist():
             idx = (row_experts == expert).nonzero(as_tuple=True)[0]
-            y[idx] = self._expert(rows[idx], expert - self.first_expert)
+            local = expert - self.first_expert
+            y[idx] = ops.expert_mlp(rows[idx], self.w13[local], self.w2[local])
         back = x.new_empty(tokens.numel(), x.shape[1])
         dist.all_to_all_single(back, y, send_sizes, recv_sizes)
         out = torch.zeros(share, x.shape[1], dtype=x.dtype, device=x.device)

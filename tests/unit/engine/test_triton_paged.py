@@ -138,10 +138,11 @@ def test_copy_blocks_between_caches_matches_numpy_path(device, heads):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_attention_layer_runs_a_mixed_step_in_one_prefill_launch(device):
-    """The layer's Triton path on decodes followed by two prefill chunks (one varlen launch for
-    both, from the step's shared `PrefillBatch`) equals the torch kernels run one by one."""
-    from pdserve.engine.attention import Attention, AttentionMetadata, PrefillChunkMeta
+def test_a_mixed_step_runs_its_prefill_chunks_in_one_launch(device):
+    """`ops`' Triton path on decodes followed by two prefill chunks (one varlen launch for both,
+    from the step's shared `PrefillBatch`) equals the torch kernels run one by one."""
+    from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
+    from pdserve.engine.kernels import ops
 
     k_cache, v_cache = cache(device)
     decode_lens, chunks = [5, 40], [(0, 9), (21, 6)]  # (cached prefix, chunk)
@@ -154,7 +155,10 @@ def test_attention_layer_runs_a_mixed_step_in_one_prefill_launch(device):
         prefills.append(PrefillChunkMeta(start, n, context, table[:-(-context // BLOCK)]))
         start += n
     meta = AttentionMetadata(torch.empty(0), nd, tables[:nd], torch.tensor(decode_lens, device=device), prefills)
-    got = Attention(0, HEADS, KV_HEADS, HEAD_DIM, 0.25)._forward_triton(q, k_cache, v_cache, meta)
+    got = torch.empty_like(q)
+    got[:nd] = tk.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                         0.25)
+    ops._prefill_triton(q, k_cache, v_cache, prefills[0].query_start, meta.prefill_batch(), 0.25, got)
 
     expected = [ref.paged_decode_attention(q[:nd], k_cache, v_cache, tables[:nd], meta.decode_seq_lens, 0.25)]
     for p, (cached, _) in zip(prefills, chunks):
