@@ -25,18 +25,21 @@ proxy`: Ray Serve's Python proxy).
 
 Part 2, interference: the long-prompt mix of `pdserve bench` (mostly short chats, some long
 prompts) at the same Poisson rate against disaggregated pools (prefill and decode replicas one
-core each, every prompt prefilled remotely; the decode replica copies the KV blocks out of the
-prefill replica's cache in shared memory), the same with the blocks sent over UCX instead
-(`transfer.shared_memory: false`, as between hosts), the same with `early_first_token` (the first
-token streamed before the KV pull), the same with local prefill under load (a prompt that finds a
-long prompt's worth queued for prefill is prefilled on the decode replica while nothing decodes:
-`remote_prefill_max_queued_tokens`, `overflow_prefill_pause_s`), the same taking only prompts
-of up to 256 tokens (`overflow_prefill_max_tokens`), the same taking longer ones too but only
-behind 3,072 queued tokens (`remote_prefill_max_queued_tokens_long`), and colocated serving (one
-replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates` (`--mix-setups` picks). At
-light load few decodes run while a long prompt prefills, so colocated serving's stalls stay under
-its 1% tail; disaggregation shows from the load where they do not. Over several rates, each setup's
-max goodput is DistServe's: the highest rate at which `--attainment` of the requests met the SLO.
+core each): every prompt prefilled remotely (a latency target the prefill pool always meets; the
+decode replica copies the KV blocks out of the prefill replica's cache in shared memory), the same
+with the blocks sent over UCX instead (`transfer.shared_memory: false`, as between hosts), the
+same placing each prompt against the benchmark's own SLO (`slo`: 4 s TTFT, 150 ms ITL; the
+decode replica prefills a prompt itself when the prefill pool would miss the TTFT target), and
+colocated serving (one replica, both cores): p99 ITL, TTFT and goodput, at each of `--rates`
+(`--mix-setups` picks). At light load few decodes run while a long prompt prefills, so colocated
+serving's stalls stay under its 1% tail; disaggregation shows from the load where they do not.
+Over several rates, each setup's max goodput is DistServe's: the highest rate at which
+`--attainment` of the requests met the SLO.
+
+`--baseline-tree DIR` adds the setup tuned by hand before `slo` replaced the token thresholds (a
+worktree of 02a3da7: remote prefill always, local prefill when 1,536 tokens wait on the prefill
+replica, for prompts past 256 tokens only behind 3,072, 2 s of pause, 128-token chunks), run by
+that tree's pdserve in a child process, draw by draw between this tree's setups.
 
 Model: the `serve-llama-40m` preset (bench-llama-56m's shape with the vocabulary cut to its
 tokenizer's; fp32), generated into the pdserve cache on first use. About a sixth of its greedy
@@ -53,9 +56,11 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, is_dataclass
+from functools import partial
 
 from machine import machine_line, warn_if_pinned  # this folder's scripts run with it on sys.path
 
@@ -63,9 +68,10 @@ PRESET = "serve-llama-40m"
 SETUPS = ("offline", "handle", "colocated", "disaggregated")
 # Part 2's setups by short name (--mix-setups), as its tables name them; colocated is always run.
 MIX_SETUPS = {"disaggregated": "disaggregated", "ucx": "disaggregated, blocks over UCX",
-              "early": "disaggregated, early first token", "queue": "disaggregated, local prefill under load",
-              "capped": "local prefill under load, short prompts only",
-              "long-limit": "local prefill under load, long prompts at a longer queue", "colocated": "colocated"}
+              "slo": "disaggregated, placed by the SLO", "colocated": "colocated"}
+BASELINE = "tuned thresholds (baseline tree)"
+# The SLO of part 2's mix: goodput counts requests within both.
+MIX_SLO = {"ttft": 4000.0, "tpot": 150.0}
 
 
 def _free_port() -> int:
@@ -174,9 +180,9 @@ def served_runs(config, requests_by_c: dict[int, list], builder, warmup, rate: f
             results[c] = {k: v for k, v in result.items() if k not in ("ttfts_ms", "e2els_ms")}
         if config.mode == "disaggregated":  # where the prompts were prefilled (warm-ups included)
             stats = serve.get_deployment_handle("Decode", config.name).stats.remote().result(timeout_s=30)
-            for c in results:
-                results[c]["decode_prefills"] = {k: stats[k] for k in ("num_remote_prefills", "num_local_prefills",
-                                                                        "num_local_prefills_for_queue")}
+            for c in results:  # (what the tree running it counts)
+                results[c]["decode_prefills"] = {k: v for k, v in stats.items()
+                                                 if k.startswith(("num_remote_prefills", "num_local_prefills"))}
         return results
     finally:
         serve.shutdown()
@@ -220,7 +226,12 @@ def main() -> None:
                          "bytes a decode step streams)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="part 1 on a GPU: run decode steps op by op instead of replaying CUDA graphs")
+    ap.add_argument("--baseline-tree", help="part 2: also run the hand-tuned setup of this pdserve tree (a worktree "
+                                            "of 02a3da7, before `slo`), in a child process, draw by draw")
+    ap.add_argument("--child-run", help=argparse.SUPPRESS)  # JSON {config, rate, seed, requests}: one served run
     args = ap.parse_args()
+    if args.child_run:
+        return _child_run(json.loads(args.child_run))
     warn_if_pinned()
     setups = args.setups.split(",")
     if not set(setups) <= set(SETUPS):
@@ -254,17 +265,8 @@ def main() -> None:
     requests_by_c = {c: random_workload(builder, max(4, waves * c), "128", str(out_len), seed=c) for c in concurrencies}
     warmup = random_workload(builder, 1, "128", str(out_len), seed=1000)[0]  # every setup's first request
 
-    from pdserve.launch import ray_env
-
-    # As `pdserve serve` starts Ray (gateway.ingress, Serve's control loop): set before Ray starts.
-    for name, value in ray_env(ServeConfig(model=model, gateway={"ingress": args.ingress}), None).items():
-        os.environ.setdefault(name, value)
-    if args.ingress == "haproxy":
-        # An ingress replica otherwise drains for 30 s (for outside load balancers) when Serve shuts
-        # down, past serve.shutdown's own wait: the next setup's serve.run then finds a dying controller.
-        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
+    start_ray = partial(_start_ray, model, args.ingress)
+    start_ray()
     # A run stopped by `timeout` (SIGTERM) still shuts Ray down and prints what it measured so far
     # (set after ray.init, which installs a handler of its own).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -284,8 +286,9 @@ def main() -> None:
                                decode={"ray_actor_options": {"num_cpus": 2, **gpus}, "engine": {"num_threads": threads}})
 
         colocated, colocated_hops = colocated_app(2), colocated_app(args.engine_threads)
+        # Every prompt remote: a TTFT target (an hour) the prefill pool always meets.
         disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
-                             remote_prefill_min_tokens=64, transfer={"host": "127.0.0.1"})
+                             slo={"ttft_ms": 3_600_000}, transfer={"host": "127.0.0.1"})
         runs = {"offline": lambda: {c: offline_run(model, reqs, c, args.engine_threads, engine_options, warmup)
                                     for c, reqs in requests_by_c.items()},
                 "handle": lambda: {c: handle_run(colocated_hops, reqs, c, warmup) for c, reqs in requests_by_c.items()},
@@ -301,46 +304,107 @@ def main() -> None:
         n = args.requests or (24 if args.quick else 60)
         rates = [float(r) for r in (args.rates or ("1" if args.quick else "1.5,3,4.5")).split(",")]
         seeds = [int(x) for x in args.seeds.split(",")]
-        slo = {"ttft": 4000.0, "tpot": 150.0}
-        remote_always = disagg.model_copy(update={"remote_prefill_min_tokens": 0})
-        over_ucx = remote_always.model_copy(
-            update={"transfer": remote_always.transfer.model_copy(update={"shared_memory": False})})
-        # Local prefill under load: a prompt that finds 1,536 tokens (one long prompt) of the decode
-        # replica's prompts still with the prefill replica is prefilled on the decode replica, in
-        # the steps with nothing to decode (for up to 2 s), so its streams keep pure decode steps.
-        # After that, 128-token chunks beside the decodes: each such step stalls the streams for
-        # ~0.1 s on one core, half what a 256-token chunk costs (RESULTS.md, #5 part 2).
-        queue_aware = ServeConfig.model_validate(remote_always.model_dump() | {
-            "remote_prefill_max_queued_tokens": 1536, "overflow_prefill_pause_s": 2.0,
-            "decode": one_core | {"engine": {"num_threads": 1, "long_prefill_token_threshold": 128}}})
-        setups_2 = {"disaggregated": remote_always,
-                    "ucx": over_ucx,
-                    "early": remote_always.model_copy(update={"early_first_token": True}),
-                    "queue": queue_aware,
-                    # Long prompts stay on the prefill queue: no run of stalls, at the cost of TTFT.
-                    "capped": queue_aware.model_copy(update={"overflow_prefill_max_tokens": 256}),
-                    # Long prompts leave the prefill queue only behind 3,072 queued tokens, ~2.3 s of one
-                    # core's prefill: where waiting there would take TTFT near the 4 s SLO.
-                    "long-limit": queue_aware.model_copy(update={"overflow_prefill_max_tokens": 256,
-                                                                 "remote_prefill_max_queued_tokens_long": 3072}),
-                    "colocated": colocated}
+        over_ucx = disagg.model_copy(update={"transfer": disagg.transfer.model_copy(update={"shared_memory": False})})
+        by_slo = ServeConfig.model_validate(disagg.model_dump() | {
+            "slo": {"ttft_ms": MIX_SLO["ttft"], "itl_ms": MIX_SLO["tpot"]}})
+        setups_2 = {"disaggregated": disagg, "ucx": over_ucx, "slo": by_slo, "colocated": colocated}
         setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:
             mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
             draws = [f"{rate} req/s, mix seed {seed}" for rate in rates]
             for rate, draw in zip(rates, draws):
-                report["interference"][draw] = {
-                    name: served_runs(cfg, {0: mix}, builder, warmup, rate, slo)[0] for name, cfg in setups_2.items()}
+                report["interference"][draw] = {name: served_runs(cfg, {0: mix}, builder, warmup, rate, MIX_SLO)[0]
+                                                 for name, cfg in setups_2.items()}
+                if args.baseline_tree:
+                    report["interference"][draw][BASELINE] = _baseline_run(
+                        args.baseline_tree, _tuned_config(disagg), rate, seed, n, args.ingress, start_ray)
                 print(f"{draw}: " + "; ".join(f"{name} p99 ITL {m['p99_itl_ms']:.0f} ms, {m['slo_attainment']:.3f} "
                                              "within SLO" for name, m in report["interference"][draw].items()),
                       flush=True)  # a long sweep's progress
             if len(rates) > 1:  # DistServe's goodput: the highest of these rates each setup sustains
                 report["max_goodput"][f"mix seed {seed}"] = {
                     name: max_goodput([report["interference"][d][name] for d in draws], args.attainment)
-                    for name in setups_2}
+                    for name in report["interference"][draws[0]]}
     finally:
         ray.shutdown()
         _print(report)
+
+
+def _start_ray(model: str, ingress: str) -> None:
+    import ray
+
+    from pdserve.config import ServeConfig
+    from pdserve.launch import ray_env
+
+    # As `pdserve serve` starts Ray (gateway.ingress, Serve's control loop): set before Ray starts.
+    for name, value in ray_env(ServeConfig(model=model, gateway={"ingress": ingress}), None).items():
+        os.environ.setdefault(name, value)
+    if ingress == "haproxy":
+        # An ingress replica otherwise drains for 30 s (for outside load balancers) when Serve shuts
+        # down, past serve.shutdown's own wait: the next setup's serve.run then finds a dying controller.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
+
+
+def _tuned_config(disagg) -> dict:
+    """The setup tuned by hand before `slo` (RESULTS.md, #5 part 2, 'long prompts at a longer
+    queue'), in the fields of the trees that had them: `disagg` with every prompt remote until
+    1,536 uncached tokens wait on the prefill replica; then prompts of up to 256 tokens are
+    prefilled on the decode replica (yielding to its decodes for 2 s, then in 128-token chunks),
+    longer ones only once 3,072 wait."""
+    config = disagg.model_dump(exclude={"slo"})
+    config["decode"]["engine"] = {**config["decode"]["engine"], "long_prefill_token_threshold": 128}
+    return config | {"name": "tuned", "remote_prefill_min_tokens": 0, "remote_prefill_max_queued_tokens": 1536,
+                     "overflow_prefill_pause_s": 2.0, "overflow_prefill_max_tokens": 256,
+                     "remote_prefill_max_queued_tokens_long": 3072}
+
+
+def _baseline_run(tree: str, config: dict, rate: float, seed: int, num_requests: int, ingress: str,
+                  start_ray) -> dict:
+    """One draw of `config` served by the pdserve of `tree` (its `platform/` imported as `pdserve`
+    through a link first on PYTHONPATH, in a child process with its own Ray), between this
+    process's Ray sessions: the machine runs one app at a time."""
+    import tempfile
+
+    import ray
+
+    ray.shutdown()
+    try:
+        with tempfile.TemporaryDirectory() as links:
+            os.symlink(os.path.join(os.path.abspath(tree), "platform"), os.path.join(links, "pdserve"))
+            spec = json.dumps({"config": config, "rate": rate, "seed": seed, "requests": num_requests,
+                               "ingress": ingress})
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([links, os.path.dirname(__file__)])}
+            child = subprocess.run([sys.executable, __file__, "--child-run", spec], env=env, capture_output=True,
+                                   text=True, timeout=1800)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+        if child.returncode or not lines:
+            raise RuntimeError(f"the baseline tree's run failed ({child.returncode}):\n{child.stderr[-3000:]}")
+        result = json.loads(lines[-1])
+        print(f"baseline tree: pdserve from {result.pop('pdserve_from')}", flush=True)
+        return result
+    finally:
+        start_ray()
+
+
+def _child_run(spec: dict) -> None:
+    """--child-run: one draw of the long-prompt mix against `spec["config"]`, printed as a JSON line."""
+    import pdserve
+    import ray
+    from pdserve.bench.workloads import PromptBuilder, long_prompt_mix_workload, random_workload
+    from pdserve.config import ServeConfig
+
+    config = ServeConfig.model_validate(spec["config"])
+    builder = PromptBuilder(config.model)
+    mix = long_prompt_mix_workload(builder, spec["requests"], "64:128", "1024:1536", "48", 0.2, "16", seed=spec["seed"])
+    warmup = random_workload(builder, 1, "128", "32", seed=1000)[0]
+    _start_ray(config.model, spec["ingress"])
+    try:
+        result = served_runs(config, {0: mix}, builder, warmup, spec["rate"], MIX_SLO)[0]
+    finally:
+        ray.shutdown()
+    print(json.dumps({**result, "pdserve_from": list(pdserve.__path__)[0]}))
 
 
 def _print(report: dict) -> None:

@@ -333,10 +333,38 @@ class TelemetryConfig(BaseModel):
                                                            "(ray.util.metrics) and their `pdserve status` line.")
 
 
+class SLOConfig(BaseModel):
+    """The latency a deployment serves to: each request's time to first token and the gaps between
+    its tokens, met by `percentile` percent of requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float = Field(2000.0, gt=0, description="Time to first token, from arrival at a decode replica.")
+    itl_ms: float = Field(100.0, gt=0, description="Gap between two tokens of a stream (inter-token latency).")
+    percentile: float = Field(99.0, gt=0, le=100, description="Share of requests (percent) the targets hold for: "
+                                                             "how attainment is counted.")
+
+
+# Fields a config no longer takes -> what replaces them (`pdserve config validate` and the Helm
+# chart say it where they meet one).
+REMOVED_FIELDS = {name: "removed: where prompts are prefilled follows the latency target now; set slo: {ttft_ms, "
+                        "itl_ms} instead (docs/serving.md, 'Where prompts are prefilled')"
+                  for name in ("remote_prefill_min_tokens", "remote_prefill_max_queued_tokens",
+                               "overflow_prefill_max_tokens", "remote_prefill_max_queued_tokens_long",
+                               "overflow_prefill_pause_s", "early_first_token")}
+
+
 class ServeConfig(BaseModel):
     """A whole pdserve deployment: model, pools, transfer and gateway."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"x-removed": REMOVED_FIELDS})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _raise_all("ServeConfig", [((name,), REMOVED_FIELDS[name]) for name in data if name in REMOVED_FIELDS])
+        return data
 
     name: str = Field("pdserve", description="Ray Serve application name.")
     model: str | None = Field(None, description="Local Hugging Face checkpoint directory; default: the tiny-llama "
@@ -346,35 +374,11 @@ class ServeConfig(BaseModel):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: Prefill and Decode pools with KV transfer; "
                                      "colocated: one Unified pool, no transfer.")
-    remote_prefill_min_tokens: int = Field(
-        256, ge=0, description="Conditional disaggregation: prompts with fewer uncached tokens than this are "
-                               "prefilled on the decode replica itself.")
-    remote_prefill_max_queued_tokens: int | None = Field(
-        None, ge=1, description="Conditional disaggregation under load (Dynamo's prefill-queue limit): a prompt that "
-                                "finds at least this many uncached tokens of its decode replica's prompts still "
-                                "waiting on prefill replicas is prefilled on the decode replica instead, while that "
-                                "replica's own prefill queue is the shorter. A burst of long prompts then uses both "
-                                "pools. Each decode replica counts its own prompts. None: always remote.")
-    overflow_prefill_max_tokens: int | None = Field(
-        None, ge=1, description="With remote_prefill_max_queued_tokens: a prompt with more uncached tokens than this "
-                                "waits for a prefill replica even when the queue is long. On the decode replica each "
-                                "of its chunks would stall every stream for a step, a long prompt many steps in a "
-                                "row. None: any prompt may be prefilled there.")
-    remote_prefill_max_queued_tokens_long: int | None = Field(
-        None, ge=1, description="With overflow_prefill_max_tokens: the prefill-queue limit for the longer prompts. "
-                                "Set it to what the prefill pool clears in about the TTFT you aim for, so a long "
-                                "prompt is prefilled on the decode replica only when waiting would miss that. None: "
-                                "the longer prompts always wait for a prefill replica.")
-    overflow_prefill_pause_s: float = Field(
-        2.0, ge=0, description="A prompt prefilled on the decode replica because the prefill queue is long "
-                               "(remote_prefill_max_queued_tokens) is prefilled in that replica's steps with nothing "
-                               "to decode, or beside the decodes once it has waited this long: meanwhile the "
-                               "replica's streams keep pure decode steps instead of gaps as long as a prefill chunk.")
-    early_first_token: bool = Field(
-        False, description="Stream a remotely prefilled request's first token as soon as the prefill returns it, "
-                           "before its KV is pulled: lower TTFT, but the pull and the wait to join the decode "
-                           "batch land between the first and second tokens. Off: the first token leaves as the "
-                           "request joins the decode batch, so the stream runs at the batch's pace from the start.")
+    slo: SLOConfig | None = Field(
+        None, description="The latency target: where each prompt is prefilled follows it (pdserve.decode.placement: "
+                          "on the prefill pool while that meets the TTFT target, else on the decode replica in "
+                          "chunks that keep its streams inside the ITL target). Unset: placement aims at "
+                          "SLOConfig's defaults.")
     # validate_default: a pool left out still runs the top-level engine, which _check_pool_engine checks.
     prefill: PoolConfig = Field(default_factory=PoolConfig, validate_default=True,
                                 description="The prefill pool (disaggregated mode).")
@@ -435,10 +439,6 @@ class ServeConfig(BaseModel):
             if d > 1 and self.transfer.backend != "ucx":
                 problems.append("tensor-parallel pools in disaggregated mode move KV rank to rank: "
                                 "transfer.backend must be ucx")
-        if self.remote_prefill_max_queued_tokens_long is not None and (
-                self.overflow_prefill_max_tokens is None or self.remote_prefill_max_queued_tokens is None):
-            problems.append("remote_prefill_max_queued_tokens_long is the queue limit for prompts past "
-                            "overflow_prefill_max_tokens: set that and remote_prefill_max_queued_tokens too")
         if self.pool_ratio is not None and (self.mode != "disaggregated" or self.prefill.autoscaling is None
                                             or self.decode.autoscaling is None):
             problems.append("pool_ratio needs mode disaggregated and autoscaling on both the prefill and the "

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pdserve.config import PoolConfig, ServeConfig
+from pdserve.config import REMOVED_FIELDS, PoolConfig, ServeConfig
 from pdserve.errors import ConfigError
 
 
@@ -47,10 +47,15 @@ def check(data: Any) -> tuple[ServeConfig | None, list[Problem]]:
     if not isinstance(data, dict):
         return None, [Problem("", f"expected a mapping of pdserve config fields, got {type(data).__name__}",
                               "start from configs/tiny-cpu.yaml; fields: " + ", ".join(ServeConfig.model_fields))]
+    # A removed field stops pydantic before the other fields are read: report it beside them.
+    removed = [Problem(name, REMOVED_FIELDS[name], "") for name in data if name in REMOVED_FIELDS]
     try:
-        return ServeConfig.model_validate(data), []
+        config = ServeConfig.model_validate({k: v for k, v in data.items() if k not in REMOVED_FIELDS})
     except ValidationError as e:
-        return None, [_problem(error) for error in e.errors()]
+        problems = [_problem(error) for error in e.errors()]
+        # As pydantic's: the checks across fields count once every field is fine, and a removed one is not.
+        return None, removed + [p for p in problems if p.path or not removed]
+    return (None, removed) if removed else (config, [])
 
 
 def _problem(error: dict) -> Problem:

@@ -43,6 +43,9 @@ class PrefillResult:
     first: RequestOutput
     kv: KVHandle | None = None  # rank 0's lease (the whole KV when the prefill replica has one rank)
     rank_kv: tuple[KVHandle, ...] = ()  # ranks 1..N-1 of a tensor-parallel prefill replica
+    # Prompt tokens a second the prefill replica computes (a moving average of its steps; None
+    # before its first): the decode replica's placement predicts remote prefills with it.
+    prefill_tokens_per_s: float | None = None
 
     @property
     def kv_by_rank(self) -> list[KVHandle]:

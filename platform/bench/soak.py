@@ -347,7 +347,6 @@ SOAK_CONFIG = {
                "max_num_batched_tokens": 512},
     "prefill": {"ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2.0},
     "decode": {"ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 2.0},
-    "remote_prefill_min_tokens": 24,
     "transfer": {"host": "127.0.0.1", "lease_s": 20},
     "gateway": {"request_timeout_s": 60},
 }

@@ -54,10 +54,8 @@ class Decode(EngineReplica):
         if engine_config.tensor_parallel_size > 1:  # ranks pull their own KV heads when there is a prefill pool
             self.ranks = RankWorkers(engine_config, cfg.transfer if prefill is not None else None)
         self.server = DecodeServer(engine_config, cfg.transfer, remote_prefill, make_importer,
-                                   cfg.remote_prefill_min_tokens, self.ranks and self.ranks.init_method,
-                                   self.ranks and self.ranks.pull, self.metrics.pull, cfg.early_first_token,
-                                   cfg.remote_prefill_max_queued_tokens, cfg.overflow_prefill_pause_s,
-                                   cfg.overflow_prefill_max_tokens, cfg.remote_prefill_max_queued_tokens_long)
+                                   self.ranks and self.ranks.init_method, self.ranks and self.ranks.pull,
+                                   self.metrics.pull, cfg.slo)
         self.kv_events = start_kv_events(cfg, self.server.engine)
         self.outputs = OutputChannelServer(ray.util.get_node_ip_address(), self._abort)
         self._start_reporting(cfg)

@@ -4,8 +4,9 @@ A decode replica either sends a prompt to the prefill pool ("remote": its KV is 
 prefills it in its own steps beside the streams it decodes ("local"). `place` predicts both:
 
 - remote TTFT: the prompts this replica already has waiting on the prefill pool plus this one's
-  uncached tokens, at the pool's measured rate; plus the KV transfer at the measured link rate;
-  plus a decode step (the request joins the batch between two steps).
+  uncached tokens, at the pool's measured prefill rate; plus what a call took beyond that (the
+  hops, and waiting behind other replicas' prompts), as measured; plus the KV transfer at the
+  measured link rate; plus a decode step (the request joins the batch between two steps).
 - local TTFT: this replica's own queued prefill tokens plus this prompt's, in chunks sized so a
   step stays inside `itl_s` (every stream here, and any that joins meanwhile, keeps its pace), each
   chunk in one step beside the decodes.
@@ -27,10 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Weight of a new sample in the moving averages: the last ~10 samples dominate, so a rate follows
-# a change of load within seconds of steps but one odd step moves it by a tenth.
-EMA_WEIGHT = 0.1
-
+from pdserve.telemetry.averages import Average
 
 @dataclass(frozen=True)
 class Target:
@@ -44,7 +42,8 @@ class Rates:
     """What the cost model has measured (or assumes, before any sample)."""
     decode_step_s: float  # a step of this replica that only decodes, at its recent batch size
     prefill_token_s: float  # the time one more prompt token adds to a step of this replica
-    remote_tokens_per_s: float  # prompt tokens the prefill pool clears per second for this replica
+    remote_tokens_per_s: float  # prompt tokens a prefill replica computes per second (as it reports)
+    remote_wait_s: float  # what a remote prefill call takes beyond computing this replica's prompts
     link_bytes_per_s: float  # KV pulled per second from a prefill replica
 
 
@@ -71,7 +70,8 @@ class Placement:
 
 
 def place(load: Load, rates: Rates, target: Target) -> Placement:
-    remote = ((load.num_remote_queued_tokens + load.num_uncached_tokens) / rates.remote_tokens_per_s
+    num_remote_tokens = load.num_remote_queued_tokens + load.num_uncached_tokens
+    remote = (rates.remote_wait_s + num_remote_tokens / rates.remote_tokens_per_s
               + load.num_uncached_tokens * load.kv_bytes_per_token / rates.link_bytes_per_s + rates.decode_step_s)
     chunk = local_chunk_tokens(load, rates, target)
     queued = load.num_local_queued_tokens + load.num_uncached_tokens
@@ -99,35 +99,23 @@ def local_chunk_tokens(load: Load, rates: Rates, target: Target) -> int:
     target (at least one block's worth of progress, 16 tokens, when even a pure decode step
     misses it: the prompt must advance)."""
     room = target.itl_s - rates.decode_step_s
-    fits = int(room / rates.prefill_token_s) if room > 0 else 0
+    fits = int(room / rates.prefill_token_s + 1e-9) if room > 0 else 0  # (+1e-9: 0.02 / 0.001 is 19.999...)
     return max(16, min(load.max_chunk_tokens, fits))
-
-
-class Average:
-    """An exponential moving average that starts at a prior."""
-
-    def __init__(self, prior: float):
-        self.value, self.num_samples = prior, 0
-
-    def add(self, sample: float) -> None:
-        # The first samples replace the prior quickly (weight 1/n until it falls to EMA_WEIGHT).
-        self.num_samples += 1
-        weight = max(EMA_WEIGHT, 1.0 / self.num_samples)
-        self.value += weight * (sample - self.value)
 
 
 class CostModel:
     """The rates `place` needs, learned online by one decode replica.
 
-    Priors: a CPU-class step (20 ms to decode, 1 ms a prompt token), the prefill pool as fast as
-    this replica, a 1 GB/s link; real hardware replaces each within a few samples. Samples that
-    carry no information (a zero-length step) are skipped."""
+    Priors: a CPU-class step (20 ms to decode, 1 ms a prompt token), prefill replicas as fast as
+    this replica and no wait beyond their compute, a 1 GB/s link; real hardware replaces each
+    within a few samples. Samples that carry no information (a zero-length step) are skipped."""
 
     def __init__(self, decode_step_s: float = 0.02, prefill_token_s: float = 1e-3,
                  link_bytes_per_s: float = 1e9):
         self.decode_step = Average(decode_step_s)
         self.prefill_token = Average(prefill_token_s)
-        self.remote_rate = Average(0.0)  # until a remote prefill is measured: this replica's own rate
+        self.remote_rate = Average(0.0)  # until a prefill replica reports its rate: this replica's own
+        self.remote_wait = Average(0.0)
         self.link = Average(link_bytes_per_s)
 
     def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
@@ -142,12 +130,15 @@ class CostModel:
         base = self.decode_step.value if num_decodes else 0.0
         self.prefill_token.add(max(seconds - base, 0.0) / num_prefill_tokens)
 
-    def remote_prefill(self, num_tokens_ahead_and_own: int, seconds: float) -> None:
-        """A remote prefill call returned `seconds` after it was made, with this many uncached
-        tokens of this replica's prompts (its own included) then with the prefill pool."""
-        if seconds <= 0 or num_tokens_ahead_and_own <= 0:
-            return
-        self.remote_rate.add(num_tokens_ahead_and_own / seconds)
+    def remote_prefill(self, num_tokens: int, seconds: float, replica_tokens_per_s: float | None) -> None:
+        """A remote prefill call returned `seconds` after it was made, with `num_tokens` uncached
+        tokens of this replica's prompts (its own included) then with the prefill pool; the prefill
+        replica reported computing `replica_tokens_per_s` prompt tokens a second (None: not yet
+        measured there)."""
+        if replica_tokens_per_s:
+            self.remote_rate.add(replica_tokens_per_s)
+        if seconds > 0 and num_tokens > 0:
+            self.remote_wait.add(max(0.0, seconds - num_tokens / self.rates().remote_tokens_per_s))
 
     def pull(self, num_bytes: int, seconds: float) -> None:
         if seconds > 0 and num_bytes > 0:
@@ -155,4 +146,4 @@ class CostModel:
 
     def rates(self) -> Rates:
         remote = self.remote_rate.value if self.remote_rate.num_samples else 1.0 / self.prefill_token.value
-        return Rates(self.decode_step.value, self.prefill_token.value, remote, self.link.value)
+        return Rates(self.decode_step.value, self.prefill_token.value, remote, self.remote_wait.value, self.link.value)

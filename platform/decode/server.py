@@ -1,18 +1,14 @@
 """The decode role without Ray: continuous-batch decoding of requests prefilled elsewhere, and
 local prefill of short or mostly cached prompts (conditional disaggregation).
 
-`DecodeServer.generate(GenerateRequest)` streams the engine's `RequestOutput`s. For a prompt with
-at least `remote_prefill_min_tokens` tokens not in this replica's prefix cache it calls
-`remote_prefill` (a prefill replica), reserves blocks for the part of the prompt it does not
-cache, pulls only those, and joins the request to its batch; the prefill's first token goes out
-as it joins (or at once, with `early_first_token`). With `remote_prefill_max_queued_tokens`, a
-prompt that finds that many uncached tokens of this replica's prompts already waiting on prefill
-replicas is prefilled here instead, while this replica's own prefill queue is the shorter
-(Dynamo's queue-aware conditional disaggregation): a burst of long prompts is prefilled on both
-pools instead of queueing on one. Such a prompt yields to this replica's decodes for up to
-`overflow_prefill_pause_s`, so its streams keep pure decode steps; with
-`overflow_prefill_max_tokens`, longer prompts wait for a prefill replica, unless the queue holds
-`remote_prefill_max_queued_tokens_long` tokens (None: always). A prefill call
+`DecodeServer.generate(GenerateRequest)` streams the engine's `RequestOutput`s. Where each prompt
+is prefilled is one decision of `pdserve.decode.placement` against the latency target (`slo`),
+from this replica's state and the rates its `CostModel` measures: remote (a prefill replica) while
+that meets the TTFT target, else here, in chunks that keep its streams inside the ITL target and
+only in steps with nothing to decode while the TTFT target leaves slack. Remote: it calls
+`remote_prefill`, reserves blocks for the part of the prompt it does not cache, pulls only those,
+and joins the request to its batch; the prefill's first token goes out as it joins, or at once
+when waiting for the join would miss the TTFT target. A prefill call
 that fails with a `RequestError` (bad input, a failure pinned to the request, its deadline) is
 raised, never retried: here it would end the same way. Any other failure of the call (a
 `ReplicaError`, a dead prefill replica) is retried here as a local prefill, and a pull that fails
@@ -33,16 +29,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
 
-from pdserve.config import EngineConfig, TransferConfig
+from pdserve.config import EngineConfig, SLOConfig, TransferConfig
 from pdserve.engine.async_engine import AsyncLLMEngine, Forward
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import DeadlineExceededError, RequestError
+from pdserve.decode.placement import CostModel, Load, Placement, Target, place
 from pdserve.kvtransfer.base import KVImporter
 from pdserve.kvtransfer.protocol import KVHandle, KVTransferError
 from pdserve.kvtransfer.protocol import source_rank
@@ -58,17 +55,13 @@ PullRank = Callable[[int, KVHandle, list[int], int, float], Awaitable[None]]
 class DecodeServer:
     def __init__(self, engine_config: EngineConfig, transfer: TransferConfig | None = None,
                  remote_prefill: RemotePrefill | None = None,
-                 make_importer: Callable[[LLMEngine], KVImporter] | None = None,
-                 remote_prefill_min_tokens: int = 256, init_method: str | None = None,
+                 make_importer: Callable[[LLMEngine], KVImporter] | None = None, init_method: str | None = None,
                  pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None,
-                 early_first_token: bool = False, remote_prefill_max_queued_tokens: int | None = None,
-                 overflow_prefill_pause_s: float = 2.0, overflow_prefill_max_tokens: int | None = None,
-                 remote_prefill_max_queued_tokens_long: int | None = None):
+                 slo: SLOConfig | None = None):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
         # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads;
         # on_pull(seconds): told the duration of every successful pull (a metric);
-        # early_first_token, remote_prefill_max_queued_tokens, overflow_prefill_pause_s,
-        # overflow_prefill_max_tokens, remote_prefill_max_queued_tokens_long: see ServeConfig.
+        # slo: the latency target placement aims at (ServeConfig.slo; None: SLOConfig's defaults).
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
@@ -76,15 +69,14 @@ class DecodeServer:
         self.remote_prefill = remote_prefill
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()
-        self.remote_prefill_min_tokens = remote_prefill_min_tokens
-        self.early_first_token = early_first_token
-        self.remote_prefill_max_queued_tokens = remote_prefill_max_queued_tokens
-        self.overflow_prefill_pause_s = overflow_prefill_pause_s
-        self.overflow_prefill_max_tokens = overflow_prefill_max_tokens
-        self.remote_prefill_max_queued_tokens_long = remote_prefill_max_queued_tokens_long
+        slo = slo or SLOConfig()
+        self.target = Target(slo.ttft_ms / 1000, slo.itl_ms / 1000)
+        self.costs = CostModel()
+        self.engine.engine.on_step = self.costs.step  # (on the engine's thread, after each step)
         self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
-        self.num_local_prefills_for_queue = 0
+        self.num_local_prefills_for_target = 0  # prefilled here because the prefill pool would miss the TTFT target
+        self.num_early_first_tokens = 0  # sent before their KV was pulled, to meet the TTFT target
         self.num_resumed_requests = 0  # sequences taken over from a replica that failed mid-stream
         # What a fault must bring back to 0: calls in progress (waiting on prefill, pulling or
         # decoding) and pulls whose copies may still be landing in this cache.
@@ -94,19 +86,22 @@ class DecodeServer:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
         self.num_in_flight_requests += 1
         self.num_resumed_requests += bool(req.output_token_ids)
+        arrived = time.monotonic()
         try:
             await self.engine.prepare(req.params)  # its grammar compiled off the step loop, before any work
-            where, num_uncached = await self._where_to_prefill(req)
-            if where != "remote":
-                overflow = where != "local"
-                self.num_local_prefills_for_queue += overflow
-                pause_s = self.overflow_prefill_pause_s if overflow else 0
-                async for out in self._prefill_here(req, where, forward, pause_s):
+            placement, num_uncached = await self._where_to_prefill(req)
+            if placement is None or placement.where == "local":
+                self.num_local_prefills_for_target += placement is not None
+                async for out in self._prefill_here(req, "local", forward, placement):
                     yield out
                 return
+            ahead = self.remote_queued_tokens
             self.remote_queued_tokens += num_uncached
+            called = time.monotonic()
             try:
                 result = await self._remote_prefill_in_time(req)
+                self.costs.remote_prefill(ahead + num_uncached, time.monotonic() - called,
+                                          result.prefill_tokens_per_s)
             except RequestError:  # the request's own fault or fate: prefilling it here would end the same way
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or failing prefill replica: prefill here instead
@@ -123,8 +118,10 @@ class DecodeServer:
             if result.kv is None:  # the first token ended it
                 yield result.first
                 return
+            early = self._first_token_early(arrived, num_uncached)
             try:
-                if self.early_first_token:
+                if early:
+                    self.num_early_first_tokens += 1
                     yield result.first
                 with span("pdserve.kv_transfer", req.trace_context, request_id=req.request_id,
                           backend=type(self.importer).__name__) as s:
@@ -136,7 +133,7 @@ class DecodeServer:
                 raise
             # Resumed between two steps: unless it went out early, the first token leaves as the step
             # that computes the second begins, so the stream runs at the batch's pace from token one.
-            first = None if self.early_first_token else result.first
+            first = None if early else result.first
             async for out in self._decode(req, "recomputed" if recompute else "remote",
                                           self.engine.resume(req.request_id, recompute, first, forward)):
                 yield out
@@ -155,13 +152,25 @@ class DecodeServer:
             raise DeadlineExceededError("the request's deadline passed during its remote prefill") from None
 
     def _prefill_here(self, req: GenerateRequest, why: str, forward: Forward | None,
-                      prefill_pause_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Prefill and decode `req` on this replica (`prefill_pause_s`: see the scheduler)."""
+                      placement: Placement | None = None) -> AsyncIterator[RequestOutput]:
+        """Prefill and decode `req` on this replica, in the chunks and after the pause `placement`
+        chose (none: as the engine's steps allow, at once)."""
         self.num_local_prefills += 1
+        pause_s, chunk = (placement.pause_s, placement.chunk_tokens) if placement else (0.0, 0)
         return self._decode(req, why, self.engine.generate(req.request_id, req.prompt_token_ids, req.params,
-                                                           forward=forward, prefill_pause_s=prefill_pause_s,
+                                                           forward=forward, prefill_pause_s=pause_s,
                                                            deadline_s=req.deadline_s,
-                                                           output_token_ids=req.output_token_ids))
+                                                           output_token_ids=req.output_token_ids,
+                                                           max_chunk_tokens=chunk))
+
+    def _first_token_early(self, arrived: float, num_uncached: int) -> bool:
+        """Whether a remotely prefilled request's first token must go out before its KV is pulled:
+        only when waiting for the pull and the join would take it past the TTFT target. Otherwise it
+        leaves as the request joins the batch, so the stream runs at the batch's pace from token one
+        (an early token puts the pull and the join between the first and second tokens)."""
+        rates = self.costs.rates()
+        join_s = num_uncached * self.block_bytes / self.engine.engine.config.block_size / rates.link_bytes_per_s
+        return time.monotonic() - arrived + join_s + rates.decode_step_s > self.target.ttft_s
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:
         """The engine's stream for `req` under a decode span (it outlives yields: ended by hand)."""
@@ -198,8 +207,10 @@ class DecodeServer:
             try:
                 await asyncio.shield(pull)
                 self.num_pulled_blocks += len(dst)
+                seconds = time.perf_counter() - started
+                self.costs.pull(len(dst) * self.block_bytes, seconds)
                 if self.on_pull is not None:
-                    self.on_pull(time.perf_counter() - started)
+                    self.on_pull(seconds)
             except KVTransferError as e:
                 if req.deadline_s is not None and time.time() >= req.deadline_s:  # cut short by it: no recompute
                     raise DeadlineExceededError("the request's deadline passed during its KV pull") from None
@@ -243,33 +254,31 @@ class DecodeServer:
         for handle in result.kv_by_rank:
             await asyncio.to_thread(self.importer.release, handle)
 
-    async def _where_to_prefill(self, req: GenerateRequest) -> tuple[str, int]:
-        """Where `req`'s prompt is prefilled: "remote", "local", or "local, prefill queue long"; and
-        the prompt tokens this cache lacks (the whole prompt when nothing needed the count)."""
+    async def _where_to_prefill(self, req: GenerateRequest) -> tuple[Placement | None, int]:
+        """Where `req`'s prompt is prefilled (None: here, whatever the cost: nothing else can), and
+        the prompt tokens this cache lacks."""
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
-            return "local", 0  # prompt logprobs need every prompt position's logits: prefill here
+            return None, 0  # prompt logprobs need every prompt position's logits: prefill here
         if req.output_token_ids:  # resumed after its replica failed: prompt and outputs are prefilled here
-            return "local", 0
-        num_uncached = len(req.prompt_token_ids)
-        if num_uncached < self.remote_prefill_min_tokens:
-            return "local", 0
-        if self.remote_prefill_min_tokens:  # (the call waits for a running step to end)
-            num_uncached = await self.engine.call(self.engine.engine.num_uncached_prompt_tokens, req.prompt_token_ids,
-                                                  req.params.cache_salt)
-            if num_uncached < self.remote_prefill_min_tokens:
-                return "local", 0
-        limit = self.remote_prefill_max_queued_tokens
-        if self.overflow_prefill_max_tokens is not None and num_uncached > self.overflow_prefill_max_tokens:
-            limit = self.remote_prefill_max_queued_tokens_long
-        if (limit is not None and self.remote_queued_tokens >= limit
-                and self.engine.engine.scheduler.num_queued_prefill_tokens() < self.remote_queued_tokens):
-            return "local, prefill queue long", num_uncached
-        return "remote", num_uncached
+            return None, 0
+        engine = self.engine.engine
+        # (the call waits for a running step to end: the prefix cache is the engine thread's)
+        num_uncached = await self.engine.call(engine.num_uncached_prompt_tokens, req.prompt_token_ids,
+                                              req.params.cache_salt)
+        load = Load(num_uncached, self.remote_queued_tokens, engine.scheduler.num_queued_prefill_tokens(),
+                    len(engine.scheduler.running), self.block_bytes // engine.config.block_size,
+                    engine.config.max_num_batched_tokens)
+        rates = self.costs.rates()
+        placement = place(load, rates, self.target)
+        log.debug("placement of %s: %s (%s); %s; %s", req.request_id, placement.where, placement.reason, load, rates)
+        return placement, num_uncached
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "num_remote_prefills": self.num_remote_prefills,
                 "num_local_prefills": self.num_local_prefills,
-                "num_local_prefills_for_queue": self.num_local_prefills_for_queue,
+                "num_local_prefills_for_target": self.num_local_prefills_for_target,
+                "num_early_first_tokens": self.num_early_first_tokens,
+                **{f"placement_{name}": value for name, value in asdict(self.costs.rates()).items()},
                 "num_resumed_requests": self.num_resumed_requests,
                 "num_pulled_blocks": self.num_pulled_blocks,
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,

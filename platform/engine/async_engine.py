@@ -81,13 +81,14 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_only: bool = False, forward: Forward | None = None,
                        prefill_pause_s: float = 0.0, deadline_s: float | None = None,
-                       output_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                       output_token_ids: Sequence[int] = (), max_chunk_tokens: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request (raising on bad input, or a `deadline_s` already past: see
         `LLMEngine.add_request`; with `output_token_ids`, resumed after them) and return its
         stream of outputs."""
         await self.prepare(params)
         return await self._open_stream(request_id, self.engine.add_request, request_id, prompt_token_ids, params,
-                                       prefill_only, prefill_pause_s, deadline_s, output_token_ids, forward=forward)
+                                       prefill_only, prefill_pause_s, deadline_s, output_token_ids, max_chunk_tokens,
+                                       forward=forward)
 
     async def resume(self, request_id: str, recompute: bool = False, first: RequestOutput | None = None,
                      forward: Forward | None = None) -> AsyncIterator[RequestOutput]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -118,6 +118,9 @@ class LLMEngine:
         self._deadlines: dict[str, float] = {}  # live requests that have one
         self._next_deadline_s = math.inf  # no live request's deadline is earlier
         self._failed: list[tuple[str, RequestError]] = []  # ended by a failure or deadline, not yet taken
+        # Told (sequences decoded, prompt tokens computed, seconds) after every step: a decode
+        # replica's placement cost model learns its step times from it.
+        self.on_step: Callable[[int, int, float], None] | None = None
         log.info("engine ready: %s (%s, %d layers), %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "loaded in %.1fs", config.model, self.arch.model_type, self.arch.num_layers, num_blocks,
                  config.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
@@ -163,11 +166,12 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, prefill_pause_s: float = 0.0, deadline_s: float | None = None,
-                    output_token_ids: Sequence[int] = ()) -> None:
+                    output_token_ids: Sequence[int] = (), max_chunk_tokens: int = 0) -> None:
         """Queue a request. With `prefill_only` it stops after its first token unless that token
         already ends it; its output then carries `kv_block_ids`, the prompt's blocks, which stay
         allocated until `release_kv` (the prefill role exports them in between). With
-        `prefill_pause_s`, its prompt yields to decodes for that long (see the scheduler). With
+        `prefill_pause_s`, its prompt yields to decodes for that long, and with `max_chunk_tokens` a
+        step computes at most that many of its tokens (see the scheduler). With
         `deadline_s` (absolute `time.time()` seconds), it is aborted once that passes (see the
         module docstring); one already past raises `DeadlineExceededError` here. With
         `output_token_ids` it is resumed (see the module docstring): outputs that already end it
@@ -175,7 +179,7 @@ class LLMEngine:
         if prefill_only and output_token_ids:
             raise InvalidRequestError("a resumed request is prefilled where it decodes", param="output_token_ids")
         req = self._new_request(request_id, prompt_token_ids, params, deadline_s, output_token_ids)
-        req.prefill_only, req.prefill_pause_s = prefill_only, prefill_pause_s
+        req.prefill_only, req.prefill_pause_s, req.max_chunk_tokens = prefill_only, prefill_pause_s, max_chunk_tokens
         self.scheduler.add(req)
         self._track_deadline(req)
 
@@ -357,7 +361,11 @@ class LLMEngine:
         for p in self._local_workers:  # a collective with a dead rank would wait, not fail
             if not p.is_alive():
                 raise RuntimeError(f"worker rank {p.name} exited with {p.exitcode}; this engine cannot step")
+        started = time.perf_counter()
         sampled = self.runner.execute(plan)
+        if self.on_step is not None:
+            num_decodes = sum(c.num_new_tokens == 1 for c in plan.chunks)
+            self.on_step(num_decodes, plan.num_batched_tokens - num_decodes, time.perf_counter() - started)
         self.scheduler.update(plan)
         outputs = []
         for s in sampled:

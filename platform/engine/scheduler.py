@@ -17,8 +17,10 @@ what a prefill replica needs, where most requests are short and a few prompts ar
 
 A request with a `prefill_pause_s` of W yields to decodes: its prompt is not prefilled in a step
 that decodes running requests until W seconds after it arrived, only in the steps with nothing to
-decode. A decode replica that takes a prompt off a long prefill queue prefills it so, and its
-streams keep pure decode steps, whose token gaps a prefill chunk would multiply.
+decode. A request with a `max_chunk_tokens` of C takes at most C of its prompt's tokens a step.
+A decode replica that prefills a prompt itself sets both (pdserve.decode.placement): its streams
+keep pure decode steps while the TTFT target leaves slack, and steps short enough for their ITL
+target after that.
 
 With `split_prompts_to_fill_steps` off, a waiting prompt that would not finish in this step is
 not started in a step that already prefills another prompt: the budget left over is not filled
@@ -154,7 +156,7 @@ class Scheduler:
             if req.num_tokens - req.num_computed_tokens > 1 and yields(req):
                 i += 1
                 continue
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -184,7 +186,7 @@ class Scheduler:
             if is_long and is_long_running:  # it waits for the long prompt before it; shorter ones go past
                 j += 1
                 continue
-            n = self._chunk(req.num_tokens - num_hit, budget)
+            n = self._chunk(req, req.num_tokens - num_hit, budget)
             if n < req.num_tokens - num_hit and not self.split_prompts_to_fill_steps and _prefills(out):
                 break  # it starts in a step of its own (see the module docstring)
             if not self.kv.allocate(req.request_id, num_hit + n, hit_blocks):
@@ -205,9 +207,9 @@ class Scheduler:
     def _is_long(self, num_left: int) -> bool:
         return 0 < self.long_prefill_token_threshold < num_left
 
-    def _chunk(self, num_left: int, budget: int) -> int:
-        """Tokens a request with `num_left` to compute gets in this step."""
-        return min(num_left, budget, self.long_prefill_token_threshold or budget)
+    def _chunk(self, req: Request, num_left: int, budget: int) -> int:
+        """Tokens `req`, with `num_left` to compute, gets in this step."""
+        return min(num_left, budget, self.long_prefill_token_threshold or budget, req.max_chunk_tokens or budget)
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts after the runner executed `out`; name newly full blocks."""

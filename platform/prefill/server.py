@@ -22,6 +22,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.backends import BACKENDS, exporter_options, layout_of
 from pdserve.kvtransfer.protocol import KVHandle
 from pdserve.protocol import GenerateRequest, PrefillResult
+from pdserve.telemetry.averages import Average
 from pdserve.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ class PrefillServer:
         # backend: the KV backend by name, transfer.backend's unless given ("local": tests, one process).
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         self.export_ranks = export_ranks
+        # Its prompt tokens a second, told to decode replicas with each result (their placement).
+        self.prefill_rate = Average(0.0)
+        self.engine.engine.on_step = self._measure_step
         kv = self.engine.engine.kv_cache.kv
         self.layout = layout_of(kv, Path(engine_config.model).name, engine_config.tensor_parallel_size)
         pool = self.engine.engine.block_pool
@@ -70,8 +74,9 @@ class PrefillServer:
                                             deadline_s=req.deadline_s, output_token_ids=req.output_token_ids)
         async for out in stream:
             first = out
+        rate = self.prefill_rate.value if self.prefill_rate.num_samples else None
         if not first.needs_decode:
-            return PrefillResult(first)
+            return PrefillResult(first, prefill_tokens_per_s=rate)
         try:
             # Worker ranks lease first (they pin nothing): cancelled here, the engine's hold of the
             # blocks is still released below and their leases just expire.
@@ -85,12 +90,16 @@ class PrefillServer:
         # To the client this is the first chunk of a stream that decode continues (a seeded one
         # draws by position there: no sampler state travels).
         first.finished, first.kv_block_ids = False, None
-        return PrefillResult(first, handle, rank_kv)
+        return PrefillResult(first, handle, rank_kv, rate)
+
+    def _measure_step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        if num_prefill_tokens and seconds > 0:  # (on the engine's thread)
+            self.prefill_rate.add(num_prefill_tokens / seconds)
 
     def stats(self) -> dict:
         leases = self.exporter.leases
         return {**self.engine.stats(), "num_kv_leases": len(leases), "num_open_kv_reads": leases.num_open_reads,
-                "num_expired_kv_leases": leases.num_expired}
+                "num_expired_kv_leases": leases.num_expired, "prefill_tokens_per_s": self.prefill_rate.value}
 
     def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop; with `drain_s`, first give decode replicas that long to pull what is leased (a

@@ -58,6 +58,24 @@ def series() -> SimpleNamespace:
         kv_leases=gauge("kv_leases", "KV leases a prefill replica holds for decode replicas to pull."),
         open_kv_reads=gauge("open_kv_reads", "Reads of a prefill replica's leased KV blocks in flight."),
         open_kv_pulls=gauge("open_kv_pulls", "A decode replica's KV pulls in flight."),
+        # what placement has measured (pdserve.decode.placement; a prefill replica's own rate)
+        decode_step=gauge("placement_decode_step_seconds", "A decode replica's step that only decodes (moving "
+                                                           "average)."),
+        prefill_token=gauge("placement_prefill_token_seconds", "What one more prompt token adds to a decode "
+                                                              "replica's step (moving average)."),
+        remote_rate=gauge("placement_remote_prefill_tokens_per_second", "Prompt tokens a second prefill replicas "
+                                                                       "compute, as a decode replica last heard."),
+        remote_wait=gauge("placement_remote_prefill_wait_seconds", "What a decode replica's remote prefill calls "
+                                                                   "take beyond computing its prompts (moving "
+                                                                   "average): hops, other replicas' prompts."),
+        link_rate=gauge("placement_link_bytes_per_second", "KV bytes a second a decode replica pulls."),
+        prefill_rate=gauge("prefill_tokens_per_second", "Prompt tokens a second a prefill replica computes "
+                                                        "(moving average of its steps)."),
+        early_first_tokens=counter("early_first_tokens", "First tokens sent before their KV was pulled, where "
+                                                         "waiting for the pull would miss the TTFT target."),
+        local_prefills_for_target=counter("local_prefills_for_target", "Prompts a decode replica prefilled "
+                                                                       "itself: the prefill pool would have missed "
+                                                                       "the TTFT target."),
         in_flight_requests=gauge("in_flight_requests", "Calls a decode replica is serving (waiting on prefill, "
                                                        "pulling or decoding)."),
         prefix_hits=counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."),
@@ -131,12 +149,20 @@ class GatewayMetrics:
 # An engine replica's cumulative figures (its stats()) -> the counter each advances.
 _COUNTED = {"num_prefix_hit_tokens": "prefix_hits", "num_prefix_query_tokens": "prefix_queries",
             "num_preemptions": "preemptions", "num_pulled_bytes": "transfer_bytes",
-            "num_failed_pulls": "transfer_failures", "num_expired_kv_leases": "leases_expired"}
+            "num_failed_pulls": "transfer_failures", "num_expired_kv_leases": "leases_expired",
+            "num_early_first_tokens": "early_first_tokens",
+            "num_local_prefills_for_target": "local_prefills_for_target"}
 
 
 # What a replica holds now, by stats key: each must come back to 0 once its requests end.
 _GAUGED = {"num_kv_leases": "kv_leases", "num_open_kv_reads": "open_kv_reads", "num_open_kv_pulls": "open_kv_pulls",
            "num_in_flight_requests": "in_flight_requests"}
+
+
+# Rates a replica has measured, by stats key.
+_MEASURED = {"placement_decode_step_s": "decode_step", "placement_prefill_token_s": "prefill_token",
+             "placement_remote_tokens_per_s": "remote_rate", "placement_remote_wait_s": "remote_wait",
+             "placement_link_bytes_per_s": "link_rate", "prefill_tokens_per_s": "prefill_rate"}
 
 
 class ReplicaMetrics:
@@ -152,7 +178,7 @@ class ReplicaMetrics:
         s.waiting_tokens.set(stats["queued_prefill_tokens"], tags=tags)
         s.running.set(stats["num_running"], tags=tags)
         s.kv_usage.set(stats["kv_usage"], tags=tags)
-        for key, name in _GAUGED.items():
+        for key, name in (*_GAUGED.items(), *_MEASURED.items()):
             if key in stats:
                 getattr(s, name).set(stats[key], tags=tags)
         for key, name in _COUNTED.items():

@@ -1,8 +1,8 @@
 """One disaggregated and one colocated pdserve app on a shared Ray Serve instance, reached over
 HTTP on 127.0.0.1 with the official `openai` client.
 
-disagg (/disagg): Prefill + Decode, remote prefill from 24 uncached tokens (conditional
-disaggregation below that). colo (/colo): one Unified replica, behind two tenants' API keys.
+disagg (/disagg): Prefill + Decode, every prompt prefilled remotely (its latency target is one the
+prefill pool always meets). colo (/colo): one Unified replica, behind two tenants' API keys.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 
 from pdserve.config import ServeConfig
 
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 from ..conftest import free_port
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 192, "block_size": 8, "max_model_len": 384, "max_num_seqs": 32,
           "max_num_batched_tokens": 512}
 POOL = {"ray_actor_options": {"num_cpus": 1}, "max_queued_requests": 300}
-REMOTE_PREFILL_MIN_TOKENS = 24
 API_KEY = "sk-pdserve-test"
 OTHER_KEY = "sk-pdserve-other-tenant"  # a second tenant of the colo app (prefix-cache isolation)
 
@@ -77,7 +77,7 @@ def serve_apps(ray_session, tiny_llama):
     port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port))
     disagg = ServeConfig(name="disagg", model=tiny_llama, engine=ENGINE, prefill=POOL, decode=POOL,
-                         remote_prefill_min_tokens=REMOTE_PREFILL_MIN_TOKENS,
+                         slo=REMOTE_PREFILL_SLO,
                          transfer={"host": "127.0.0.1", "lease_s": 20})
     colo = ServeConfig(name="colo", model=tiny_llama, engine=ENGINE, mode="colocated", decode=POOL,
                        gateway={"api_keys": [API_KEY, OTHER_KEY], "max_body_bytes": 65536})

@@ -42,7 +42,7 @@ def _http_text(app, prompt: str, max_tokens: int = 8):
 
 
 def test_unary_generate_matches_http_completions(stub, serve_apps):
-    for prompt in (SHORT, LONG):  # prefilled locally, then remotely
+    for prompt in (SHORT, LONG):
         r = stub.Generate(_greedy(prompt, request_id="grpc-1"), metadata=DISAGG, timeout=120)
         text, prompt_tokens = _http_text(serve_apps["disagg"], prompt)
         assert r.text == text

@@ -24,7 +24,7 @@ from tests.harness.lab_app import ENGINE, LONG_PROMPT, REQUEST_TIMEOUT_S, comple
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"netns lab: {netns.unavailable()}")
 
 NUM_STREAMS = 16
-# ~65 tokens: over remote_prefill_min_tokens (prefilled on the prefill node), short enough to leave
+# ~65 tokens: prefilled on the prefill node (the app's target has it so), short enough to leave
 # most of a sequence to outputs.
 PROMPT = " ".join(LONG_PROMPT.split()[:12])
 # Long enough that 16 streams last a few seconds here (the gateway's SSE work is the bound), so the

@@ -19,11 +19,12 @@ from pdserve.router import block_hashes
 from pdserve.router.kv_events import KVEventIndex, stream_name
 from pdserve.router.redis_server import LocalRedis
 
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 from .conftest import ENGINE
 
 BLOCK = ENGINE["block_size"]
 PREFIX = 12 * BLOCK  # 96 tokens per tenant
-SUFFIX = 40  # above remote_prefill_min_tokens: every request is prefilled remotely
+SUFFIX = 40
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def routed(serve_apps, tiny_llama):
     pool = {"ray_actor_options": {"num_cpus": 0.5}, "max_queued_requests": 300}
     with LocalRedis() as redis:
         cfg = ServeConfig(name="routed", model=tiny_llama, engine=ENGINE, prefill={**pool, "num_replicas": 3},
-                          decode=pool, remote_prefill_min_tokens=24, transfer={"host": "127.0.0.1"},
+                          decode=pool, slo=REMOTE_PREFILL_SLO, transfer={"host": "127.0.0.1"},
                           router={"redis_url": redis.url, "stats_period_s": 0.5})
         serve.run(build(cfg), name="routed", route_prefix="/routed")
         # An observer on the same KV-event stream the routers read: who holds which prefix.

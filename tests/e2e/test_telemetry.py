@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config import ServeConfig
 
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 from .conftest import ENGINE, free_port
 
 APP = "telem"
@@ -84,7 +85,7 @@ def telem(serve_apps, tiny_llama):
 
     collector = OTLPCollector()
     cfg = ServeConfig(name=APP, model=tiny_llama, engine=ENGINE, prefill=POOL, decode=POOL,
-                      remote_prefill_min_tokens=0, transfer={"host": "127.0.0.1"},
+                      slo=REMOTE_PREFILL_SLO, transfer={"host": "127.0.0.1"},
                       gateway={"served_model_name": MODEL},
                       telemetry={"traces": "otlp", "otlp_endpoint": collector.url, "export_delay_ms": 100,
                                  "metrics_period_s": 0.5})

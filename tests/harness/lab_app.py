@@ -8,13 +8,14 @@ import time
 
 import requests
 
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 from tests.harness.netns import Lab
 from tests.harness.ray_lab import RayLab
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 192, "block_size": 8, "max_model_len": 384, "max_num_seqs": 16,
           "max_num_batched_tokens": 512}
 REQUEST_TIMEOUT_S = 20.0
-LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # over remote_prefill_min_tokens: prefilled remotely
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # prefilled remotely
 
 
 
@@ -26,7 +27,7 @@ def start_app(lab: Lab, model: str, env: dict[str, str] | None = None, **config)
     try:
         driver = cluster.driver()
         http_port = 18000 + int(lab.tag) % 1000
-        config = {"name": "lab", "model": model, "engine": ENGINE, "remote_prefill_min_tokens": 24,
+        config = {"name": "lab", "model": model, "engine": ENGINE, "slo": REMOTE_PREFILL_SLO,
                   "prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_prefill": 0.001}}},
                   "decode": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_decode": 0.001}}},
                   "transfer": {"shared_memory": False, "lease_s": 10},

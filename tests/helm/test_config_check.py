@@ -26,8 +26,8 @@ def _chart_only(path: str) -> bool:
 
 MISTAKES = [
     # types, bounds, choices and patterns, at every level
-    {"mode": "split", "name": 3, "remote_prefill_min_tokens": -1, "overflow_prefill_pause_s": "soon",
-     "early_first_token": "maybe", "engine": {"max_num_seqs": 0, "dtype": "fp8", "device": "tpu", "block_size": 2.5,
+    {"mode": "split", "name": 3, "slo": {"ttft_ms": 0, "itl_ms": "soon", "percentile": 101},
+     "engine": {"max_num_seqs": 0, "dtype": "fp8", "device": "tpu", "block_size": 2.5,
                                                "seed": "x", "enforce_eager": 2, "num_kv_blocks": None},
      "prefill": {"num_replicas": "0", "health_check_period_s": 0, "max_queued_requests": -2,
                  "engine": {"tensor_parallel_size": None}, "autoscaling": {"target_kv_usage": 1.5}},
@@ -38,7 +38,7 @@ MISTAKES = [
     {"prefil": {}, "prefill": {"min_replicas": 2, "engine": {"model": "/x", "blok_size": 3}},
      "decode": {"autoscaling": {"min_replica": 1}}, "gateway": {"redis_url": "redis://h"}},
     # strings pydantic reads as numbers and booleans are fine; null where a field allows it
-    {"remote_prefill_min_tokens": "12", "overflow_prefill_pause_s": "1.5", "early_first_token": "yes",
+    {"slo": {"ttft_ms": "1500", "itl_ms": 50, "percentile": "99.9"},
      "engine": {"max_model_len": None, "enable_prefix_caching": "off", "max_num_seqs": "8"},
      "prefill": {"autoscaling": None}, "gateway": {"port": 0}, "pool_ratio": None},
     # a pool's merged engine: a budget too small, from the top-level engine or the pool's own
@@ -54,7 +54,10 @@ MISTAKES = [
     {"router": {"redis_url": "redis://redis:6379/0"}},
     # ServeConfig's own, once everything else is fine: all of them together
     {"prefill": {"engine": {"tensor_parallel_size": 4}}, "decode": {"engine": {"tensor_parallel_size": 2}},
-     "remote_prefill_max_queued_tokens_long": 3, "pool_ratio": {}},
+     "pool_ratio": {}},
+    # fields a config no longer takes: each named with what replaced it, beside the other problems
+    {"remote_prefill_min_tokens": 256, "early_first_token": True, "engine": {"max_num_seqs": 0}},
+    {"overflow_prefill_pause_s": 2.0, "prefill": {"engine": {"tensor_parallel_size": 4}}},
     {"mode": "colocated", "pool_ratio": {}, "decode": {"autoscaling": {}}},
 ]
 

@@ -15,6 +15,7 @@ from ray.cluster_utils import Cluster
 
 from pdserve.app import build
 from pdserve.config import ServeConfig
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 
 
 def main(model: str, port: int) -> None:
@@ -28,7 +29,7 @@ def main(model: str, port: int) -> None:
         config = ServeConfig(
             # Blocks over UCX, as between hosts (these nodes share one, where the decode replica
             # would otherwise copy them out of the prefill replica's shared memory).
-            model=model, engine=engine, remote_prefill_min_tokens=8,
+            model=model, engine=engine, slo=REMOTE_PREFILL_SLO,
             transfer={"host": "127.0.0.1", "shared_memory": False},
             prefill={"ray_actor_options": {"num_cpus": 0.5, "resources": {"prefill_node": 0.5}}},
             decode={"ray_actor_options": {"num_cpus": 0.5, "resources": {"decode_node": 0.5}}},

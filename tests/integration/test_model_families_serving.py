@@ -13,6 +13,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import GenerateRequest
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 from tests.harness.hf_checkpoints import FAMILIES, write_checkpoint
 
 BLOCK = 8
@@ -46,7 +47,7 @@ def family_apps(request, ray_session, checkpoints, tmp_path_factory):
     model = str(write_checkpoint(family, tmp_path_factory.mktemp(family), checkpoints["tiny-llama"]))
     pool = {"ray_actor_options": {"num_cpus": 0.2}}
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    apps = {f"{family}-pd": ServeConfig(name=f"{family}-pd", model=model, engine=ENGINE, remote_prefill_min_tokens=0,
+    apps = {f"{family}-pd": ServeConfig(name=f"{family}-pd", model=model, engine=ENGINE, slo=REMOTE_PREFILL_SLO,
                                         transfer={"host": "127.0.0.1"}, prefill=pool, decode=pool),
             f"{family}-colo": ServeConfig(name=f"{family}-colo", model=model, mode="colocated", engine=ENGINE,
                                           decode=pool)}

@@ -15,8 +15,25 @@ def test_mistakes_fail_at_load_time_naming_the_field():
         ServeConfig(mode="split")
     with pytest.raises(ValidationError, match="unknown_field"):
         ServeConfig(unknown_field=1)
-    with pytest.raises(ValidationError, match="set that and remote_prefill_max_queued_tokens"):
-        ServeConfig(remote_prefill_max_queued_tokens=1536, remote_prefill_max_queued_tokens_long=3072)
+    with pytest.raises(ValidationError, match="percentile"):
+        ServeConfig(slo={"ttft_ms": 500, "percentile": 120})
+
+
+def test_a_removed_field_names_what_replaced_it():
+    with pytest.raises(ValidationError) as e:
+        ServeConfig.model_validate({"remote_prefill_min_tokens": 256, "early_first_token": True})
+    assert [error["loc"] for error in e.value.errors()] == [("remote_prefill_min_tokens",), ("early_first_token",)]
+    assert all("set slo: {ttft_ms, itl_ms} instead" in error["msg"] for error in e.value.errors())
+
+
+def test_config_validate_reports_a_removed_field_beside_the_others():
+    from pdserve.config_check import check
+
+    config, problems = check({"overflow_prefill_pause_s": 2.0, "engine": {"max_num_seqs": 0},
+                              "slo": {"ttft_ms": 1500}})
+    assert config is None
+    assert [p.path for p in problems] == ["overflow_prefill_pause_s", "engine.max_num_seqs"]
+    assert problems[0].message.startswith("removed: where prompts are prefilled follows the latency target")
 
 
 def test_prefill_degree_above_decode_degree_is_rejected():

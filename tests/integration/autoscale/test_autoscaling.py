@@ -15,6 +15,7 @@ from pdserve.config import ServeConfig
 from tests.conftest import free_port
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import GenerateRequest
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 256, "block_size": 16, "max_model_len": 512, "max_num_seqs": 32,
           "max_num_batched_tokens": 256}
@@ -80,7 +81,7 @@ def deployed(cfg: ServeConfig):
 def scaling_app(ray_session, tiny_llama):
     small = {"ray_actor_options": {"num_cpus": 0.2}}
     cfg = ServeConfig(
-        name="scaling", model=tiny_llama, engine=ENGINE, remote_prefill_min_tokens=0, transfer={"host": "127.0.0.1"},
+        name="scaling", model=tiny_llama, engine=ENGINE, slo=REMOTE_PREFILL_SLO, transfer={"host": "127.0.0.1"},
         prefill={**small, "autoscaling": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0,
                                           "downscale_delay_s": 3, "look_back_period_s": 1,
                                           "target_queued_prefill_tokens": 256, "target_ongoing_requests": 2}},
@@ -128,7 +129,7 @@ def decode_scaling_app(ray_session, tiny_llama):
     small = {"ray_actor_options": {"num_cpus": 0.2}}
     engine = {**ENGINE, "num_kv_blocks": 64}  # 1,024 tokens: a few long sequences fill it
     cfg = ServeConfig(
-        name="decode-scaling", model=tiny_llama, engine=engine, remote_prefill_min_tokens=100_000,
+        name="decode-scaling", model=tiny_llama, engine=engine,
         transfer={"host": "127.0.0.1"}, prefill=small,
         decode={**small, "max_ongoing_requests": 64,
                 "autoscaling": {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 3,

@@ -13,6 +13,7 @@ import pytest
 from pdserve.config import ServeConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import GenerateRequest
+from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 64, "block_size": 8, "max_model_len": 256, "max_num_seqs": 8,
           "max_num_batched_tokens": 64}
@@ -86,7 +87,7 @@ def disagg_tp_apps(tp_apps, tiny_llama):
     pool = {"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0}
     names = {"pd12": (1, 2), "pd22": (2, 2)}
     for name, (p, d) in names.items():
-        cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, remote_prefill_min_tokens=0,
+        cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, slo=REMOTE_PREFILL_SLO,
                           transfer={"host": "127.0.0.1"},
                           prefill={**pool, "engine": {"tensor_parallel_size": p}},
                           decode={**pool, "engine": {"tensor_parallel_size": d}})

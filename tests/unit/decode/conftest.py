@@ -19,8 +19,8 @@ def pools(tiny_llama, request):
     prefill = PrefillServer(config, TransferConfig(lease_s=5), "prefill-0", backend="local")
     importer = lambda e: LocalImporter(e.kv_cache.kv, layout_of(e.kv_cache.kv, Path(tiny_llama).name),  # noqa: E731
                                        {"prefill-0": prefill.exporter})
-    decode = DecodeServer(config, TransferConfig(), prefill.prefill, importer,
-                          remote_prefill_min_tokens=16)
+    decode = DecodeServer(config, TransferConfig(), prefill.prefill, importer)
     yield prefill, decode
     decode.shutdown()
     prefill.shutdown()
+

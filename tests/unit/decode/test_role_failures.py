@@ -21,10 +21,11 @@ from pdserve.errors import (DeadlineExceededError, InvalidRequestError, Overload
 from pdserve.kvtransfer.protocol import ExporterUnreachableError
 from pdserve.protocol import GenerateRequest
 from tests.fakes.clock import Clock
+from tests.harness.fixed_costs import prefill_here
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-LONG_PROMPT = list(range(5, 45))  # 40 tokens: prefilled remotely (remote_prefill_min_tokens is 16)
-SHORT_PROMPT = [5, 6, 7, 8]  # prefilled on the decode replica
+LONG_PROMPT = list(range(5, 45))  # 40 tokens: prefilled remotely (the default target is met there)
+SHORT_PROMPT = [5, 6, 7, 8]  # prefilled on the decode replica where a test has it so (prefill_here)
 
 
 @pytest.fixture
@@ -189,6 +190,8 @@ def test_deadline_passing_on_the_prefill_replica(pools, clock, status):
 def test_deadline_passing_on_the_decode_replica(pools, clock, prompt, status):
     """Queued for a local prefill, decoding after one, or decoding after a remote prefill and pull."""
     prefill, decode = pools
+    if prompt is SHORT_PROMPT:
+        prefill_here(decode)
     _expire_when(decode, clock, "r", status)
     error = _outcome(decode, GenerateRequest("r", prompt, GREEDY, deadline_s=clock.time() + 60))
     assert isinstance(error, DeadlineExceededError) and status.value in str(error)

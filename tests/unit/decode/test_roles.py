@@ -7,9 +7,11 @@ import threading
 
 import pytest
 
+from pdserve.decode.placement import CostModel
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import GenerateRequest
+from tests.harness.fixed_costs import fix_costs
 from tests.harness.waiting import until
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -41,11 +43,23 @@ def test_disaggregated_greedy_and_seeded_match_one_engine(pools, tiny_llama):
         prompts, params)]
     outs = _run(decode, [GenerateRequest(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))])
     assert [_tokens(o) for o in outs] == expected
-    assert decode.stats()["num_remote_prefills"] == 3 and decode.stats()["num_local_prefills"] == 1
+    # The default target (2 s to the first token) is met through the prefill replica: every prompt goes there.
+    assert decode.stats()["num_remote_prefills"] == 4 and decode.stats()["num_local_prefills"] == 0
     assert prefill.stats()["num_kv_leases"] == 0
     for server in (decode, prefill):  # engine calls run in order: releases have run
         asyncio.run(server.engine.call(lambda: None))
     assert prefill.stats()["num_free_kv_blocks"] == 96 and decode.stats()["num_free_kv_blocks"] == 96
+
+
+def test_placement_learns_from_the_prefill_replicas_report_and_its_own_steps(pools):
+    prefill, decode = pools
+    _run(decode, [GenerateRequest("r", list(range(5, 45)), GREEDY)])
+    reported = prefill.stats()["prefill_tokens_per_s"]  # its one prefill step's rate: no step since
+    stats = decode.stats()
+    assert reported > 0 and stats["placement_remote_tokens_per_s"] == reported
+    assert stats["placement_remote_wait_s"] > 0  # the call took longer than computing 40 tokens
+    assert stats["placement_decode_step_s"] != CostModel().rates().decode_step_s  # its steps replaced the prior
+    assert stats["placement_link_bytes_per_s"] != CostModel().rates().link_bytes_per_s  # and its pull
 
 
 def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):
@@ -141,11 +155,15 @@ def test_leases_pin_and_unpin_without_waiting_for_a_running_step(pools):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_first_token_leaves_after_the_pull_unless_early(pools, early):
-    """By default the prefill's first token goes out once the KV is in and the request joins the
-    batch (no pull between tokens 1 and 2); with `early_first_token`, before the pull."""
+def test_first_token_leaves_after_the_pull_unless_that_misses_the_target(pools, early):
+    """The prefill's first token goes out once the KV is in and the request joins the batch (no
+    pull between tokens 1 and 2), unless waiting for that would take it past the TTFT target: then
+    before the pull."""
     _, decode = pools
-    decode.early_first_token = early
+    if early:  # a target no path meets; the prefill pool is the sooner one
+        fix_costs(decode, ttft_s=1e-6, remote_tokens_per_s=1e9)
+    else:
+        fix_costs(decode, ttft_s=10.0)
     events = []
     pull = decode.importer.pull
     decode.importer.pull = lambda *a: events.append("pulled") or pull(*a)
@@ -156,26 +174,23 @@ def test_first_token_leaves_after_the_pull_unless_early(pools, early):
 
     asyncio.run(main())
     assert events[:2] == (["output", "pulled"] if early else ["pulled", "output"])
-    assert decode.stats()["num_remote_prefills"] == 1 and decode.stats()["num_pulled_blocks"] == 5
+    stats = decode.stats()
+    assert stats["num_remote_prefills"] == 1 and stats["num_pulled_blocks"] == 5
+    assert stats["num_early_first_tokens"] == early
 
 
-def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama):
-    """With `remote_prefill_max_queued_tokens`, a prompt that finds that many uncached tokens of
-    this replica's prompts waiting on prefill replicas is prefilled here, while this replica's own
-    prefill queue is the shorter; once the remote queue drains, prompts go remote again."""
+def test_prompts_prefill_here_when_the_prefill_pool_would_miss_the_ttft_target(pools, tiny_llama):
+    """A prompt that finds enough of this replica's prompts waiting on the prefill pool that it
+    would miss the TTFT target there is prefilled here, when here meets it; once the remote queue
+    drains, prompts go remote again. (Rates fixed: 1 ms a prompt token on either side, 20 ms a
+    decode step; target 70 ms. Alone, 40 tokens take 60 ms remotely; 24 behind 40 take 84 ms
+    there and 24 ms here, where nothing decodes.)"""
     prefill, decode = pools
-    decode.remote_prefill_max_queued_tokens = 30
+    fix_costs(decode, ttft_s=0.07)
     prompts = {"first": list(range(5, 45)), "second": list(range(60, 84)), "after": list(range(90, 114))}
     expected = _offline_greedy(tiny_llama, prompts)
     held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until "second" is in
-    pauses = {}  # what this engine was asked to prefill, and how long each prompt yields to decodes
-    add_request = decode.engine.engine.add_request
-
-    def recording_add_request(request_id, prompt, params, prefill_only=False, prefill_pause_s=0.0, *rest):
-        pauses[request_id] = prefill_pause_s
-        add_request(request_id, prompt, params, prefill_only, prefill_pause_s, *rest)
-
-    decode.engine.engine.add_request = recording_add_request
+    asked = _record_local_prefills(decode)
 
     async def main():
         first = asyncio.ensure_future(_collect(decode, GenerateRequest("first", prompts["first"], GREEDY)))
@@ -190,59 +205,68 @@ def test_prompts_prefill_here_while_the_prefill_queue_is_long(pools, tiny_llama)
     assert seen_queue == [40, 24]  # each with its own uncached tokens: "after" found the queue empty
     stats = decode.stats()
     assert stats["num_remote_prefills"] == 2
-    assert stats["num_local_prefills"] == stats["num_local_prefills_for_queue"] == 1
+    assert stats["num_local_prefills"] == stats["num_local_prefills_for_target"] == 1
     assert decode.remote_queued_tokens == 0
-    assert pauses == {"second": decode.overflow_prefill_pause_s}  # it yields to decodes here
+    assert asked == {"second": (0.0, 0)}  # nothing decodes here: no pause, no chunk limit
     for server in (decode, prefill):
         asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
 
 
-@pytest.mark.parametrize("long_limit", [None, 60])
-def test_long_prompts_overflow_only_past_their_own_queue_limit(pools, tiny_llama, long_limit):
-    """With `overflow_prefill_max_tokens`, a prompt longer than that goes to the prefill replica
-    while fewer than `remote_prefill_max_queued_tokens_long` tokens wait there (always, when that
-    is None): each of its chunks here would stall this replica's streams. A shorter one goes by
-    `remote_prefill_max_queued_tokens`."""
+def test_a_prompt_prefilled_beside_streams_yields_then_takes_chunks_inside_the_itl_target(pools, tiny_llama):
+    """With a stream decoding here, a prompt prefilled here waits for the TTFT target's slack, then
+    takes chunks that keep a step inside the ITL target. (Rates fixed: 20 ms a decode step, 1 ms a
+    prompt token here, the prefill pool at 500 tokens/s; target 140 ms to the first token, 36 ms
+    between tokens: 16-token chunks, 24 tokens in two steps, 64 ms, here against 148 ms behind 40
+    remotely; 140 - 64 - 36 ms of slack.)"""
     prefill, decode = pools
-    decode.remote_prefill_max_queued_tokens = 30
-    decode.overflow_prefill_max_tokens = 20
-    decode.remote_prefill_max_queued_tokens_long = long_limit
-    prompts = {"first": list(range(5, 45)), "long": list(range(60, 84)), "long2": list(range(120, 144)),
-               "short": list(range(90, 108))}
-    expected = _offline_greedy(tiny_llama, prompts)
-    held, seen_queue = _hold_remote_prefills(decode)  # the prefill replica is busy until the others are placed
-
-    async def until_queued(n):
-        await until(lambda: len(seen_queue) >= n, what=f"{n} prompts waiting on the prefill replica")
-
-    def start(name):
-        return asyncio.ensure_future(_collect(decode, GenerateRequest(name, prompts[name], GREEDY)))
+    fix_costs(decode, ttft_s=0.14, itl_s=0.036, remote_tokens_per_s=500)
+    long_run = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    prompts = {"running": list(range(300, 340)), "queued": list(range(5, 45)), "second": list(range(60, 84))}
+    offline = LLM(tiny_llama, block_size=8).generate(list(prompts.values()), [long_run, GREEDY, GREEDY])
+    expected = dict(zip(prompts, (c.token_ids for c in offline)))
+    prefilled_here = []  # prompt tokens of each step of this engine that prefilled
+    decode.engine.engine.on_step = lambda decodes, tokens, seconds: tokens and prefilled_here.append(tokens)
+    asked = _record_local_prefills(decode)
 
     async def main():
-        first = start("first")
-        await until_queued(1)
-        long = start("long")
-        await until_queued(2)
-        long2 = start("long2")
-        if long_limit is None:
-            await until_queued(3)
-        short = await _collect(decode, GenerateRequest("short", prompts["short"], GREEDY))
+        running = decode.generate(GenerateRequest("running", prompts["running"], long_run))
+        outs = [await running.__anext__(), await running.__anext__()]  # decoding here now
+        rest = asyncio.ensure_future(_collect_rest(running, outs))
+        held, seen_queue = _hold_remote_prefills(decode)
+        queued = asyncio.ensure_future(_collect(decode, GenerateRequest("queued", prompts["queued"], GREEDY)))
+        await until(lambda: seen_queue, what="a prompt waiting on the prefill replica")
+        second = await _collect(decode, GenerateRequest("second", prompts["second"], GREEDY))
         held.set()
-        return {"first": await first, "long": await long, "long2": await long2, "short": short}
+        return {"running": await rest, "queued": await queued, "second": second}
 
     outs = asyncio.run(main())
     assert {name: _tokens(o) for name, o in outs.items()} == expected
-    # "long" (24 tokens > 20) queued behind "first" either way; "long2" found 64 tokens queued:
-    # past its own limit of 60 it was prefilled here, without one it queued too. "short" never queued.
-    assert seen_queue == ([40, 64, 88] if long_limit is None else [40, 64])
-    stats = decode.stats()
-    assert stats["num_remote_prefills"] == len(seen_queue)
-    assert stats["num_local_prefills"] == stats["num_local_prefills_for_queue"] == 4 - len(seen_queue)
-    assert decode.remote_queued_tokens == 0
+    [(pause_s, chunk)] = asked.values()
+    assert chunk == 16 and pause_s == pytest.approx(0.14 - 0.064 - 0.036)
+    assert prefilled_here == [16, 8]  # "second" alone was prefilled here
     for server in (decode, prefill):
         asyncio.run(server.engine.call(lambda: None))
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
+
+
+async def _collect_rest(stream, outs):
+    return outs + [o async for o in stream]
+
+
+def _record_local_prefills(decode) -> dict[str, tuple[float, int]]:
+    """What `decode`'s engine is asked to prefill: request id -> (prefill_pause_s, max_chunk_tokens)."""
+    asked = {}
+    add_request = decode.engine.engine.add_request
+
+    def recording_add_request(request_id, prompt, params, prefill_only, prefill_pause_s, deadline_s,
+                              output_token_ids, max_chunk_tokens):
+        asked[request_id] = (prefill_pause_s, max_chunk_tokens)
+        add_request(request_id, prompt, params, prefill_only, prefill_pause_s, deadline_s, output_token_ids,
+                    max_chunk_tokens)
+
+    decode.engine.engine.add_request = recording_add_request
+    return asked
 
 
 def _offline_greedy(tiny_llama, prompts: dict[str, list[int]]) -> dict[str, list[int]]:

@@ -91,6 +91,18 @@ def test_a_prompt_that_yields_to_decodes_prefills_while_nothing_decodes_or_after
     assert _run_step(s)[0] == [("long", 16, 4), ("b", 4, 1)]
 
 
+def test_a_prompt_with_a_chunk_limit_of_its_own_takes_at_most_that_many_tokens_a_step():
+    s = _sched(budget=16)
+    capped = _req("capped", 20)
+    capped.max_chunk_tokens = 6
+    s.add(capped)
+    s.add(_req("other", 12, first=500))  # no limit: it takes what budget is left
+    assert _run_step(s)[0] == [("capped", 0, 6), ("other", 0, 10)]
+    assert _run_step(s)[0] == [("capped", 6, 6), ("other", 10, 2)]
+    assert _run_step(s)[0] == [("capped", 12, 6), ("other", 12, 1)]
+    assert _run_step(s)[0] == [("capped", 18, 2), ("other", 13, 1)]
+
+
 def test_a_long_prompt_mostly_in_the_prefix_cache_is_short():
     s = _sched(budget=16, long_prefill=8)
     s.add(_req("a", 12))

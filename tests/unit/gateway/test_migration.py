@@ -39,7 +39,7 @@ def servers(tiny_llama):
     prefill = PrefillServer(config, TransferConfig(lease_s=5), "prefill-0", backend="local")
     importer = lambda e: LocalImporter(e.kv_cache.kv, layout_of(e.kv_cache.kv, Path(tiny_llama).name),  # noqa: E731
                                        {"prefill-0": prefill.exporter})
-    decodes = [DecodeServer(config, TransferConfig(), prefill.prefill, importer, remote_prefill_min_tokens=8)
+    decodes = [DecodeServer(config, TransferConfig(), prefill.prefill, importer)
                for _ in range(2)]
     yield decodes
     for d in decodes:

@@ -128,6 +128,8 @@ without one; "" outside models) "model" (a model's name when node is a field hol
 {{- $path := $key -}}{{- if $.path -}}{{- $path = printf "%s.%s" $.path $key -}}{{- end -}}
 {{- if hasKey $properties $key -}}
 {{- include "pdserve.check.value" (dict "value" $item "node" (get $properties $key) "path" $path "defs" $.defs "doc" $doc "model" "") -}}
+{{- else if hasKey (get $node "x-removed" | default dict) $key -}}
+{{- include "pdserve.check.problem" (dict "path" $path "message" (get (get $node "x-removed") $key) "hint" "") -}}
 {{- else if eq (toString $extra) "false" -}}
 {{- include "pdserve.check.problem" (dict "path" $path "message" (printf "unknown field '%s'" $key) "hint" (printf "fields here: %s" (keys $properties | sortAlpha | join ", "))) -}}
 {{- else if kindIs "map" $extra -}}
@@ -223,9 +225,6 @@ the chart's own rule. Input: dict "config" "schema" "problems" (the fields' prob
 {{- $set := dict -}}{{- /* the fields written and not null */ -}}
 {{- range $key, $value := $config -}}{{- if not (kindIs "invalid" $value) -}}{{- $_ := set $set $key true -}}{{- end -}}{{- end -}}
 {{- range $name := list "prefill" "decode" -}}{{- if get (get $config $name | default dict) "autoscaling" -}}{{- $_ := set $set (printf "%s.autoscaling" $name) true -}}{{- end -}}{{- end -}}
-{{- if and $set.remote_prefill_max_queued_tokens_long (not (and $set.overflow_prefill_max_tokens $set.remote_prefill_max_queued_tokens)) -}}
-{{- $out = print $out (include "pdserve.check.problem" (dict "path" "" "message" "remote_prefill_max_queued_tokens_long is the queue limit for prompts past overflow_prefill_max_tokens: set that and remote_prefill_max_queued_tokens too" "hint" "")) -}}
-{{- end -}}
 {{- if and $set.pool_ratio (or (ne $mode "disaggregated") (not (get $set "prefill.autoscaling")) (not (get $set "decode.autoscaling"))) -}}
 {{- $out = print $out (include "pdserve.check.problem" (dict "path" "" "message" "pool_ratio needs mode disaggregated and autoscaling on both the prefill and the decode pool" "hint" "")) -}}
 {{- end -}}
