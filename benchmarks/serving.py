@@ -353,7 +353,7 @@ def _tuned_config(disagg) -> dict:
     1,536 uncached tokens wait on the prefill replica; then prompts of up to 256 tokens are
     prefilled on the decode replica (yielding to its decodes for 2 s, then in 128-token chunks),
     longer ones only once 3,072 wait."""
-    config = disagg.model_dump(exclude={"slo"})
+    config = disagg.model_dump(exclude={"slo"}, exclude_unset=True)  # (the fields that tree knows)
     config["decode"]["engine"] = {**config["decode"]["engine"], "long_prefill_token_threshold": 128}
     return config | {"name": "tuned", "remote_prefill_min_tokens": 0, "remote_prefill_max_queued_tokens": 1536,
                      "overflow_prefill_pause_s": 2.0, "overflow_prefill_max_tokens": 256,
