@@ -65,6 +65,8 @@ class Preset:
     dense_layers: tuple[int, ...] = ()  # Qwen3-MoE's mlp_only_layers
     sliding_window: int | None = None  # Gemma 3's window, for the layers `layer_types` says slide
     layer_types: tuple[str, ...] = ()
+    # DeepSeek-V3's attention: (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    mla: tuple[int, int | None, int, int, int] | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -85,6 +87,12 @@ PRESETS: dict[str, Preset] = {
     # Gemma 3: sliding layers (a 40-token window) around a global one, q/k norms, gelu, four norms a layer.
     "tiny-gemma3": Preset("gemma3_text", 64, 160, 3, 4, 2, None, head_dim=16, sliding_window=40,
                           layer_types=("sliding_attention", "full_attention", "sliding_attention")),
+    # DeepSeek-V3: MLA (a 32-wide latent, an 8-wide rotary key: 40 cached values a token a layer),
+    # yarn rope, one dense layer then DeepSeekMoE (8 experts in 4 groups, a shared expert).
+    "tiny-deepseek-v3": Preset("deepseek_v3", 64, 160, 2, 4, 4, None, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=48, dense_layers=(0,), mla=(32, 48, 16, 8, 16),
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                             "original_max_position_embeddings": 512}),
     # The ~56M-parameter Llama shape the engine benchmarks use.
     "bench-llama-56m": Preset("llama", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
                               tokenizer_vocab_size=1024, peaked=False),
@@ -120,7 +128,7 @@ def build_tokenizer(vocab_size: int, corpus: list[str] | None = None):
 def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM"}
+            "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     cfg = {
         "architectures": [arch[p.model_type]],
         "model_type": p.model_type,
@@ -159,6 +167,14 @@ def _config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict:
         cfg.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok, norm_topk_prob=True,
                    moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1,
                    mlp_only_layers=list(p.dense_layers))
+    if p.model_type == "deepseek_v3":
+        kv_lora, q_lora, nope, rope, v = p.mla
+        cfg.update(kv_lora_rank=kv_lora, q_lora_rank=q_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                   v_head_dim=v, head_dim=rope, rope_interleave=True, n_routed_experts=p.num_experts,
+                   num_experts_per_tok=p.num_experts_per_tok, moe_intermediate_size=p.moe_intermediate_size,
+                   n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   first_k_dense_replace=len(p.dense_layers), scoring_func="sigmoid", topk_method="noaux_tc",
+                   num_nextn_predict_layers=0, attention_bias=False)
     return cfg
 
 

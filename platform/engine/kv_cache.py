@@ -1,8 +1,14 @@
 """Paged KV cache: the tensors, the block pool, per-request block tables and prefix reuse.
 
-Layout (DESIGN.md §4): one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`;
-`KVCache.layer(i)` is layer i's `[2, num_blocks, block_size, num_kv_heads, head_dim]` view (K at 0,
-V at 1). A request's block table maps its logical blocks to physical block ids.
+Layouts (DESIGN.md §4), one tensor `[num_layers, planes, num_blocks, block_size, heads, head_dim]`:
+- K/V (every family but DeepSeek's): planes K and V, the rank's KV heads; `KVCache.layer(i)` is
+  layer i's `[2, num_blocks, block_size, num_kv_heads, head_dim]` view (K at 0, V at 1).
+- latent (multi-head latent attention, DeepSeek-V3): one vector of `kv_lora_rank +
+  qk_rope_head_dim` values per token per layer, no K/V split, no heads (one plane, one "head", so
+  every block-moving path, the KV transfer's included, takes both layouts alike);
+  `KVCache.layer(i)` is `[num_blocks, block_size, latent_dim]`. Every tensor-parallel rank holds
+  the whole latent.
+A request's block table maps its logical blocks to physical block ids.
 
 Prefix reuse: a *full* block is named by its chained hash `h_i = H(h_{i-1}, tokens of block i)`
 (`block_hashes`), so equal hashes mean equal prefixes. Cached blocks keep their hash while free and
@@ -29,9 +35,14 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 layer_slots: list[int] | None = None, layer_groups: list[int] | None = None):
+                 layer_slots: list[int] | None = None, layer_groups: list[int] | None = None,
+                 is_latent: bool = False):
         """`layer_slots`/`layer_groups` (kv_groups.py): each layer's slot in the tensor and its
-        group, for a model of several layer groups; None: one slot per layer, one group."""
+        group, for a model of several layer groups; None: one slot per layer, one group.
+        `is_latent`: the latent layout, `head_dim` values per token per layer (`num_kv_heads` 1)."""
+        if is_latent and num_kv_heads != 1:
+            raise ValueError("a latent cache has no KV heads: pass num_kv_heads=1 and the latent's width as head_dim")
+        self.is_latent = is_latent
         self.num_layers = num_layers
         self.layer_slots = layer_slots
         self.layer_groups = layer_groups
@@ -41,19 +52,27 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_slots, 1 if is_latent else 2, num_blocks, block_size, num_kv_heads, head_dim)
         # On CPU in shared memory: a decode replica on this host copies exported blocks straight out.
         self.kv = (shared_zeros(shape, dtype) if torch.device(device).type == "cpu"
                    else torch.zeros(shape, dtype=dtype, device=device))
 
     def layer(self, i: int) -> torch.Tensor:
-        """Layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
-        return self.kv[i] if self.layer_slots is None else self.kv[self.layer_slots[i]]
+        """Layer i's cache: `[2, num_blocks, block_size, num_kv_heads, head_dim]`, or for the latent
+        layout `[num_blocks, block_size, latent_dim]`."""
+        kv = self.kv[i] if self.layer_slots is None else self.kv[self.layer_slots[i]]
+        return kv[0, :, :, 0] if self.is_latent else kv
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes on this rank, all layers together."""
+        return self.kv[:, :, 0, 0].numel() * self.kv.element_size()
 
     @staticmethod
     def bytes_per_block_for(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                            dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+                            dtype: torch.dtype, is_latent: bool = False) -> int:
+        planes = 1 if is_latent else 2
+        return planes * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)

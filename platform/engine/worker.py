@@ -38,11 +38,14 @@ def load_rank(config: EngineConfig, parallel: ParallelState = SINGLE) -> tuple[t
     # `num_slots` layers deep (kv_groups.py); one group: a block id spans every layer.
     groups = layer_groups(arch.num_layers, arch.layer_windows)
     slots, group_of = layer_slots(groups) if len(groups) > 1 else (None, None)
-    bytes_per_block = KVCache.bytes_per_block_for(len(groups[0].layers), config.block_size, model.num_kv_heads,
-                                                  arch.head_dim, kv_dtype)
+    # Multi-head latent attention (DeepSeek-V3) caches one latent vector per token and layer: the
+    # latent layout, one "head" of its width, whole on every rank.
+    heads, width = (1, arch.latent_dim) if arch.is_mla else (model.num_kv_heads, arch.head_dim)
+    bytes_per_block = KVCache.bytes_per_block_for(len(groups[0].layers), config.block_size, heads, width, kv_dtype,
+                                                  arch.is_mla)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // bytes_per_block)
-    kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, model.num_kv_heads, arch.head_dim,
-                       kv_dtype, config.device, slots, group_of)
+    kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, heads, width, kv_dtype, config.device, slots,
+                       group_of, is_latent=arch.is_mla)
     return model, arch, kv_cache
 
 

@@ -19,7 +19,7 @@ from pdserve.errors import ModelLoadError, UnsupportedModelError
 # model_type -> the family file that implements it.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3",
                          "mixtral": "mixtral", "qwen3_moe": "mixtral",
-                         "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                         "gemma3_text": "gemma3", "gemma3": "gemma3", "deepseek_v3": "deepseek_v3"}
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -67,6 +67,29 @@ class ModelArch:
     local_rope_scaling: dict | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     quantization: Fp8BlockScheme | None = None  # how the stored weights are quantized (quantization.py)
+    # DeepSeek-V3's multi-head latent attention (MLA): each token caches one latent vector of
+    # kv_lora_rank + qk_rope_head_dim values per layer; head_dim is qk_nope_head_dim + qk_rope_head_dim.
+    kv_lora_rank: int = 0  # 0: not MLA
+    q_lora_rank: int | None = None  # None: q comes from one projection (q_proj), not a low-rank pair
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dimensions come in (even, odd) pairs
+    # DeepSeekMoE: sigmoid scores, a bias that steers the choice (not the weights), top-k within
+    # the `topk_group` best of `n_group` expert groups, weights scaled by routed_scaling_factor.
+    num_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values an MLA layer caches per token (its latent cache's width)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         return self.is_moe and layer_idx not in self.dense_layers
@@ -125,6 +148,9 @@ class ModelArch:
             raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                                  f"({kv_heads}) and, without head_dim, divide hidden_size ({hidden})")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
+        mla = _deepseek_v3_fields(cfg, source) if model_type == "deepseek_v3" else {}
+        if mla:  # every head its own K after the latent's expansion; q and k heads are nope + rope wide
+            kv_heads, head_dim = heads, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
@@ -177,11 +203,14 @@ class ModelArch:
             quantization=parse_quantization(cfg.get("quantization_config"), source),
             **moe,
             **gemma,
+            **mla,
         )
 
 
 def _moe_fields(cfg: dict, model_type: str, source: str) -> dict:
-    """The MoE fields of `ModelArch` from a Mixtral or Qwen3-MoE config ({} for a dense model)."""
+    """The MoE fields of `ModelArch` from a Mixtral, Qwen3-MoE or DeepSeek-V3 config ({} for a dense model)."""
+    if model_type == "deepseek_v3":
+        return _deepseek_moe_fields(cfg, source)
     if model_type == "mixtral":
         return {"num_experts": int(cfg.get("num_local_experts", 0)),
                 "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 0))}
@@ -252,3 +281,59 @@ def _gemma3_fields(cfg: dict, source: str) -> dict:
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
             "local_rope_theta": theta, "local_rope_scaling": local or None,
             "final_logit_softcapping": float(cap) if cap else None}
+
+
+def _deepseek_v3_fields(cfg: dict, source: str) -> dict:
+    """The MLA fields of `ModelArch` from a DeepSeek-V3 config. What this engine does not implement
+    is refused by name; the multi-token-prediction layers (`num_nextn_predict_layers`) are not
+    part of the causal language model and their tensors are skipped as the weights load."""
+    def positive(key: str) -> int:
+        value = cfg.get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise ModelLoadError(f"{source}: a deepseek_v3 config needs a positive integer {key!r}, got {value!r}")
+        return value
+
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
+        raise ModelLoadError(f"{source}: q_lora_rank must be a positive integer or null, got {q_lora!r}")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError(f"{source}: attention_bias is not supported for deepseek_v3 "
+                                    f"(DeepSeek-V3's projections have no biases)")
+    rope = positive("qk_rope_head_dim")
+    if rope % 2:
+        raise ModelLoadError(f"{source}: qk_rope_head_dim must be even, got {rope}")
+    return {"kv_lora_rank": positive("kv_lora_rank"), "q_lora_rank": q_lora,
+            "qk_nope_head_dim": positive("qk_nope_head_dim"), "qk_rope_head_dim": rope,
+            "v_head_dim": positive("v_head_dim"), "rope_interleave": bool(cfg.get("rope_interleave", True))}
+
+
+def _deepseek_moe_fields(cfg: dict, source: str) -> dict:
+    """DeepSeekMoE's fields: the routed experts (sigmoid scores, `noaux_tc` group-limited top-k),
+    the shared experts beside them, and the first `first_k_dense_replace` layers dense."""
+    scoring, method = cfg.get("scoring_func", "sigmoid"), cfg.get("topk_method", "noaux_tc")
+    if scoring != "sigmoid" or method != "noaux_tc":
+        raise UnsupportedModelError(f"{source}: deepseek_v3 routing scoring_func={scoring!r}, topk_method={method!r} "
+                                    f"is not supported (only sigmoid with noaux_tc, DeepSeek-V3's)")
+    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+        raise UnsupportedModelError(f"{source}: moe_layer_freq {cfg['moe_layer_freq']} is not supported (every "
+                                    f"layer from first_k_dense_replace on is sparse)")
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    layers = int(cfg["num_hidden_layers"])
+    if not experts or not top_k or not cfg.get("moe_intermediate_size"):
+        raise ModelLoadError(f"{source}: a deepseek_v3 config needs n_routed_experts, num_experts_per_tok and "
+                             f"moe_intermediate_size")
+    if experts % groups or experts // groups < 2 or not 0 < topk_groups <= groups \
+            or top_k > topk_groups * (experts // groups):
+        raise ModelLoadError(f"{source}: n_group {groups} must divide n_routed_experts {experts} into groups of at "
+                             f"least 2, topk_group {topk_groups} be at most n_group, and num_experts_per_tok "
+                             f"{top_k} fit in topk_group groups")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "dense_layers": tuple(range(min(first_dense, layers))),
+            "num_shared_experts": int(cfg.get("n_shared_experts") or 0),
+            "n_group": groups, "topk_group": topk_groups,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0))}

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.models.arch import ModelArch
+from pdserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.mixtral import MixtralForCausalLM
@@ -29,7 +30,7 @@ from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.errors import ModelLoadError
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM, "phi3": Phi3ForCausalLM,
-                 "gemma3": Gemma3ForCausalLM}
+                 "gemma3": Gemma3ForCausalLM, "deepseek_v3": DeepseekV3ForCausalLM}
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 
 
@@ -84,12 +85,15 @@ def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], 
         pre = f"model.layers.{i}."
         heads = {"q": arch.num_heads, "k": arch.num_kv_heads, "v": arch.num_kv_heads}
         fused = arch.model_type == "phi3"  # Phi-3 stores q, k, v (and gate, up) as one tensor each
-        if fused:
+        if arch.is_mla:
+            yield from _mla_tensors(pre + "self_attn.", arch)
+        elif fused:
             yield pre + "self_attn.qkv_proj.weight", (sum(heads.values()) * hd, h), "linear"
         else:
             for proj, n in heads.items():
                 yield pre + f"self_attn.{proj}_proj.weight", (n * hd, h), "linear"
-        yield pre + "self_attn.o_proj.weight", (h, arch.num_heads * hd), "linear"
+        if not arch.is_mla:
+            yield pre + "self_attn.o_proj.weight", (h, arch.num_heads * hd), "linear"
         if arch.qkv_bias:
             for proj, n in heads.items():
                 yield pre + f"self_attn.{proj}_proj.bias", (n * hd,), "bias"
@@ -101,6 +105,12 @@ def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], 
             moe, names = ((pre + "block_sparse_moe.", ("w1", "w3", "w2")) if arch.model_type == "mixtral"
                           else (pre + "mlp.", ("gate_proj", "up_proj", "down_proj")))
             yield moe + "gate.weight", (arch.num_experts, h), "router"
+            if arch.model_type == "deepseek_v3":
+                yield moe + "gate.e_score_correction_bias", (arch.num_experts,), "bias"
+                shared = inter * arch.num_shared_experts
+                for n, shape in (("gate_proj", (shared, h)), ("up_proj", (shared, h)), ("down_proj", (h, shared))):
+                    if shared:
+                        yield f"{moe}shared_experts.{n}.weight", shape, "linear"
             for e in range(arch.num_experts):
                 gate, up, down = (f"{moe}experts.{e}.{n}.weight" for n in names)
                 yield gate, (inter, h), "linear"
@@ -122,6 +132,22 @@ def checkpoint_tensors(arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], 
     yield "model.norm.weight", (h,), "norm"
     if not arch.tie_word_embeddings:
         yield "lm_head.weight", (arch.vocab_size, h), "lm_head"
+
+
+def _mla_tensors(pre: str, arch: ModelArch) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """DeepSeek-V3's attention tensors (deepseek_v3.py)."""
+    h, heads, rank = arch.hidden_size, arch.num_heads, arch.kv_lora_rank
+    qk = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    if arch.q_lora_rank is None:
+        yield pre + "q_proj.weight", (heads * qk, h), "linear"
+    else:
+        yield pre + "q_a_proj.weight", (arch.q_lora_rank, h), "linear"
+        yield pre + "q_a_layernorm.weight", (arch.q_lora_rank,), "norm"
+        yield pre + "q_b_proj.weight", (heads * qk, arch.q_lora_rank), "linear"
+    yield pre + "kv_a_proj_with_mqa.weight", (rank + arch.qk_rope_head_dim, h), "linear"
+    yield pre + "kv_a_layernorm.weight", (rank,), "norm"
+    yield pre + "kv_b_proj.weight", (heads * (arch.qk_nope_head_dim + arch.v_head_dim), rank), "linear"
+    yield pre + "o_proj.weight", (h, heads * arch.v_head_dim), "linear"
 
 
 def random_weights(arch: ModelArch, dtype: torch.dtype, device: str | torch.device,
