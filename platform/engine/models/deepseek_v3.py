@@ -35,11 +35,11 @@ from torch import nn
 from pdserve.engine.latent_attention import LatentAttention
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                          VocabEmbedding, _param)
+                                          VocabEmbedding)
 from pdserve.engine.models.llama import DecoderLayer, LlamaMLP, LlamaModel, check_parallel
 from pdserve.engine.models.mixtral import MixtralForCausalLM, MixtralMoE
 from pdserve.engine.parallel import SINGLE, ParallelState
-from pdserve.errors import UnsupportedModelError
+from pdserve.errors import ModelLoadError, UnsupportedModelError
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -95,22 +95,17 @@ class DeepseekV3MoE(MixtralMoE):
     def __init__(self, arch: ModelArch, tp: ParallelState):
         super().__init__(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts, arch.num_experts_per_tok,
                          tp, renormalize=arch.norm_topk_prob)
-        self.e_score_correction_bias = _param(arch.num_experts)
+        # fp32 whatever the compute dtype, as transformers keeps it: it decides close choices.
+        self.register_buffer("e_score_correction_bias", torch.zeros(arch.num_experts), persistent=False)
         self.n_group, self.topk_group = arch.n_group, arch.topk_group
         self.routed_scaling_factor = arch.routed_scaling_factor
         self.shared_experts = (LlamaMLP(arch.hidden_size, arch.moe_intermediate_size * arch.num_shared_experts, tp)
                                if arch.num_shared_experts else None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param is self.e_score_correction_bias:
-            param.data.copy_(loaded)
-        else:
-            super().weight_loader(param, loaded, shard_id)
-
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In fp32, as transformers' DeepseekV3TopkRouter."""
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
+        choice = scores + self.e_score_correction_bias
         groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
         best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
@@ -192,12 +187,29 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
             return None  # a multi-token-prediction layer (num_nextn_predict_layers): not part of the LM
         if ".self_attn." in name:
             return name, None  # MLA's projections load as they are named (q_proj is not Llama's)
-        if name.endswith(".mlp.gate.e_score_correction_bias"):
-            return name.replace(".gate.e_score_correction_bias", ".e_score_correction_bias"), None
         return super().map_weight_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._deinterleave_rope(weights) if self.arch.rope_interleave else weights)
+        biases = {f"model.layers.{i}.mlp.gate.e_score_correction_bias": layer.mlp
+                  for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, DeepseekV3MoE)}
+        loaded = set()
+
+        def params_only(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in stream:  # the router biases are buffers (fp32): placed here
+                if name in biases:
+                    if tuple(t.shape) != (self.arch.num_experts,):
+                        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                                             f"config.json implies ({self.arch.num_experts},)")
+                    biases[name].e_score_correction_bias.copy_(t.float())
+                    loaded.add(name)
+                else:
+                    yield name, t
+
+        weights = self._deinterleave_rope(weights) if self.arch.rope_interleave else weights
+        super().load_weights(params_only(weights))
+        if len(loaded) != len(biases):
+            raise ModelLoadError(f"checkpoint lacks {len(biases) - len(loaded)} tensors, e.g. "
+                                 f"{sorted(set(biases) - loaded)[:3]}")
 
     def _deinterleave_rope(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The rows that make rotary dimensions, reordered from (even, odd) pairs to evens then odds."""

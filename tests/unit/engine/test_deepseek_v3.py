@@ -153,3 +153,16 @@ def test_the_multi_token_prediction_layer_is_skipped(tmp_path):
     assert arch.num_layers == 2 and len(model.model.layers) == 2
     assert model.map_weight_name("model.layers.2.eh_proj.weight") is None
     assert model.map_weight_name("model.layers.1.self_attn.q_a_proj.weight") is not None
+
+
+def test_the_router_bias_stays_fp32_and_a_missing_one_is_named(tmp_path):
+    """transformers keeps e_score_correction_bias in fp32 under a bf16 model: it settles close choices."""
+    path = make_checkpoint("tiny-deepseek-v3", tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    bias = model.model.layers[1].mlp.e_score_correction_bias
+    assert bias.dtype == torch.float32 and torch.equal(bias, tensors["model.layers.1.mlp.gate.e_score_correction_bias"])
+    del tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="lacks 1 tensors.*e_score_correction_bias"):
+        load_model(path)
