@@ -31,7 +31,10 @@ def exporter_options(backend: str, host: str, shared_memory: bool) -> dict:
 
 
 def layout_of(kv: torch.Tensor, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
-    """The layout of an engine's cache tensor `[layers, 2, blocks, block_size, local heads, head_dim]`."""
-    num_layers, _, _, block_size, local_heads, head_dim = kv.shape
-    return KVLayout(model_id, num_layers, block_size, local_heads * tp_size, head_dim,
-                    str(kv.dtype).removeprefix("torch."), tp_size, tp_rank)
+    """The layout of an engine's cache tensor `[layers, planes, blocks, block_size, local heads, head_dim]`:
+    two planes (K, V) and this rank's share of the KV heads, or one plane, the latent layout
+    (kv_cache.py), whose one latent every rank holds whole."""
+    num_layers, planes, _, block_size, local_heads, head_dim = kv.shape
+    is_latent = planes == 1
+    return KVLayout(model_id, num_layers, block_size, local_heads if is_latent else local_heads * tp_size, head_dim,
+                    str(kv.dtype).removeprefix("torch."), tp_size, tp_rank, is_latent)

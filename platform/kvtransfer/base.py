@@ -109,9 +109,9 @@ class BlockRead:
     def __init__(self, exporter: KVExporter, lease: Lease, block_ids: list[int], heads: tuple[int, int]):
         self._exporter, self._lease, self.block_ids, self.heads = exporter, lease, block_ids, heads
         kv = exporter.kv
-        self.shape = (kv.shape[0], 2, len(block_ids), kv.shape[3], heads[1] - heads[0], kv.shape[5])
+        self.shape = (kv.shape[0], kv.shape[1], len(block_ids), kv.shape[3], heads[1] - heads[0], kv.shape[5])
         slab_bytes = len(block_ids) * kv.shape[3] * (heads[1] - heads[0]) * kv.shape[5] * kv.element_size()
-        self.chunks = p.chunk_bounds(kv.shape[0] * 2, slab_bytes)
+        self.chunks = p.chunk_bounds(kv.shape[0] * kv.shape[1], slab_bytes)
         self._run = block_run(block_ids) if heads == (0, kv.shape[4]) else None
         self._staging: torch.Tensor | None = None
         self._is_closed = False
@@ -171,7 +171,8 @@ class KVImporter(ABC):
                 f"KV pull of {handle.request_id} from {handle.address} failed: {e!r}") from e
 
     def expected_shape(self, num_blocks: int, heads: tuple[int, int]) -> tuple[int, ...]:
-        return (self.kv.shape[0], 2, num_blocks, self.kv.shape[3], heads[1] - heads[0], self.kv.shape[5])
+        return (self.kv.shape[0], self.kv.shape[1], num_blocks, self.kv.shape[3], heads[1] - heads[0],
+                self.kv.shape[5])
 
     def store(self, dst: list[int], data: torch.Tensor) -> None:
         scatter_blocks(self.kv, dst, data)

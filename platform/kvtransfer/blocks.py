@@ -1,9 +1,10 @@
 """Gather a request's blocks into one contiguous buffer, scatter a buffer into blocks; leases.
 
-The engine's cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`. A
-transfer moves `[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous, so it goes out
-in one send and lands in one receive, or slab by slab (`slab_view`: one layer's K or V) when a
-transfer is pipelined. `LeaseTable` pins an exported request's blocks (ref counts through the
+The engine's cache is one tensor `[layers, planes, num_blocks, block_size, kv_heads, head_dim]`
+(planes: K and V, or one for the latent layout, whose one "head" is the latent; kv_cache.py). A
+transfer moves `[layers, planes, n, block_size, heads in slice, head_dim]`, contiguous, so it goes
+out in one send and lands in one receive, or slab by slab (`slab_view`: one layer's K, V or latent)
+when a transfer is pipelined. `LeaseTable` pins an exported request's blocks (ref counts through the
 engine's pool) until the importer acks or the lease runs out, and past that while a read is still
 sending them (`hold`/`unhold`). Pure torch, no sockets.
 """
@@ -68,16 +69,17 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_BITS[t.element_size()]).numpy()
 
 
-def cache_bits(buffer, element_size: int, block_shape: tuple[int, int, int, int]) -> np.ndarray | None:
+def cache_bits(buffer, element_size: int, block_shape: tuple[int, int, int, int],
+               planes: int = 2) -> np.ndarray | None:
     """Another cache's memory (mapped from another process) as `_bits` views a cache tensor:
-    `[layers, 2, blocks, block_size, heads, head_dim]` for `block_shape` `(layers, block_size,
+    `[layers, planes, blocks, block_size, heads, head_dim]` for `block_shape` `(layers, block_size,
     heads, head_dim)`; None when the size is not a whole number of blocks."""
     layers, block_size, heads, head_dim = block_shape
     bits = np.frombuffer(buffer, dtype=torch.empty(0, dtype=_BITS[element_size]).numpy().dtype)
-    per_block = 2 * layers * block_size * heads * head_dim
+    per_block = planes * layers * block_size * heads * head_dim
     if bits.size % per_block:
         return None
-    return bits.reshape(layers, 2, bits.size // per_block, block_size, heads, head_dim)
+    return bits.reshape(layers, planes, bits.size // per_block, block_size, heads, head_dim)
 
 
 def _block_index(block_ids: list[int], num_blocks: int) -> np.ndarray:
@@ -116,7 +118,8 @@ def copy_blocks(src: np.ndarray | torch.Tensor, src_ids: list[int], heads: tuple
 
 
 def slab_view(kv: torch.Tensor) -> torch.Tensor:
-    """`kv` (contiguous) as `[layers * 2, 1, num_blocks, ...]`: slab s is layer s // 2, K or V. A range
+    """`kv` (contiguous) as `[layers * planes, 1, num_blocks, ...]`: slab s is layer s // 2, K or V
+    (the latent layout: layer s). A range
     of slabs is again a cache tensor `gather_blocks`/`scatter_blocks` take, and contiguous."""
     return kv.view(kv.shape[0] * kv.shape[1], 1, *kv.shape[2:])
 

@@ -2,9 +2,11 @@
 made before any KV byte moves.
 
 - `KVLayout`: the cache shape one side holds (model, layers, block size, KV heads on this rank,
-  head dim, dtype, TP size and rank). `check_compatible` raises `LayoutMismatchError` when two
-  sides cannot exchange blocks, and `head_slice` says which of the exporter's heads a decode rank
-  pulls when decode runs k times prefill's TP degree.
+  head dim, dtype, TP size and rank, and whether it is the latent layout). `check_compatible` raises
+  `LayoutMismatchError` when two sides cannot exchange blocks, and `head_slice` says which of the
+  exporter's heads a decode rank pulls when decode runs k times prefill's TP degree. A latent cache
+  (multi-head latent attention: one vector a token a layer, kv_cache.py) has one plane instead of K
+  and V and no heads to slice: every rank holds the whole latent, and every decode rank pulls it whole.
 - `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack). With a
   `cache_region` (the exporter's cache is in shared memory, or on a GPU shared over CUDA IPC), an
   importer on the same host (and GPU) that can map that region asks for a *local* read: the exporter answers DATA with `local` and no chunks,
@@ -13,8 +15,9 @@ made before any KV byte moves.
   (struct) followed by a msgpack map, at most `CONTROL_FRAME_BYTES` in all (a receiver posts one
   buffer of that size, so a frame costs one message, not two). Nothing from the network is unpickled.
 - Block data (version 2): after its DATA frame, the exporter sends the blocks as `chunk_bounds`
-  says, one raw message per chunk. The transfer tensor `[layers, 2, n, block_size, heads, head_dim]`
-  is read as `layers * 2` slabs (slab s: layer s // 2, K if s is even, V if odd); a chunk is a run
+  says, one raw message per chunk. The transfer tensor `[layers, planes, n, block_size, heads, head_dim]`
+  (planes: K and V, or the one latent) is read as `layers * planes` slabs (K/V: slab s is layer
+  s // 2, K if s is even, V if odd; latent: slab s is layer s); a chunk is a run
   of consecutive slabs, one slab each unless slabs are smaller than `MIN_CHUNK_BYTES`. Both sides
   derive the same chunks from the shape, so the importer posts every receive before the first byte
   arrives and each side copies (or sends/receives in place) chunk by chunk while the rest is on the
@@ -83,10 +86,19 @@ class KVLayout:
     dtype: str  # e.g. "float32"
     tp_size: int = 1
     tp_rank: int = 0
+    # The latent layout: one plane, one "head" `head_dim` wide (the latent), whole on every rank.
+    is_latent: bool = False
+
+    @property
+    def num_planes(self) -> int:
+        return 1 if self.is_latent else 2
 
     @property
     def local_heads(self) -> tuple[int, int]:
-        """The [start, end) global KV heads this rank holds (one replicated head when heads < ranks)."""
+        """The [start, end) global KV heads this rank holds (one replicated head when heads < ranks;
+        a latent cache's one, whole, on every rank)."""
+        if self.is_latent:
+            return 0, self.num_kv_heads
         if self.num_kv_heads >= self.tp_size:
             per = self.num_kv_heads // self.tp_size
             return self.tp_rank * per, (self.tp_rank + 1) * per
@@ -125,7 +137,8 @@ class KVHandle:
 
 def check_compatible(exporter: KVLayout, importer: KVLayout) -> None:
     problems = [f"{name}: exporter {getattr(exporter, name)!r}, importer {getattr(importer, name)!r}"
-                for name in ("model_id", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+                for name in ("model_id", "is_latent", "num_layers", "block_size", "num_kv_heads", "head_dim",
+                             "dtype")
                 if getattr(exporter, name) != getattr(importer, name)]
     if problems:
         raise LayoutMismatchError("KV caches are incompatible: " + "; ".join(problems))

@@ -393,7 +393,7 @@ class UCXImporter(KVImporter):
         self._keep(handle.address, ep)
 
     def _source(self, handle: p.KVHandle) -> np.ndarray | torch.Tensor | None:
-        """The exporter's whole cache, read-only, `[layers, 2, blocks, block_size, heads, head_dim]`,
+        """The exporter's whole cache, read-only, `[layers, planes, blocks, block_size, heads, head_dim]`,
         when this process can map it: its bits from shared memory on this host (CPU caches), or a
         tensor over CUDA IPC on this GPU (GPU caches)."""
         region = handle.cache_region
@@ -406,15 +406,16 @@ class UCXImporter(KVImporter):
         block_shape = (layout.num_layers, layout.block_size, layout.local_heads[1] - layout.local_heads[0],
                        layout.head_dim)
         if isinstance(region, cuda_ipc.CudaRegion):
-            per_block = 2 * math.prod(block_shape) * self.kv.element_size()
+            per_block = layout.num_planes * math.prod(block_shape) * self.kv.element_size()
             if region.nbytes % per_block == 0:
                 layers, block_size, heads, head_dim = block_shape
-                source = cuda_ipc.open_region(region, self.kv.dtype, (layers, 2, region.nbytes // per_block,
+                source = cuda_ipc.open_region(region, self.kv.dtype, (layers, layout.num_planes,
+                                                                      region.nbytes // per_block,
                                                                       block_size, heads, head_dim), self.kv.device)
         else:
             mapping = map_region(region)
             if mapping is not None:
-                source = cache_bits(mapping, self.kv.element_size(), block_shape)
+                source = cache_bits(mapping, self.kv.element_size(), block_shape, layout.num_planes)
         self._sources[region] = source
         while len(self._sources) > _MAX_SOURCES:
             self._sources.popitem(last=False)
@@ -453,7 +454,7 @@ class UCXImporter(KVImporter):
         source = self._source(handle)
         shape = self.expected_shape(len(dst), heads)
         slab_bytes = len(dst) * shape[3] * shape[4] * shape[5] * self.kv.element_size()
-        chunks = p.chunk_bounds(shape[0] * 2, slab_bytes) if source is None else []  # local: no chunks
+        chunks = p.chunk_bounds(shape[0] * shape[1], slab_bytes) if source is None else []  # local: no chunks
         run = block_run(dst)
         slabs, staging, targets = slab_view(self.kv), None, []
         for s0, s1 in chunks:  # where each chunk lands: in place, or staging to scatter from

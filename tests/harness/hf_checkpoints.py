@@ -39,6 +39,19 @@ FAMILIES = {
                      "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                             "rope_theta": 1_000_000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
+    # DeepSeek-V3: MLA (a 32-wide latent and an 8-wide rotary key: 40 values a token a layer),
+    # DeepSeek's yarn rope with mscale (the softmax scaled too), interleaved rotary rows, one
+    # dense layer then DeepSeekMoE (8 experts in 4 groups, top-2 of the best 2 groups, a shared
+    # expert). num_key_value_heads = heads: transformers repeats its expanded K/V otherwise.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"num_key_value_heads": 4, "intermediate_size": 160, "moe_intermediate_size": 48,
+                     "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+                     "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                     "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "num_mtp_layers": 0,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "rope_theta": 10_000.0}}),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -64,6 +77,9 @@ def _peaked_(model: torch.nn.Module, hidden: int, seed: int) -> None:
         else:  # [..., out, in]: linears, routers and stacked experts
             value = torch.randn(p.shape, generator=g) * 1.5 / p.shape[-1] ** 0.5
         p.data.copy_(value)
+    for name, b in model.named_buffers():  # DeepSeek-V3's router bias: init writes zeros, which test nothing
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def write_checkpoint(family: str, out_dir: Path, tokenizer_dir: str | Path, seed: int = 0,
