@@ -19,8 +19,12 @@ A matcher's state is the tokens it has accepted: it cannot be serialised, and ne
 engine advances it with every output token it appends (sampled, taken over from a prefill
 replica, or replayed for a resumed request), so a request preempted by recompute keeps its
 matcher, and a decode replica that continues another engine's sequence rebuilds it by replaying
-the outputs. It does not know about requests, sampling or where the grammar text came from (the
-gateway names the request field in its errors).
+the outputs. A spec with `reasoning` set is the constraint behind a thinking model's `<think>` section:
+one llguidance grammar whose Lark start rule reads free text up to the first `</think>` (as
+bytes, or as the special token the vocabulary has) and then refers to the constraint's own
+grammar, so the reasoning is part of the matcher's state like any other token. It does not know
+about requests, sampling or where the grammar text came from (the gateway names the request
+field in its errors).
 """
 
 from __future__ import annotations
@@ -52,8 +56,45 @@ def _llguidance():
     return llguidance
 
 
-def grammar_text(spec: StructuredOutput):
-    """The spec as an llguidance grammar (its JSON form), before any tokenizer is involved."""
+THINK_TAGS = ("<think>", "</think>")
+
+
+def _reasoning_prefix(mode: str, tag_ids: dict[str, int]) -> str:
+    """Lark for a thinking model's reasoning section before `@constraint`: free text ended by the
+    first `</think>` (lazy), then up to two newlines; "optional": only if the output opens it.
+    Where the vocabulary has a tag as one special token (`tag_ids`), the token ends it too: a
+    special token is not its bytes to llguidance, and cannot sit inside a lazy terminal."""
+    end = tag_ids.get("</think>")
+    lines = ['think_bytes[lazy]: /(?s:.*)/ "</think>"', "NL: /\\n{1,2}/"]
+    if end is None:
+        lines.append("reasoning: think_bytes")
+    else:  # free text that holds no "</think>", then the token
+        lines += [f"reasoning: think_bytes | FREE <[{end}]>", "FREE: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/"]
+    if mode == "open":
+        start = "start: reasoning NL? @constraint"
+    else:
+        opening = '"<think>"' + (f" | <[{tag_ids['<think>']}]>" if "<think>" in tag_ids else "")
+        start = "start: (open_think reasoning NL?)? @constraint"
+        lines.append(f"open_think: {opening}")
+    return "\n".join([start] + lines) + "\n"
+
+
+def grammar_text(spec: StructuredOutput, tag_ids: dict[str, int] | None = None):
+    """The spec as an llguidance grammar (its JSON form, or Lark); after a reasoning section when
+    `spec.reasoning` says so (`tag_ids`: the think tags that are special tokens, by id)."""
+    inner = _constraint_text(spec)
+    if not spec.reasoning:
+        return inner
+    try:
+        grammars = json.loads(inner)["grammars"]
+    except ValueError:  # Lark text
+        grammars = [{"lark_grammar": inner}]
+    grammars[0] = {**grammars[0], "name": "constraint"}
+    prefix = _reasoning_prefix(spec.reasoning, tag_ids or {})
+    return json.dumps({"grammars": [{"lark_grammar": prefix}] + grammars})
+
+
+def _constraint_text(spec: StructuredOutput):
     llg = _llguidance()
     ws = {"whitespace_flexible": spec.any_whitespace}
     try:
@@ -151,6 +192,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._tokenizer = None  # built on first use (~0.1-1 s at 150k tokens)
         self._executor = None
+        self._tag_ids: dict[str, int] | None = None
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -164,6 +206,16 @@ class GrammarCompiler:
                 self._executor = llg.LLExecutor()
             return self._tokenizer
 
+    def _special_tags(self, tokenizer) -> dict[str, int]:
+        """The think tags this vocabulary holds as one special token (Qwen3's, to llguidance)."""
+        if self._tag_ids is None:
+            self._tag_ids = {}
+            for tag in THINK_TAGS:
+                ids = tokenizer.tokenize_str(tag)
+                if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+                    self._tag_ids[tag] = ids[0]
+        return self._tag_ids
+
     def is_cached(self, spec: StructuredOutput) -> bool:
         with self._lock:
             return spec in self._cache
@@ -176,7 +228,7 @@ class GrammarCompiler:
                 return
         tokenizer = self._setup()
         llg = _llguidance()
-        grammar = grammar_text(spec)
+        grammar = grammar_text(spec, self._special_tags(tokenizer) if spec.reasoning else None)
         # Building the matcher validates the grammar (an error leaves it in its error state).
         matcher = llg.LLMatcher(tokenizer, grammar, limits=llg.LLParserLimits(**_LIMITS), log_level=0)
         if matcher.is_error():

@@ -34,6 +34,7 @@ MAX_TOP_K = 2**31 - 1
 MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+REASONING_MODES = ("", "open", "optional")
 # name -> (lowest, highest, whether the lowest is excluded)
 _RANGES = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
            "repetition_penalty": (0.0, 2.0, True), "presence_penalty": (-2.0, 2.0, False),
@@ -49,15 +50,22 @@ class StructuredOutput:
     value ""), "regex" (a regular expression the whole output matches), "choice" (a JSON list of
     the strings the output may be), "grammar" (Lark, or GBNF as llama.cpp writes it).
     `any_whitespace`: JSON may carry free whitespace between tokens; off by default, as vLLM's
-    `disable_any_whitespace`: a model can otherwise emit whitespace until `max_tokens`."""
+    `disable_any_whitespace`: a model can otherwise emit whitespace until `max_tokens`.
+    `reasoning`: where a thinking model's `<think>` section stands, which the constraint follows
+    (free text up to `</think>`): "" none, "open" the output starts inside it (the prompt
+    opened it), "optional" the output may open one."""
     kind: str
     value: str = ""
     any_whitespace: bool = False
+    reasoning: str = ""
 
     def __post_init__(self):
         if self.kind not in STRUCTURED_KINDS:
             raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
                                       f"got {describe_value(self.kind)}", param="structured_outputs")
+        if self.reasoning not in REASONING_MODES:
+            raise InvalidRequestError(f"a structured output's reasoning is one of {REASONING_MODES}",
+                                      param="structured_outputs")
         if not isinstance(self.value, str) or not isinstance(self.any_whitespace, bool):
             raise InvalidRequestError("a structured output's value is text and any_whitespace a boolean",
                                       param="structured_outputs")

@@ -47,17 +47,24 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt text, rendered as transformers renders it (the same `tojson`, `raise_exception`
+        and `strftime_now`); `tools` are OpenAI's tool definitions, `kwargs` extra template
+        variables. A template that fails on these messages is the request's fault (a 400)."""
         if not self.chat_template:
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
                                       param="messages")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            self._template = _compile_template(self.chat_template)
+        from jinja2 import TemplateError
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self._template.render(**kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except (TemplateError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"the chat template refused these messages: {str(e)[:300]}",
+                                      param="messages") from None
 
     @cached_property
     def byte_level_vocab(self) -> ByteLevelVocab | None:
@@ -80,12 +87,35 @@ class Tokenizer:
         return ByteLevelVocab(pieces, frozenset(i for i, t in added.items() if t.special))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes BOS itself when the model wants one; do not add it twice.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode_prompt_text(self.apply_chat_template(messages, add_generation_prompt))
+
+    def encode_prompt_text(self, text: str) -> list[int]:
+        """A rendered chat prompt's ids: the template writes BOS itself when the model wants one;
+        do not add it twice."""
         ids = self.encode(text, add_special_tokens=True)
         if self.bos_token and text.startswith(self.bos_token) and len(ids) > 1 and ids[0] == ids[1]:
             ids = ids[1:]
         return ids
+
+
+def _compile_template(source: str):
+    """A chat template in a sandbox, with the helpers transformers gives templates."""
+    from datetime import datetime
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(str(message))
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' filter: jinja2's own escapes HTML and sorts keys, which changes the prompt
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
 
 
 @dataclass
