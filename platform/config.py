@@ -274,8 +274,20 @@ class GatewayConfig(BaseModel):
     max_structured_output_chars: int = Field(
         65536, ge=1, description="Longest structured-output constraint, in characters: a `response_format` JSON "
                                  "schema, or `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar` (and "
-                                 "`structured_outputs`) as JSON text. Compiling is bounded too (llguidance's parser "
-                                 "limits): a schema past them is a 400.")
+                                 "`structured_outputs`) as JSON text; a chat completion's `tools` too. Compiling is "
+                                 "bounded too (llguidance's parser limits): a schema past them is a 400.")
+    max_tools: int = Field(128, ge=1, description="Most `tools` in one chat completion (OpenAI's limit), and most "
+                                                  "`tool_calls` in one message of its history.")
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="How the model writes tool calls, read into `tool_calls` and enforced for `tool_choice` "
+                            "required or a named function. hermes: `<tool_call>{json}</tool_call>` (Hermes, Qwen2.5, "
+                            "Qwen3); llama3_json: `{\"name\": ..., \"parameters\": ...}` (Llama 3.1+); mistral: "
+                            "`[TOOL_CALLS][...]`. auto: from the chat template (the tag it writes); none: requests "
+                            "with `tools` are refused.")
+    reasoning_parser: Literal["auto", "none", "think"] = Field(
+        "auto", description="Reasoning output: think splits a `<think>...</think>` section (Qwen3, QwQ, DeepSeek-R1) "
+                            "into `reasoning_content`, and output constraints apply after it. auto: think when the "
+                            "chat template mentions `</think>`; none: the whole output is content.")
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request's deadline, end to end: past it the request is aborted wherever it is "
                                  "(queued, in prefill, streaming) and frees what it holds; the client gets a 504 (or "

@@ -4,9 +4,10 @@ work: each violation is an `InvalidRequestError` naming the `param` (an OpenAI-s
 `check_counts` runs on the parsed JSON object, before the pydantic models build anything from
 it, so a request of 50,000 prompts costs a `len()`, not 50,000 objects, and a constraint's text
 (a JSON schema, regex, choices or grammar: `structured.py`) over `max_structured_output_chars`
-is refused before anything compiles it. The rest run on the validated request: stop strings'
-lengths, `logit_bias` entries, sequences per request, and the characters of text prompts
-against what the context could hold.
+is refused before anything compiles it (a chat request's `tools` count among them), as are
+more than `max_tools` tools, or tool calls in one message of the history. The rest run on the
+validated request: stop strings' lengths, `logit_bias` entries, sequences per request, and the
+characters of text prompts against what the context could hold.
 
 The character bound (`max_prompt_chars`) rejects a text prompt that cannot fit `max_model_len`
 whatever it says, without tokenizing it: no token of the vocabulary covers more characters than
@@ -69,6 +70,7 @@ class RequestBounds:
     max_messages: int
     max_prompt_chars: int | None  # None: no bound before tokenizing
     max_structured_output_chars: int = GatewayConfig.model_fields["max_structured_output_chars"].default
+    max_tools: int = GatewayConfig.model_fields["max_tools"].default
 
     @classmethod
     def of(cls, gateway: GatewayConfig, tokenizer_json: dict, max_model_len: int) -> "RequestBounds":
@@ -76,14 +78,20 @@ class RequestBounds:
         return cls(gateway.max_prompts_per_request, gateway.max_sequences_per_request, gateway.max_n,
                    gateway.max_stop_sequences, gateway.max_stop_sequence_chars, gateway.max_stop_token_ids,
                    gateway.max_logit_bias_entries, gateway.max_chat_messages,
-                   None if per_token is None else per_token * max_model_len, gateway.max_structured_output_chars)
+                   None if per_token is None else per_token * max_model_len, gateway.max_structured_output_chars,
+                   gateway.max_tools)
 
     def check_counts(self, data: dict) -> None:
         """The sizes of a parsed body's lists, before anything is built from them."""
         prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             _at_most(len(prompt), self.max_prompts, "prompt", "prompts")
-        _at_most(_len(data.get("messages")), self.max_messages, "messages", "messages")
+        messages = data.get("messages")
+        _at_most(_len(messages), self.max_messages, "messages", "messages")
+        _at_most(_len(data.get("tools")), self.max_tools, "tools", "tools")
+        for m in messages if isinstance(messages, list) else ():
+            if isinstance(m, dict):
+                _at_most(_len(m.get("tool_calls")), self.max_tools, "messages", "tool calls in a message")
         stop = data.get("stop")
         _at_most(_len(stop) if isinstance(stop, list) else 0, self.max_stops, "stop", "stop sequences")
         _at_most(_len(data.get("stop_token_ids")), self.max_stop_token_ids, "stop_token_ids", "stop token ids")

@@ -29,7 +29,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import AsyncIterator, Callable, Protocol
 
@@ -44,10 +44,13 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, PromptTooLongError
 from pdserve.gateway.auth import ApiKeys
 from pdserve.gateway.bounds import RequestBounds, check_logit_bias, tokenizer_json
+from pdserve.gateway.chat_output import ChatChoiceOutput
 from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.gateway.request_body import parse_json_object, read_body
+from pdserve.gateway.reasoning import CLOSED, reasoning_mode, template_thinks
 from pdserve.gateway.structured import StructuredOutputChecker
+from pdserve.gateway.tools import ToolCalling
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
 from pdserve.protocol import GenerateRequest
 from pdserve.telemetry.requests import RequestRecord
@@ -118,6 +121,9 @@ class OpenAIService:
         self.api_keys = ApiKeys(config.api_keys)
         self.bounds = RequestBounds.of(config, tokenizer_json(tokenizer), max_model_len)
         self.structured = StructuredOutputChecker(tokenizer)  # compiles each constraint once, 400 if bad
+        self.tool_calling = ToolCalling(config.tool_call_parser, tokenizer)
+        self.thinks = config.reasoning_parser == "think" or (config.reasoning_parser == "auto"
+                                                              and template_thinks(tokenizer.chat_template))
         self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="pdserve-parse")
         self._large_threads = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse-large")
@@ -170,15 +176,16 @@ class OpenAIService:
     def _check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.tokenizer.vocab_size, param)
 
-    def _check_sampling(self, body) -> StructuredOutput | None:
-        """Checks of the sampling fields before tokenizing; returns the compiled output constraint."""
+    def _check_sampling(self, body, *constraint) -> StructuredOutput | None:
+        """Checks of the sampling fields before tokenizing; returns the compiled output constraint
+        (`constraint`: a chat request's tool grammar and reasoning mode, `StructuredOutputChecker`'s)."""
         body.refuse_unsupported()
         vocab = self.tokenizer.vocab_size
         self.bounds.check_stops(body.stop)
         check_logit_bias(body.logit_bias, vocab)
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
             raise InvalidRequestError(f"stop_token_ids must lie in the vocabulary [0, {vocab})", param="stop_token_ids")
-        return self.structured(body)
+        return self.structured(body, *constraint)
 
     def _fan_out(self, rec: RequestRecord, rid: str, prompts: list[list[int]], n: int,
                  make_params: Callable[[int], SamplingParams]) -> list[tuple[int, GenerateRequest]]:
@@ -376,35 +383,53 @@ class OpenAIService:
         return await self._handle(request, "/v1/chat/completions", partial(self._chat_completions, request))
 
     async def _chat_completions(self, request: Request, rid: str, rec: RequestRecord) -> Response:
-        body, (reqs, k) = await self._read(request, ChatCompletionRequest, partial(self._chat_requests, rid, rec))
+        body, (reqs, k, output) = await self._read(request, ChatCompletionRequest,
+                                                   partial(self._chat_requests, rid, rec))
         choices = [_Choice(i, r.prompt_token_ids) for i, r in reqs]
         usage = partial(self._usage, choices, body.n)
         if body.stream:
-            return self._sse(rec, self._chat_chunks(rec, rid, body, reqs, choices, k), usage)
+            return self._sse(rec, self._chat_chunks(rec, rid, body, reqs, choices, k, output), usage)
         await self._collect(rec, reqs, choices)
         self._finish_ok(rec, usage())
+        outputs = [output() if output else None for _ in choices]
         return JSONResponse({
             "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index,
+                         "message": o.message(c.text) if o else {"role": "assistant", "content": c.text},
                          "logprobs": self._chat_logprobs(c.logprobs, k) if k is not None else None,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+                         "finish_reason": o.finish_reason(c.finish_reason) if o else c.finish_reason,
+                         "stop_reason": c.stop_reason} for c, o in zip(choices, outputs)],
             "usage": usage()})
 
     def _chat_requests(self, rid: str, rec: RequestRecord, body: ChatCompletionRequest, salt: str | None):
-        """On a worker thread: the sequences of a validated chat request, and its top_logprobs."""
+        """On a worker thread: the sequences of a validated chat request, its top_logprobs, and
+        what makes each choice's output parser (None: the text is the content)."""
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self.bounds.check_sequences(1, body.n)
+        tools = self.tool_calling.plan(body)
         messages = body.template_messages()
-        self.bounds.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        structured = self._check_sampling(body)
-        ids = self.tokenizer.encode_chat(messages, body.add_generation_prompt)
+        self.bounds.check_prompt_chars(sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                                           for m in body.messages), "messages")
+        text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt,
+                                                  tools.tools if tools else None, **body.template_kwargs())
+        mode = reasoning_mode(text) if self.thinks else None
+        after = "" if mode in (None, CLOSED) else mode  # where the constraint starts: after any reasoning
+        structured = self._check_sampling(body, tools.grammar if tools else None, after)
+        ids = self.tokenizer.encode_prompt_text(text)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._check_length(ids, asked, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return self._fan_out(rec, rid, [ids], body.n,
-                             lambda i: body.sampling_params(max_tokens, k, None, i, salt, structured)), k
+
+        def params(i: int) -> SamplingParams:
+            p = body.sampling_params(max_tokens, k, None, i, salt, structured)
+            return replace(p, skip_special_tokens=False) if tools and tools.keeps_special_tokens else p
+
+        output = None
+        if mode is not None or tools is not None:
+            output = partial(ChatChoiceOutput, mode, tools.fmt if tools else None, tools.max_calls if tools else None)
+        return self._fan_out(rec, rid, [ids], body.n, params), k, output
 
     def _chat_logprobs(self, lps: list[TokenLogprob], k: int) -> dict:
         def entry(tid: int, lp: float) -> dict:
@@ -415,10 +440,11 @@ class OpenAIService:
                             for lp in lps]}
 
     async def _chat_chunks(self, rec: RequestRecord, rid, body: ChatCompletionRequest, reqs,
-                           choices: list[_Choice], k):
+                           choices: list[_Choice], k, output: Callable[[], ChatChoiceOutput] | None):
         base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         plain = TextChunks(base, chat_choice)  # a token's chunk: only its text and index vary
+        parsers = [output() for _ in choices] if output else None  # reasoning and tool calls read out
         announced = False
         async for index, out in self._merged(rec, reqs):
             if not announced:  # with the first token, as vLLM: a client timing the first chunk times it
@@ -429,14 +455,19 @@ class OpenAIService:
                                                           "logprobs": None, "finish_reason": None}]})
             c = choices[index]
             self._absorb(c, out)
-            if k is None and not out.finished:
+            if k is None and not out.finished and parsers is None:
                 yield plain.event(index, out.new_text)
                 continue
+            finish_reason = out.finish_reason if out.finished else None
+            if parsers is None:
+                delta = {"content": out.new_text} if out.new_text else {}
+            else:
+                delta = parsers[index].feed(out.new_text, out.finished)
+                finish_reason = parsers[index].finish_reason(finish_reason)
             yield sse_event({**base, "choices": [{
-                "index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                "index": index, "delta": delta,
                 "logprobs": self._chat_logprobs(out.new_logprobs, k) if k is not None else None,
-                "finish_reason": out.finish_reason if out.finished else None,
-                "stop_reason": out.stop_reason if out.finished else None}]})
+                "finish_reason": finish_reason, "stop_reason": out.stop_reason if out.finished else None}]})
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event({**base, "choices": [], "usage": self._usage(choices, body.n)})
 

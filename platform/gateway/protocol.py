@@ -6,11 +6,13 @@ do, so clients that send newer fields keep working. OpenAI fields that would cha
 generated but are not implemented are declared only to be refused (`refuse_unsupported`: a 400
 naming the field), never ignored; metadata fields (`user`, `metadata`, `store`,
 `service_tier`) are accepted and change nothing. Output constraints (`response_format`, vLLM's
-`guided_*` and `structured_outputs`) are read by `structured.py`.
+`guided_*` and `structured_outputs`) are read by `structured.py`; `tools` and `tool_choice`
+by `tools.py`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -151,17 +153,85 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    """A call the assistant made, in the history: `arguments` is JSON text, as OpenAI sends it."""
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[Annotated[TextPart, Field()]] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: StrictStr | None = Field(None, max_length=256)  # tool messages: the call they answer
+
+    def text(self) -> str:
+        content = self.content
+        return "".join(part.text for part in content) if isinstance(content, list) else content or ""
 
     def for_template(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        """The message as chat templates read it; a call's arguments as an object (the templates of
+        the supported families write them with `tojson`), as vLLM and transformers hand them over."""
+        out = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError("only assistant messages carry tool_calls", param="messages")
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        raise InvalidRequestError(f"the arguments of a tool call to {call.name[:64]!r} are not JSON",
+                                  param="messages") from None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule (dots too, as vLLM)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# chat_template_kwargs may not replace what the gateway itself hands the template.
+_TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception", "strftime_now"})
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -170,9 +240,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    # Refused when set (UNSUPPORTED, and tool_choice and modalities below); declared to be seen.
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, StrictStr | bool | int | float | None] | None = None
+    # Refused when set (UNSUPPORTED, and modalities below); declared to be seen.
     functions: Any = None
     function_call: Any = None
     prediction: Any = None
@@ -182,15 +254,14 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
 
-    UNSUPPORTED = (("tools", " yet (tool calling, #45)"), ("functions", " (tool calling, #45)"),
-                    ("function_call", " (tool calling, #45)"), ("prediction", " (predicted outputs)"),
+    UNSUPPORTED = (("functions", " (deprecated by OpenAI: send tools)"),
+                    ("function_call", " (deprecated by OpenAI: send tool_choice)"),
+                    ("prediction", " (predicted outputs)"),
                     ("audio", " (text output only)"), ("web_search_options", ""),
-                    ("reasoning_effort", " (no reasoning models are served)"), ("verbosity", ""))
+                    ("reasoning_effort", " (a thinking model's effort is not adjustable here)"), ("verbosity", ""))
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if _is_set(self.tool_choice) and self.tool_choice not in ("none", "auto"):
-            raise InvalidRequestError("tool_choice is not supported yet (tool calling, #45)", param="tool_choice")
         if _is_set(self.modalities) and self.modalities != ["text"]:
             raise InvalidRequestError("only the text modality is supported", param="modalities")
 
@@ -198,6 +269,14 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.messages:
             raise InvalidRequestError("messages must contain at least one message", param="messages")
         return [m.for_template() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """vLLM's `chat_template_kwargs` (e.g. Qwen3's enable_thinking): flat values only."""
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(_TEMPLATE_RESERVED & kwargs.keys())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]}", param="chat_template_kwargs")
+        return kwargs
 
 
 def _is_set(value) -> bool:

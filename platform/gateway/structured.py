@@ -4,7 +4,8 @@ into one `StructuredOutput` and compiled before any compute.
 In: a validated completions or chat request (`protocol.py`): OpenAI's `response_format`
 (`json_object`, `json_schema`), vLLM's `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar` and `structured_outputs` ({json, regex, choice, grammar, json_object,
-disable_any_whitespace}). Out: the request's `StructuredOutput` (or None), which travels in its
+disable_any_whitespace}), and a chat request's tool grammar (`tools.py`). Out: the request's
+`StructuredOutput` (or None), after a thinking model's reasoning section, which travels in its
 `SamplingParams` to every pool, so prefill, decode and unified replicas apply the same grammar.
 
 At most one constraint per request: a second is a 400 naming it. JSON is generated without free
@@ -19,6 +20,7 @@ tokenizer the compiler was built with.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from pdserve.config import EngineConfig
@@ -31,7 +33,7 @@ from pdserve.errors import InvalidRequestError
 CACHE_SIZE = EngineConfig.model_fields["grammar_cache_size"].default
 # Where a constraint's text sits in a request body (for the size bound, before pydantic).
 CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs")
+                     "structured_outputs", "tools")  # tools: their schemas become a grammar (tools.py)
 
 
 def constraint_chars(data: dict) -> tuple[int, str | None]:
@@ -115,11 +117,21 @@ class StructuredOutputChecker:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.compiler = GrammarCompiler(tokenizer.tok.to_str(), tokenizer.vocab_size, eos, cache_size)
 
-    def __call__(self, body) -> StructuredOutput | None:
+    def __call__(self, body, tool_grammar: str | None = None, reasoning: str = "") -> StructuredOutput | None:
+        """`tool_grammar`: the Lark of a chat request's required or named tool choice (`tools.py`),
+        a constraint of its own; `reasoning`: where a thinking model's reasoning section stands,
+        which the constraint follows (`StructuredOutput.reasoning`)."""
         found = structured_output(body)
+        if tool_grammar is not None:
+            if found is not None:
+                raise InvalidRequestError(f"a request takes one output constraint; got {found[1]} and a "
+                                          "tool_choice that requires a call", param="tool_choice")
+            found = StructuredOutput("grammar", tool_grammar), "tools"
         if found is None:
             return None
         spec, param = found
+        if reasoning:
+            spec = replace(spec, reasoning=reasoning)
         try:
             self.compiler.compile(spec)
         except GrammarError as e:

@@ -13,11 +13,11 @@ from pdserve.engine.outputs import RequestOutput, TokenLogprob
 
 
 class ScriptedClient:
-    """Every sequence streams the same script of (token id, text) steps, the last one finished.
-    `requests` keeps every `GenerateRequest` it was given."""
+    """Every sequence streams the same script of (token id, text) steps, the last one finished
+    (with `finish_reason`). `requests` keeps every `GenerateRequest` it was given."""
 
-    def __init__(self, steps):
-        self.steps = steps
+    def __init__(self, steps, finish_reason: str = "length"):
+        self.steps, self.finish_reason = steps, finish_reason
         self.requests = []
 
     async def generate(self, req):
@@ -26,7 +26,7 @@ class ScriptedClient:
         for i, (tid, text) in enumerate(self.steps):
             last = i == len(self.steps) - 1
             lps = [TokenLogprob(tid, -0.5, 1, ((tid, -0.5), (tid + 1, -1.5)))] if k is not None else []
-            yield RequestOutput(req.request_id, [tid], text, last, "length" if last else None, None, lps,
+            yield RequestOutput(req.request_id, [tid], text, last, self.finish_reason if last else None, None, lps,
                                 num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=i + 1)
             await asyncio.sleep(0)
 

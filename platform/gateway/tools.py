@@ -1,0 +1,112 @@
+"""Tool calling at the gateway, on the request's side: which call format a model writes, what a
+chat request's `tools`, `tool_choice` and `parallel_tool_calls` ask for, and the grammar that
+enforces `required` and a named function.
+
+In: the `gateway.tool_call_parser` setting, the tokenizer (its chat template names the format
+under `auto`), and a validated `ChatCompletionRequest`. Out: a `ToolPlan` (None: no tools in
+play): the tools for the chat template, the format `tool_calls.py` parses the output in, how
+many calls may be kept, and for `required`/named the Lark grammar (the format's markup around
+JSON that a schema built from the tools' parameters constrains) that `structured.py` compiles and
+the engine enforces. Bad input (a tool choice without tools, an unknown tool name, two tools of
+one name, a model with no known format) is an `InvalidRequestError` naming its field.
+
+It does not parse output (`tool_calls.py`) nor know reasoning: the service puts a reasoning
+section before the grammar (`StructuredOutput.reasoning`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import InvalidRequestError
+from pdserve.gateway.tool_calls import FORMATS
+
+# What a chat template writes for each format: the first one it contains picks the format.
+_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+_ARGUMENTS_KEY = {"hermes": "arguments", "mistral": "arguments", "llama3_json": "parameters"}
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def tool_format(setting: str, chat_template: str | None) -> str | None:
+    """The format a model's tool calls are read in: the setting, or under "auto" the one its
+    chat template writes (None: none known)."""
+    if setting in FORMATS:
+        return setting
+    if setting == "auto" and chat_template:
+        return next((fmt for mark, fmt in _TEMPLATE_MARKS if mark in chat_template), None)
+    return None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    fmt: str  # the format the output is parsed in (tool_calls.FORMATS)
+    tools: list[dict]  # OpenAI's tool definitions, for the chat template
+    max_calls: int | None  # calls kept (1: parallel_tool_calls false, or a named function)
+    grammar: str | None  # Lark, for tool_choice required or a named function
+    keeps_special_tokens: bool = False  # the format's marker is a special token: the text must keep it
+
+
+class ToolCalling:
+    """Tool calling for one model: its format, and each request's plan."""
+
+    def __init__(self, setting: str, tokenizer: Tokenizer):
+        self.fmt = tool_format(setting, tokenizer.chat_template)
+        self.marker_id = None  # mistral's [TOOL_CALLS], where the vocabulary has it as a special token
+        if self.fmt == "mistral":
+            tid = tokenizer.tok.token_to_id("[TOOL_CALLS]")
+            added = tokenizer.tok.get_added_tokens_decoder()
+            if tid is not None and tid in added and added[tid].special:
+                self.marker_id = tid
+
+    def plan(self, body) -> ToolPlan | None:
+        choice, tools = body.tool_choice, body.tools or []
+        if not tools:
+            if choice not in (None, "none"):
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            return None
+        if choice == "none":  # the model may not call: as if no tools were sent
+            return None
+        if self.fmt is None:
+            raise InvalidRequestError("this model's chat template writes no tool-call format pdserve knows; set "
+                                      "gateway.tool_call_parser", param="tools")
+        names = [t.function.name for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("two tools have the same name", param="tools")
+        named = None if choice in (None, "auto", "required") else choice.function.name
+        if named is not None and named not in names:
+            raise InvalidRequestError(f"tool_choice names {named[:64]!r}, which is not among the tools",
+                                      param="tool_choice")
+        single = named is not None or not body.parallel_tool_calls
+        grammar = None
+        if choice == "required" or named is not None:
+            chosen = [t for t in tools if named is None or t.function.name == named]
+            grammar = self.grammar(chosen, single)
+        return ToolPlan(self.fmt, [t.model_dump(exclude_none=True) for t in tools], 1 if single else None, grammar,
+                        self.marker_id is not None)
+
+    def grammar(self, tools, single: bool) -> str:
+        """Lark for one call (`single`) or one or more, to any of `tools`, in this model's format;
+        the arguments follow each tool's parameters schema, written without free whitespace."""
+        key = _ARGUMENTS_KEY[self.fmt]
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   key: t.function.parameters or _NO_PARAMETERS},
+                  "required": ["name", key], "additionalProperties": False} for t in tools]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if self.fmt == "mistral":
+            marker = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps("[TOOL_CALLS]")
+            array = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
+            return f"start: {marker} %json {_compact(array)}\n"
+        if self.fmt == "hermes":
+            rule = f'call: "<tool_call>\\n" %json {_compact(call)} "\\n</tool_call>"\n'
+            sep = '"\\n"'
+        else:
+            rule = f"call: %json {_compact(call)}\n"
+            sep = '"; "'
+        return ("start: call\n" if single else f"start: call ({sep} call)*\n") + rule
+
+
+def _compact(schema: dict) -> str:
+    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}}, separators=(",", ":"),
+                      ensure_ascii=False)
