@@ -5,7 +5,8 @@
  * sequence, every row sampled) runs here from token ids to logits, with the same row functions and
  * matmul tiles as those kernels:
  *   h = embedding[id]; per layer:
- *     x = norm(h); qkv = x Wqkv (+b); rotary(q, k); cache[slot] = k, v; a = attention(q);
+ *     x = norm(h); qkv = x Wqkv (+b); (Qwen3: each q and k head normalised;) rotary(q, k);
+ *     cache[slot] = k, v; a = attention(q);
  *     h += a Wo; x = norm(h); h += (silu(x Wg) * x Wu) Wd
  *   logits = norm(h) Wlm, and with greedy sampling each row's argmax.
  *
@@ -95,8 +96,13 @@ PDSERVE_INTERNAL void compute_item(const pdserve_decoder *d, worker *w, const st
         rms_norm_row(t->row_a, delta != NULL ? delta + i * s->hidden : NULL, weight, t->row_b, s->hidden, s->eps);
         break;
     }
-    case K_ROTARY:  /* q and k rotated (the cache write is the publish's) */
+    case K_ROTARY:  /* q and k (with Qwen3's norms, each head) rotated (the cache write is the publish's) */
         memcpy(t->row_a, b->qkv + i * d->qkv_size, sizeof(float) * (d->q_size + d->kv_size));
+        if (l->q_norm != NULL)
+            for (int64_t h = 0; h < s->heads + s->kv_heads; ++h) {
+                float *head = t->row_a + h * s->head_dim;
+                rms_norm_row(head, NULL, h < s->heads ? l->q_norm : l->k_norm, head, s->head_dim, s->eps);
+            }
         rotary_token(t->row_a, s->heads + s->kv_heads, s->head_dim, d->model.cos_sin + b->positions[i] * s->head_dim);
         break;
     case K_ATTN: {

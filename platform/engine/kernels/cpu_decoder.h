@@ -13,6 +13,8 @@ typedef struct {
     const float *input_norm, *post_norm;                  /* [hidden] */
     const void *qkv;                                      /* packed (pdserve_pack_linear_f32), as o to down */
     const float *qkv_bias;                                /* may be NULL */
+    const float *q_norm, *k_norm;                         /* [head_dim], each head's norm before rotary
+                                                           * (Qwen3); NULL (both): none */
     const void *o, *gate_up, *down;
     void *k_cache, *v_cache;                              /* [num_blocks, block_size, kv_heads, head_dim], dense */
 } pdserve_decoder_layer;

@@ -14,9 +14,10 @@ another, so a thread descheduled by the replica's other processes does not stall
 
 What it reads of a model is the Llama family's layout, by attribute: `model.model` holds
 `embed_tokens`, `rotary`, `layers` and `norm`, and `model.lm_head` the LM head; each layer its
-`input_layernorm`, `self_attn` (`qkv_proj`, `o_proj`, `attn`), `post_attention_layernorm` and
-`mlp`, a dense SwiGLU MLP (`gate_up_proj`, `down_proj`) where it runs in C; linears say how they
-are packed (`packed_for`, `packed`). It imports no model code and knows nothing of scheduling.
+`input_layernorm`, `self_attn` (`qkv_proj`, `o_proj`, `attn`, and Qwen3's `q_norm` and `k_norm`),
+`post_attention_layernorm` and `mlp`, a dense SwiGLU MLP (`gate_up_proj`, `down_proj`) where it
+runs in C; linears say how they are packed (`packed_for`, `packed`). It imports no model code and
+knows nothing of scheduling.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _runs_in_c(model: nn.Module) -> bool:
         a, mlp = layer.self_attn, layer.mlp
         return (hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")  # dense, not a mixture of experts
                 and a.o_proj.tp_size == 1 and a.o_proj.bias is None
-                and not hasattr(a, "q_norm")  # Qwen3's q/k norms: not in the C step
+                and _qk_norms_run_in_c(layer)
                 and all(lin.packed_for == "pdserve" for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj))
                 and cpu_kernels.usable(layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
 
@@ -67,6 +68,18 @@ def _runs_in_c(model: nn.Module) -> bool:
             and all(plain(layer) for layer in m.layers))
 
 
+def _qk_norms_run_in_c(layer: nn.Module) -> bool:
+    """No q/k norms, or Qwen3's: an RMSNorm of each q and k head (`weight * x / rms(x)`, fp32 weights
+    `[head_dim]`) with the layer's epsilon. Gemma 3's `(1 + w)` norms never get here (it does not
+    run in C)."""
+    a = layer.self_attn
+    norms = [getattr(a, name, None) for name in ("q_norm", "k_norm")]
+    if norms == [None, None]:
+        return True
+    return (None not in norms and all(n.eps == layer.input_layernorm.eps for n in norms)
+            and cpu_kernels.usable(*(n.weight for n in norms)) and all(n.weight.is_contiguous() for n in norms))
+
+
 def _decoder(model: nn.Module, kv: KVCache) -> DecoderModel:
     def address(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
@@ -76,8 +89,9 @@ def _decoder(model: nn.Module, kv: KVCache) -> DecoderModel:
     for i, layer in enumerate(m.layers):
         a, mlp = layer.self_attn, layer.mlp
         k_cache, v_cache = kv.layer(i).unbind(0)
+        q_norm, k_norm = (getattr(getattr(a, name, None), "weight", None) for name in ("q_norm", "k_norm"))
         weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.qkv_proj.packed,
-                   a.qkv_proj.bias, a.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
+                   a.qkv_proj.bias, q_norm, k_norm, a.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
         tensors += [w for w in weights if w is not None]
         pointers.append(DecoderLayerPointers(*(address(w) for w in weights), address(k_cache), address(v_cache)))
     first = m.layers[0]
@@ -106,11 +120,12 @@ def lay_out_weights(model: nn.Module, packed_dtype: torch.dtype = torch.float32)
 
 
 class DecoderLayerPointers(ctypes.Structure):
-    """`pdserve_decoder_layer`: one layer's weights (norms; linears packed by `pack_linear`, in bf16
-    where the shape's `weight_bf16` says so) and its K and V caches `[num_blocks, block_size,
-    kv_heads, head_dim]` (fp32, or bf16 where the shape's `kv_bf16` says so), by address."""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up",
-                                                     "down", "k_cache", "v_cache")]
+    """`pdserve_decoder_layer`: one layer's weights (norms, Qwen3's q/k norms or NULL; linears packed
+    by `pack_linear`, in bf16 where the shape's `weight_bf16` says so) and its K and V caches
+    `[num_blocks, block_size, kv_heads, head_dim]` (fp32, or bf16 where the shape's `kv_bf16` says
+    so), by address."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm",
+                                                     "o", "gate_up", "down", "k_cache", "v_cache")]
 
 
 class DecoderShape(ctypes.Structure):

@@ -1,6 +1,18 @@
 /* The elementwise kernels' entry points, over rows (the row functions: cpu_elementwise.h). */
 #include "cpu_elementwise.h"
 
+/* rms_norm_row (cpu_elementwise.h). */
+PDSERVE_INTERNAL __attribute__((noinline)) void rms_norm_row(float *x, const float *delta, const float *weight,
+                                                             float *out, int64_t dim, float eps) {
+    if (delta != NULL) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) x[i] += delta[i];
+    }
+    const float inv = 1.0f / sqrtf(sum_of_squares(x, dim) / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * weight[i];
+}
+
 void pdserve_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows,
                           int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS)

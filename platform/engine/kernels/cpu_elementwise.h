@@ -17,17 +17,12 @@ static inline float sum_of_squares(const float *x, int64_t n) {
     return acc;
 }
 
-/* One row: out = x / sqrt(mean(x^2) + eps) * weight; with `delta`, first x += delta (the residual add). */
-static inline void rms_norm_row(float *x, const float *delta, const float *weight, float *out, int64_t dim,
-                                float eps) {
-    if (delta != NULL) {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) x[i] += delta[i];
-    }
-    const float inv = 1.0f / sqrtf(sum_of_squares(x, dim) / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * weight[i];
-}
+/* One row: out = x / sqrt(mean(x^2) + eps) * weight; with `delta`, first x += delta (the residual add).
+ * out may be x. One compiled copy (cpu_elementwise.c, never inlined) serves the entry point and the
+ * decode step: inlined into each, the sum's vectorisation may differ by context, and the two paths
+ * must agree bit for bit (they did not for Qwen3's per-head norms). */
+PDSERVE_INTERNAL void rms_norm_row(float *x, const float *delta, const float *weight, float *out, int64_t dim,
+                                   float eps);
 
 /* One row: out[i] = silu(gate_up[i]) * gate_up[dim + i]  (gate and up side by side, as the merged
  * projection writes them). */

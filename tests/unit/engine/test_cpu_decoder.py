@@ -8,15 +8,26 @@ from array import array
 import pytest
 import torch
 
+from pdserve.engine.checkpoint import make_checkpoint
 from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
 
+@pytest.fixture(scope="module")
+def models(checkpoints, tmp_path_factory) -> dict[str, str]:
+    """The session's tiny checkpoints and Qwen3's (q/k norms; a head_dim that is not hidden // heads),
+    dense and MoE."""
+    root = tmp_path_factory.mktemp("qwen3")
+    return {**checkpoints, **{p: str(make_checkpoint(p, root / p, seed=0)) for p in ("tiny-qwen3", "tiny-qwen3-moe")}}
+
+
 @pytest.mark.parametrize("preset,kv_cache_dtype,weight_dtype", [
     ("tiny-llama", "auto", "auto"), ("tiny-qwen2", "auto", "auto"),  # qwen2: qkv bias, tied embeddings
-    ("tiny-llama", "bfloat16", "auto"), ("tiny-llama", "auto", "bfloat16"), ("tiny-qwen2", "bfloat16", "bfloat16")])
-def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, preset, kv_cache_dtype, weight_dtype,
+    ("tiny-qwen3", "auto", "auto"),  # qwen3: each q and k head normalised before rotary
+    ("tiny-llama", "bfloat16", "auto"), ("tiny-llama", "auto", "bfloat16"), ("tiny-qwen2", "bfloat16", "bfloat16"),
+    ("tiny-qwen3", "bfloat16", "bfloat16")])
+def test_decode_steps_in_one_call_match_the_layer_by_layer_path(models, preset, kv_cache_dtype, weight_dtype,
                                                                 monkeypatch):
     """A decode-only step runs in one C call from token ids to logits (`DecoderModel`); the same
     requests through the Python layers give the same tokens and logprobs, and leave the same bits
@@ -34,7 +45,7 @@ def test_decode_steps_in_one_call_match_the_layer_by_layer_path(checkpoints, pre
         with monkeypatch.context() as m:
             if not in_c:
                 m.setattr(cpu_decoder, "decoder_for", lambda model, kv: None)
-            llm = LLM(checkpoints[preset], block_size=4, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
+            llm = LLM(models[preset], block_size=4, kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
             outputs = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
         return outputs, llm.engine.kv_cache.kv
 
@@ -95,15 +106,17 @@ def test_greedy_tokens_from_the_decode_step_are_its_logits_argmax(checkpoints, m
         torch.set_num_threads(threads)
 
 
-def test_which_models_run_in_one_call(checkpoints, monkeypatch):
-    """Dense models on the C kernels do; a mixture of experts, or the torch path, does not (the
-    runner then runs the model layer by layer)."""
+def test_which_models_run_in_one_call(models, monkeypatch):
+    """Dense models on the C kernels do (Qwen3 with its q/k norms too); a mixture of experts, or the
+    torch path, does not (the runner then runs the model layer by layer)."""
     def decoder(preset: str):
-        llm = LLM(checkpoints[preset], block_size=4)
+        llm = LLM(models[preset], block_size=4)
         return cpu_decoder.decoder_for(llm.engine.model, llm.engine.kv_cache)
 
     assert isinstance(decoder("tiny-llama"), cpu_decoder.DecoderModel)
+    assert isinstance(decoder("tiny-qwen3"), cpu_decoder.DecoderModel)
     assert decoder("tiny-mixtral") is None
+    assert decoder("tiny-qwen3-moe") is None
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "torch")
     assert decoder("tiny-llama") is None
 
