@@ -1,0 +1,121 @@
+"""Joint prefill:decode sizing against the latency target, within one replica budget. Pure logic.
+
+In, each control tick: what each pool saw over its look-back window (`PrefillSignal`,
+`DecodeSignal`), the target (`Slo`) and the budget (`max_total_replicas`, shared by both pools).
+Out: the replicas each pool should run (`JointScaler.decide`).
+
+What each pool needs (`wanted`):
+- prefill: the prompt tokens arriving per second over what one replica computes per second, at
+  TARGET_UTILIZATION (a queue's wait grows as rho / (1 - rho): at 0.8 it is four services), plus
+  enough to clear the tokens already queued within half the TTFT target;
+- decode: its KV occupancy brought to TARGET_KV_USAGE (the rest is headroom for the prompts the
+  prefill pool is about to hand over);
+- and each pool whose attainment over the window (the share of first tokens within the TTFT
+  target; of inter-token gaps within the ITL target) is below the SLO's percentile grows by
+  STEP_UP of its size (at least one replica): latency measures what the load figures cannot see
+  (long contexts, local prefill stalling decodes).
+When both together exceed the budget, each pool gets its share of the budget in proportion to
+what it wants (at least one replica each).
+
+Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
+has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
+then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A load that swings back and forth between two levels therefore
+holds the pool at the higher one instead of following it (Ray Serve drains the replicas removed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+TARGET_UTILIZATION = 0.8
+TARGET_KV_USAGE = 0.8
+STEP_UP = 0.2
+DEADBAND = 0.1
+MAX_STEP_DOWN = 0.2
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    itl_s: float
+    percentile: float = 99.0  # the share of requests (tokens) that must meet the target, in percent
+
+    @property
+    def attainment(self) -> float:
+        return self.percentile / 100.0
+
+
+@dataclass(frozen=True)
+class PrefillSignal:
+    num_replicas: int
+    queued_tokens: float  # prompt tokens waiting in the pool, all replicas
+    arrival_tokens_per_s: float  # prompt tokens sent to the pool per second over the window
+    tokens_per_s_per_replica: float  # what one busy replica computes per second (measured)
+    ttft_attainment: float | None = None  # share of first tokens within the TTFT target (None: no requests)
+
+
+@dataclass(frozen=True)
+class DecodeSignal:
+    num_replicas: int
+    kv_usage: float  # KV blocks held / KV blocks, over the pool (0..1)
+    itl_attainment: float | None = None  # share of inter-token gaps within the ITL target (None: no tokens)
+
+
+def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo) -> tuple[int, int]:
+    """What each pool needs for this window's load and latency, before the budget and hysteresis."""
+    rate = max(prefill.tokens_per_s_per_replica, 1e-9)
+    p = math.ceil(prefill.arrival_tokens_per_s / rate / TARGET_UTILIZATION
+                  + prefill.queued_tokens / (rate * slo.ttft_s / 2) - 1e-9)
+    if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment:
+        p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
+    d = math.ceil(decode.num_replicas * decode.kv_usage / TARGET_KV_USAGE - 1e-9)
+    if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment:
+        d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
+    return max(1, p), max(1, d)
+
+
+def within_budget(prefill: int, decode: int, max_total_replicas: int) -> tuple[int, int]:
+    """Both pools' wants scaled into the budget in proportion (each keeps at least one)."""
+    if max_total_replicas < 2:
+        raise ValueError("max_total_replicas must leave each pool a replica (at least 2)")
+    if prefill + decode <= max_total_replicas:
+        return prefill, decode
+    p = min(max_total_replicas - 1, max(1, round(max_total_replicas * prefill / (prefill + decode))))
+    return p, max_total_replicas - p
+
+
+class _Damper:
+    """One pool's hysteresis: up at once, down after a sustained low want, by a bounded step."""
+
+    def __init__(self, downscale_delay_s: float):
+        self.downscale_delay_s = downscale_delay_s
+        self.low_since: float | None = None
+
+    def next(self, current: int, want: int, now_s: float) -> int:
+        if want >= current * (1 - DEADBAND):  # more, or inside the dead band: never less
+            self.low_since = None
+            return max(current, want)
+        if self.low_since is None:
+            self.low_since = now_s
+        if now_s - self.low_since < self.downscale_delay_s:
+            return current
+        self.low_since = now_s  # the next step down waits another delay
+        return max(want, current - max(1, math.floor(MAX_STEP_DOWN * current)))
+
+
+class JointScaler:
+    """The joint policy's state across ticks; `decide` once per control tick."""
+
+    def __init__(self, slo: Slo, max_total_replicas: int, downscale_delay_s: float = 30.0):
+        if downscale_delay_s < 0:
+            raise ValueError("downscale_delay_s must not be negative")
+        within_budget(1, 1, max_total_replicas)  # validates the budget
+        self.slo, self.max_total_replicas = slo, max_total_replicas
+        self._prefill, self._decode = _Damper(downscale_delay_s), _Damper(downscale_delay_s)
+
+    def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float) -> tuple[int, int]:
+        p, d = wanted(prefill, decode, self.slo)
+        p = self._prefill.next(prefill.num_replicas, p, now_s)
+        d = self._decode.next(decode.num_replicas, d, now_s)
+        return within_budget(p, d, self.max_total_replicas)

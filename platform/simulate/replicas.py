@@ -1,0 +1,222 @@
+"""The simulated engine replicas: their queues, batches and KV blocks, one event per engine step.
+
+`SimPrefill` runs chunked prefill (first come, first served; each step packs prompt chunks up to
+the step budget). `SimDecode` runs continuous batching: every step decodes each running stream
+once, plus at most one chunk of a locally prefilled prompt; a stream's last step is known when it
+joins (it asks for a fixed number of tokens), so a step costs O(1) bookkeeping plus the streams
+that finish in it, never a walk over the batch. Each step's duration comes from the roofline
+(`StepCost`) and feeds the replica's `CostModel` exactly as a real replica's engine does
+(`on_step(num_decodes, num_prefill_tokens, seconds)`).
+
+KV blocks: a decode replica reserves a request's whole length (prompt + output, as the decode
+router counts it) when it admits it and frees them when the request finishes, so the simulation
+never preempts (the real scheduler admits on the prompt and preempts when short: at high
+occupancy the simulation is the more conservative). Prefill replicas' blocks and leases are not
+modelled. They know nothing of routing or placement: the `Simulation` calls them and they call
+back `sim.at` (schedule), `sim.first_token`, `sim.finished`, `sim.prefill_done` and `sim.changed`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.decode.placement import CostModel
+from pdserve.telemetry.averages import Average
+from pdserve.simulate.roofline import StepCost, prefill_pairs
+
+
+class _CostModel(CostModel):
+    """pdserve's `CostModel`, except that a step whose prompt tokens cost nothing measurable (a
+    small chunk beside the decodes of a memory-bound step: the roofline charges it nothing) leaves
+    the prompt-token rate as it was. The real one takes such a step's first sample at full weight,
+    its rate becomes 0 and `place` then divides by it (reported on issue #46; remove this when
+    `CostModel.step` skips such samples)."""
+
+    def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        before = self.prefill_token.value, self.prefill_token.num_samples
+        super().step(num_decodes, num_prefill_tokens, seconds)
+        if self.prefill_token.value <= 0:
+            self.prefill_token.value, self.prefill_token.num_samples = before
+
+
+class Req:
+    __slots__ = ("id", "arrival", "prompt", "output", "prefix_id", "prefix_tokens", "blocks", "decode",
+                 "uncached", "dispatched", "ahead", "first", "pull_bytes")
+
+    def __init__(self, rid: int, arrival: float, prompt: int, output: int, prefix_id, prefix_tokens: int,
+                 blocks: int):
+        self.id, self.arrival, self.prompt, self.output = rid, arrival, prompt, output
+        self.prefix_id, self.prefix_tokens, self.blocks = prefix_id, prefix_tokens, blocks
+        self.decode = None
+        self.uncached = prompt  # prompt tokens the decode replica's cache lacks
+        self.dispatched = self.ahead = self.first = self.pull_bytes = 0
+
+
+class _Replica:
+    def __init__(self, sim, name: str, cost: StepCost, budget: int):
+        self.sim, self.name, self.cost, self.budget = sim, name, cost, budget
+        self.busy = False
+        self.is_active = True  # routable: started and not draining
+        self.version = 0  # bumped on every change the routers rank by
+        self.started_s = 0.0
+        self.num_steps = 0
+
+
+class SimPrefill(_Replica):
+    def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int):
+        super().__init__(sim, name, cost, budget)
+        self.num_blocks = num_blocks
+        self.queue: deque[list] = deque()  # [req, remaining tokens, tokens done (cached + computed)]
+        self.queued_tokens = 0
+        self.prefill_rate = Average(0.0)  # its prompt tokens a second, told with each result (as the real one)
+        self._plan: list[tuple[list, int]] = []
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.queue and not self.busy
+
+    def enqueue(self, req: Req, num_uncached: int, now: float) -> None:
+        self.queue.append([req, num_uncached, req.prompt - num_uncached])
+        self.queued_tokens += num_uncached
+        self.sim.changed(self)
+        if not self.busy:
+            self._start(now)
+
+    def _start(self, now: float) -> None:
+        left, plan, kv, pairs = self.budget, [], 0, 0.0
+        for entry in self.queue:
+            c = min(entry[1], left)
+            plan.append((entry, c))
+            kv += entry[2] + c
+            pairs += prefill_pairs(entry[2], c)
+            left -= c
+            if not left:
+                break
+        if not plan:
+            self.busy = False
+            return
+        self.busy, self._plan = True, plan
+        tokens = self.budget - left
+        dt = self.cost.seconds(tokens, kv, pairs)
+        self.prefill_rate.add(tokens / dt)
+        self.sim.prefill_step(tokens, dt)
+        self.sim.at(now + dt, self._end, None)
+
+    def _end(self, now: float, _) -> None:
+        self.num_steps += 1
+        for entry, c in self._plan:
+            entry[1] -= c
+            entry[2] += c
+            self.queued_tokens -= c
+            if entry[1] == 0:
+                self.queue.popleft()  # the plan takes the queue's head first: finished ones lead
+                self.sim.prefill_done(entry[0], self, now)
+        self.sim.changed(self)
+        self._start(now)
+
+
+class SimDecode(_Replica):
+    def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int, max_num_seqs: int):
+        super().__init__(sim, name, cost, budget)
+        self.cm = _CostModel()  # the priors a real replica starts from
+        self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
+        self.num_admitted = 0  # requests holding blocks here
+        self.blocked: deque[Req] = deque()  # routed here, waiting for blocks or a sequence slot
+        self.num_running = 0
+        self.context_tokens = 0  # KV tokens of the running streams (what a decode step reads)
+        self.finishing: dict[int, list[Req]] = {}  # step number -> streams whose last token it makes
+        self.joining: list[Req] = []  # KV here, joining the batch at the next step
+        self.local: deque[list] = deque()  # [req, remaining, done, chunk tokens (0: budget), pause until]
+        self.local_queued_tokens = 0
+        self.remote_queued_tokens = 0  # uncached tokens of this replica's prompts with the prefill pool
+        self._decodes = self._chunk = 0
+        self._started = 0.0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self.used_blocks
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.busy or self.num_admitted or self.blocked)
+
+    def route(self, req: Req, now: float) -> None:
+        """A request the decode router chose this replica for."""
+        req.decode = self
+        self.blocked.append(req)
+        self._admit(now)
+
+    def _admit(self, now: float) -> None:
+        while self.blocked and self.blocked[0].blocks <= self.num_blocks - self.used_blocks \
+                and self.num_admitted < self.max_num_seqs:
+            req = self.blocked.popleft()
+            self.used_blocks += req.blocks
+            self.num_admitted += 1
+            self.sim.admitted(req, self, now)
+        self.sim.changed(self)
+
+    def prefill_locally(self, req: Req, chunk_tokens: int, pause_until: float, now: float) -> None:
+        self.local.append([req, req.uncached, req.prompt - req.uncached, chunk_tokens, pause_until])
+        self.local_queued_tokens += req.uncached
+        if not self.busy:
+            self._start(now)
+
+    def join(self, req: Req, now: float) -> None:
+        """The request's KV is here: it joins the batch at the next step."""
+        self.joining.append(req)
+        if not self.busy:
+            self._start(now)
+
+    def _start(self, now: float) -> None:
+        self.busy = True  # what a finish below sets off (admissions, placements) waits for this step
+        while self.joining:
+            joining, self.joining = self.joining, []
+            for req in joining:  # its first token goes out as it joins
+                self.sim.first_token(req, now)
+                if req.output == 1:
+                    self._finish(req, now)
+                    continue
+                self.num_running += 1
+                self.context_tokens += req.prompt
+                self.finishing.setdefault(self.num_steps + req.output - 1, []).append(req)
+        n, chunk, kv, pairs = self.num_running, 0, self.context_tokens, float(self.context_tokens)
+        if self.local:
+            head = self.local[0]
+            if not n or now >= head[4]:  # a pause yields to decodes only while there are any
+                chunk = min(head[1], head[3] if n and head[3] else self.budget)
+                kv += head[2] + chunk
+                pairs += prefill_pairs(head[2], chunk)
+        if not n and not chunk:
+            self.busy = False
+            return
+        self._decodes, self._chunk, self._started = n, chunk, now
+        self.sim.at(now + self.cost.seconds(n + chunk, kv, pairs), self._end, None)
+
+    def _end(self, now: float, _) -> None:
+        dt = now - self._started
+        n, chunk = self._decodes, self._chunk
+        self.cm.step(n, chunk, dt)
+        self.num_steps += 1
+        if n:
+            self.context_tokens += n
+            self.sim.tokens(n, dt)
+        if chunk:
+            head = self.local[0]
+            head[1] -= chunk
+            head[2] += chunk
+            self.local_queued_tokens -= chunk
+            if head[1] == 0:
+                self.local.popleft()
+                self.sim.local_prefill_done(head[0], self, now)
+                self.joining.append(head[0])
+        for req in self.finishing.pop(self.num_steps, ()):
+            self.num_running -= 1
+            self.context_tokens -= req.prompt + req.output - 1
+            self._finish(req, now)
+        self._start(now)
+
+    def _finish(self, req: Req, now: float) -> None:
+        self.used_blocks -= req.blocks
+        self.num_admitted -= 1
+        self.sim.finished(req, now)
+        self._admit(now)

@@ -1,0 +1,373 @@
+"""`Simulation`: a discrete-event run of a pdserve deployment on a simulated clock.
+
+In: a `SimConfig` (model, each pool's accelerator, size and TP degree, the SLO, engine limits,
+optional joint autoscaling) and requests in arrival order (workload.py). Out: a result dict: p50 /
+p99 (and the SLO's percentile) TTFT, ITL and TPOT, SLO attainment, goodput, replica-seconds per
+pool, placement decisions by reason, and the run's own cost (events, wall seconds, the ratio of
+simulated to real time).
+
+A request's way, as in the app (DESIGN.md section 2): the decode router picks a decode replica
+(`DecodeRouter`, `rank_decode`); the replica admits it when its blocks fit, looks up the prefix it
+caches and asks `pdserve.decode.placement.place` with its own `CostModel`'s rates where to
+prefill; a remote prompt goes to the prefill replica `PrefillRouter` picks (`rank_prefill` over
+the `RadixIndex`), then its KV crosses the link (uncached tokens x KV bytes / link bandwidth) and
+it joins the decode batch; a local one is prefilled in the decode replica's own steps, in the
+chunks and after the pause placement chose. The first token goes out as the request joins the
+batch; each decode step adds one. With no prefill pool (colocated) every prompt is prefilled
+locally, in chunks of the step budget.
+
+Autoscaling (`AutoscaleSpec`): every tick the joint policy (`pdserve.autoscale.joint`) sees the
+tick's window and sets each pool's size; new replicas take `replica_start_s` to start, removed
+ones drain (no new requests; they go once idle, checked each tick). Replica-seconds count from a
+replica's request to its removal.
+
+Events: one per engine step per replica, one per request arrival, prefill completion and KV
+pull, one per autoscaling tick; nothing per token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo
+from pdserve.decode.placement import Load, Target, place
+from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT
+from pdserve.router.radix_index import RadixIndex
+from pdserve.simulate.hardware import Accelerator
+from pdserve.simulate.model import ModelSpec
+from pdserve.simulate.replicas import Req, SimDecode, SimPrefill
+from pdserve.simulate.roofline import StepCost
+from pdserve.simulate.routing import DecodeRouter, PrefillRouter
+from pdserve.simulate.stats import LogHistogram, Window
+from pdserve.simulate.workload import SimRequest
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    accelerator: Accelerator
+    num_replicas: int
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class AutoscaleSpec:
+    max_total_replicas: int
+    tick_s: float = 5.0  # the policy's control period and look-back window
+    downscale_delay_s: float = 30.0
+    replica_start_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: ModelSpec
+    decode: PoolSpec
+    prefill: PoolSpec | None  # None: colocated (the decode pool prefills every prompt)
+    slo: Slo
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    queue_weight: float = DEFAULT_QUEUE_WEIGHT
+    seed: int = 0
+    autoscale: AutoscaleSpec | None = None
+
+
+def num_kv_blocks(model: ModelSpec, pool: PoolSpec, block_size: int) -> int:
+    kv_bytes = pool.accelerator.kv_cache_bytes_for(model.weight_bytes, pool.tp)
+    blocks = int(kv_bytes // (model.kv_bytes_per_token * block_size))
+    if blocks < 1:
+        raise ValueError(f"{model.name} does not fit on {pool.accelerator.name} x{pool.tp}: no memory left for KV")
+    return blocks
+
+
+class Simulation:
+    def __init__(self, config: SimConfig):
+        self.config = c = config
+        self.rng = random.Random(c.seed)
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.target = Target(c.slo.ttft_s, c.slo.itl_s)
+        self.kv_bytes = c.model.kv_bytes_per_token
+        links = [c.decode.accelerator.link_bytes_per_s] + ([c.prefill.accelerator.link_bytes_per_s] if c.prefill else [])
+        self.link_bytes_per_s = min(links)
+        self.prefill_router = PrefillRouter(c.block_size, self.rng, c.queue_weight)
+        self.decode_router = DecodeRouter(self.rng)
+        self.decode_index = RadixIndex()  # what each decode replica's prefix cache holds
+        self._costs = {"decode": StepCost(c.model, c.decode.accelerator, c.decode.tp)}
+        self._blocks = {"decode": num_kv_blocks(c.model, c.decode, c.block_size)}
+        if c.prefill:
+            self._costs["prefill"] = StepCost(c.model, c.prefill.accelerator, c.prefill.tp)
+            self._blocks["prefill"] = num_kv_blocks(c.model, c.prefill, c.block_size)
+        self.pools: dict[str, list] = {"prefill": [], "decode": []}  # provisioned, not draining
+        self.draining: list = []
+        self.retired: list = []  # drained and removed
+        self.lifetimes: list[tuple[str, float, float]] = []  # (pool, requested at, removed at)
+        self._counts = {"prefill": 0, "decode": 0}
+        self.replica_seconds = {"prefill": 0.0, "decode": 0.0}
+        self._counted_at = 0.0
+        self._names = itertools.count()
+        self._prefix_hashes: dict = {}
+        self._next_hash = 1
+        # what the run saw
+        self.ttft, self.itl, self.tpot = LogHistogram(), LogHistogram(), LogHistogram()
+        self.window = Window()
+        self.num_arrived = self.num_finished = self.num_good = 0
+        self.finish_counts = bytearray()  # per request id: how many times it finished
+        self.placements: dict[str, int] = {}
+        self.end_s = 0.0
+        self.num_events = 0
+        self._arrivals = None
+        self.scaler = (JointScaler(c.slo, c.autoscale.max_total_replicas, c.autoscale.downscale_delay_s)
+                       if c.autoscale else None)
+        self._prefill_rate = (c.max_num_batched_tokens / self._costs["prefill"].seconds(
+            c.max_num_batched_tokens, c.max_num_batched_tokens, c.max_num_batched_tokens ** 2 / 2)) if c.prefill else 0.0
+        for _ in range(c.prefill.num_replicas if c.prefill else 0):
+            self._add_replica("prefill", 0.0, started=True)
+        for _ in range(c.decode.num_replicas):
+            self._add_replica("decode", 0.0, started=True)
+
+    # ---- the event loop
+
+    def at(self, t: float, fn, arg) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, arg))
+
+    def run(self, requests: Iterable[SimRequest], progress=None) -> dict:
+        """Run to the last request's end; `progress(simulated_s)` is called every few thousand events."""
+        started = time.perf_counter()
+        self._arrivals = iter(requests)
+        self._next_arrival()
+        if self.scaler:
+            self.at(self.config.autoscale.tick_s, self._tick, None)
+        events, pop = self._events, heapq.heappop
+        n = 0
+        while events:
+            t, _, fn, arg = pop(events)
+            self.now = t
+            fn(t, arg)
+            n += 1
+            if self._arrivals is None and self.num_finished == self.num_arrived:
+                break
+            if progress is not None and not n & 4095:
+                progress(t)
+        self.num_events = n
+        self._count(self.end_s)
+        for pool in ("prefill", "decode"):
+            for r in self.pools[pool]:
+                self.lifetimes.append((pool, r.started_s, self.end_s))
+        for r in self.draining:
+            self.lifetimes.append((r.pool, r.started_s, self.end_s))
+        return self.result(time.perf_counter() - started)
+
+    def _next_arrival(self) -> None:
+        nxt = next(self._arrivals, None)
+        if nxt is None:
+            self._arrivals = None
+        else:
+            self.at(nxt.arrival_s, self._arrive, nxt)
+
+    # ---- a request's way
+
+    def _arrive(self, now: float, s: SimRequest) -> None:
+        req = Req(self.num_arrived, now, s.prompt_tokens, s.output_tokens, s.prefix_id, s.prefix_tokens,
+                  -(-(s.prompt_tokens + s.output_tokens) // self.config.block_size))
+        self.num_arrived += 1
+        self.finish_counts.append(0)
+        self._next_arrival()
+        self.decode_router.choose(req.blocks).route(req, now)
+
+    def _hashes(self, req: Req) -> tuple:
+        if req.prefix_id is None:
+            return ()
+        hashes = self._prefix_hashes.get(req.prefix_id)
+        if hashes is None:
+            n = req.prefix_tokens // self.config.block_size
+            hashes = self._prefix_hashes[req.prefix_id] = tuple(range(self._next_hash, self._next_hash + n))
+            self._next_hash += n
+        return hashes
+
+    def admitted(self, req: Req, d: SimDecode, now: float) -> None:
+        """`d` holds the request's blocks: place its prefill."""
+        hashes = self._hashes(req)
+        if hashes:
+            matched = self.decode_index.match(hashes, (d.name,))[d.name]
+            req.uncached = req.prompt - min(matched * self.config.block_size, req.prompt - 1)
+        if not self.prefill_router.num_replicas:  # colocated, or no prefill replica started: plain chunked prefill here
+            self._placed("local", "no prefill pool")
+            d.prefill_locally(req, 0, now, now)
+            return
+        p = place(Load(req.uncached, d.remote_queued_tokens, d.local_queued_tokens, d.num_running, self.kv_bytes,
+                       self.config.max_num_batched_tokens), d.cm.rates(), self.target)
+        self._placed(p.where, p.reason)
+        if p.where == "local":
+            d.prefill_locally(req, p.chunk_tokens, now + p.pause_s, now)
+            return
+        d.remote_queued_tokens += req.uncached
+        req.ahead, req.dispatched = d.remote_queued_tokens, now
+        prefill, num_tokens = self.prefill_router.choose(req.prompt, req.prefix_id, hashes)
+        self.window.prompt_tokens += num_tokens
+        prefill.enqueue(req, num_tokens, now)
+
+    def _placed(self, where: str, reason: str) -> None:
+        key = f"{where}: {reason}"
+        self.placements[key] = self.placements.get(key, 0) + 1
+
+    def prefill_done(self, req: Req, prefill: SimPrefill, now: float) -> None:
+        d = req.decode
+        d.remote_queued_tokens -= req.uncached
+        d.cm.remote_prefill(req.ahead, now - req.dispatched, prefill.prefill_rate.value)
+        req.pull_bytes = req.uncached * self.kv_bytes
+        self.at(now + req.pull_bytes / self.link_bytes_per_s, self._pulled, req)
+
+    def _pulled(self, now: float, req: Req) -> None:
+        d = req.decode
+        d.cm.pull(req.pull_bytes, req.pull_bytes / self.link_bytes_per_s)
+        self._cache_prefix(req, d)
+        d.join(req, now)
+
+    def local_prefill_done(self, req: Req, d: SimDecode, now: float) -> None:
+        self._cache_prefix(req, d)
+
+    def _cache_prefix(self, req: Req, d: SimDecode) -> None:
+        hashes = self._hashes(req)
+        if hashes:
+            self.decode_index.insert(d.name, hashes)
+
+    def first_token(self, req: Req, now: float) -> None:
+        req.first = now
+        ttft = now - req.arrival
+        self.ttft.add(ttft)
+        self.window.num_first += 1
+        self.window.num_first_within += ttft <= self.config.slo.ttft_s
+
+    def tokens(self, num_streams: int, gap_s: float) -> None:
+        """A decode step gave `num_streams` streams a token, `gap_s` after their last one."""
+        self.itl.add(gap_s, num_streams)
+        self.window.gap_weight += num_streams
+        if gap_s <= self.config.slo.itl_s:
+            self.window.gap_weight_within += num_streams
+
+    def prefill_step(self, num_tokens: int, seconds: float) -> None:
+        self.window.prefill_tokens += num_tokens
+        self.window.prefill_busy_s += seconds
+
+    def finished(self, req: Req, now: float) -> None:
+        self.finish_counts[req.id] += 1
+        self.num_finished += 1
+        self.end_s = now
+        ttft_ok = req.first - req.arrival <= self.config.slo.ttft_s
+        if req.output > 1:
+            tpot = (now - req.first) / (req.output - 1)
+            self.tpot.add(tpot)
+            self.num_good += ttft_ok and tpot <= self.config.slo.itl_s
+        else:
+            self.num_good += ttft_ok
+
+    def changed(self, replica) -> None:
+        (self.prefill_router if replica.pool == "prefill" else self.decode_router).changed(replica)
+
+    # ---- replicas and autoscaling
+
+    def _count(self, now: float) -> None:
+        for pool, n in self._counts.items():
+            self.replica_seconds[pool] += n * (now - self._counted_at)
+        self._counted_at = now
+
+    def _add_replica(self, pool: str, now: float, started: bool) -> None:
+        c = self.config
+        name = f"{pool}-{next(self._names)}"
+        if pool == "prefill":
+            r = SimPrefill(self, name, self._costs[pool], c.max_num_batched_tokens, self._blocks[pool])
+        else:
+            r = SimDecode(self, name, self._costs[pool], c.max_num_batched_tokens, self._blocks[pool], c.max_num_seqs)
+        r.pool, r.started_s = pool, now
+        self._count(now)
+        self._counts[pool] += 1
+        self.pools[pool].append(r)
+        r.is_active = False
+        if started:
+            self._activate(now, r)
+        else:
+            self.at(now + c.autoscale.replica_start_s, self._activate, r)
+
+    def _activate(self, now: float, r) -> None:
+        if r not in self.pools[r.pool]:  # removed while starting
+            return
+        r.is_active = True
+        if r.pool == "prefill":
+            self.prefill_router.add(r)
+        else:
+            self.decode_index.set_limit(r.name, r.num_blocks)
+            self.decode_router.add(r)
+
+    def _drain(self, r, now: float) -> None:
+        self.pools[r.pool].remove(r)
+        if r.is_active:
+            (self.prefill_router if r.pool == "prefill" else self.decode_router).remove(r)
+        r.is_active = False
+        self.draining.append(r)
+
+    def _retire_idle(self, now: float) -> None:
+        for r in [r for r in self.draining if r.is_idle]:
+            self.draining.remove(r)
+            self.retired.append(r)
+            self._count(now)
+            self._counts[r.pool] -= 1
+            self.lifetimes.append((r.pool, r.started_s, now))
+            if r.pool == "decode":
+                self.decode_index.remove_replica(r.name)
+
+    def _tick(self, now: float, _) -> None:
+        spec, w = self.config.autoscale, self.window
+        self.window = Window()
+        self._retire_idle(now)
+        prefill, decode = self.pools["prefill"], self.pools["decode"]
+        if w.prefill_busy_s > 0:
+            self._prefill_rate = w.prefill_tokens / w.prefill_busy_s
+        p_signal = PrefillSignal(len(prefill), sum(r.queued_tokens for r in prefill), w.prompt_tokens / spec.tick_s,
+                                 self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None)
+        capacity = sum(r.num_blocks for r in decode)
+        d_signal = DecodeSignal(len(decode), sum(r.used_blocks for r in decode) / capacity if capacity else 0.0,
+                                w.gap_weight_within / w.gap_weight if w.gap_weight else None)
+        want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
+        for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):
+            live = self.pools[pool]
+            for _ in range(want - len(live)):
+                self._add_replica(pool, now, started=False)
+            if want < len(live):  # drain the least loaded
+                key = (lambda r: r.queued_tokens) if pool == "prefill" else (lambda r: r.num_admitted)
+                for r in sorted(live, key=lambda r: (r.is_active, key(r)))[:len(live) - want]:
+                    self._drain(r, now)
+        self._retire_idle(now)
+        if self._arrivals is not None or self.num_finished < self.num_arrived:
+            self.at(now + spec.tick_s, self._tick, None)
+
+    # ---- the result
+
+    def result(self, wall_s: float) -> dict:
+        slo = self.config.slo
+
+        def ms(h: LogHistogram) -> dict:
+            out = {f"p{p:g}": h.percentile(p) for p in sorted({50.0, 99.0, slo.percentile})}
+            out["mean"] = h.mean
+            return {k: None if v is None else v * 1000 for k, v in out.items()}
+
+        total = sum(self.replica_seconds.values())
+        return {
+            "num_requests": self.num_arrived, "completed": self.num_finished, "simulated_s": self.end_s,
+            "slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000, "percentile": slo.percentile},
+            "ttft_ms": ms(self.ttft), "itl_ms": ms(self.itl), "tpot_ms": ms(self.tpot),
+            "slo_attainment": self.num_good / self.num_arrived if self.num_arrived else None,
+            "goodput_rps": self.num_good / self.end_s if self.end_s > 0 else None,
+            "replica_seconds": {**self.replica_seconds, "total": total},
+            "goodput_per_replica": self.num_good / total if total > 0 else None,
+            "placements": dict(sorted(self.placements.items())),
+            "final_replicas": {pool: len(rs) for pool, rs in self.pools.items()},
+            "num_events": self.num_events, "wall_s": wall_s,
+            "real_time_ratio": self.end_s / wall_s if wall_s > 0 else None,
+        }

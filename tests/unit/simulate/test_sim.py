@@ -1,0 +1,86 @@
+"""The simulator's invariants: every request finishes exactly once, every replica ends with
+nothing held (blocks, streams, queues, context), replica-seconds are the integral of the replica
+count, and a seed gives one result."""
+
+import pytest
+
+from pdserve.simulate.sim import AutoscaleSpec, Simulation
+from pdserve.simulate.workload import SimRequest, WorkloadSpec, bench_requests
+from tests.unit.simulate.fixtures import config
+
+SHARED = WorkloadSpec("shared-prefix", output_len="1:64", num_tenants=4, system_prompt_len=600, question_len="8:64")
+MIX = WorkloadSpec("long-prompt-mix", input_len="32:256", output_len="1:96", long_len="2048:6000", long_fraction=0.2)
+
+
+def replicas(sim):
+    return [*sim.pools["prefill"], *sim.pools["decode"], *sim.draining, *sim.retired]
+
+
+def assert_balanced(sim, result):
+    assert result["completed"] == result["num_requests"] == len(sim.finish_counts) > 0
+    assert set(sim.finish_counts) == {1}  # each request finished once
+    for r in replicas(sim):
+        if r.pool == "decode":
+            assert (r.used_blocks, r.num_admitted, r.num_running, r.context_tokens) == (0, 0, 0, 0), r.name
+            assert not (r.blocked or r.joining or r.local or r.finishing), r.name
+            assert (r.local_queued_tokens, r.remote_queued_tokens) == (0, 0), r.name
+        else:
+            assert not r.queue and r.queued_tokens == 0, r.name
+    lifetimes = sum(end - start for _, start, end in sim.lifetimes)
+    assert len(sim.lifetimes) == len(replicas(sim))
+    assert result["replica_seconds"]["total"] == pytest.approx(lifetimes, rel=1e-9)
+
+
+@pytest.mark.parametrize("spec", [SHARED, MIX], ids=["shared-prefix", "long-prompt-mix"])
+def test_every_request_finishes_once_and_replicas_end_empty(spec):
+    sim = Simulation(config(prefill=2, decode=3, ttft_s=0.3))
+    result = sim.run(bench_requests(spec, seed=1, rate=60, duration_s=10))
+    assert_balanced(sim, result)
+    assert result["replica_seconds"]["total"] == pytest.approx(5 * sim.end_s)
+    wheres = {key.split(":")[0] for key in result["placements"]}
+    assert wheres == {"remote", "local"}  # both ways of prefilling ran
+
+
+def test_prefix_hits_cut_the_prefill_work():
+    sim = Simulation(config(prefill=2, decode=3))
+    sim.run(bench_requests(SHARED, seed=2, num_requests=200, rate=20))
+    computed = sum(r.prefill_rate.num_samples for r in sim.pools["prefill"])
+    assert computed
+    assert sim.prefill_router.index.num_blocks("prefill-0") + sim.prefill_router.index.num_blocks("prefill-1") > 0
+    # Requests carrying a tenant's prompt mostly found it cached on their decode replica or a prefill one.
+    assert sim.window.prompt_tokens < 200 * 600 / 2 or sim.ttft.total == 200
+
+
+def test_colocated_prefills_everything_locally():
+    sim = Simulation(config(prefill=0, decode=2))
+    result = sim.run(bench_requests(MIX, seed=3, rate=20, duration_s=5))
+    assert_balanced(sim, result)
+    assert list(result["placements"]) == ["local: no prefill pool"]
+
+
+def test_autoscaling_follows_a_burst_and_drains_what_it_removes():
+    spec = AutoscaleSpec(max_total_replicas=12, tick_s=1.0, downscale_delay_s=2.0, replica_start_s=2.0)
+    sim = Simulation(config(prefill=1, decode=1, autoscale=spec, ttft_s=0.5))
+    steps = [(0.0, 5.0), (10.0, 120.0), (25.0, 5.0)]
+    result = sim.run(bench_requests(MIX, seed=4, rate_steps=steps, duration_s=60))
+    assert_balanced(sim, result)
+    peak = max(sum(1 for pool, start, end in sim.lifetimes if start <= t < end) for t in range(0, 60))
+    assert 2 < peak <= 12  # it grew, within the budget
+    assert sim.retired  # and shrank again, draining
+    assert result["replica_seconds"]["total"] < 12 * sim.end_s
+
+
+def test_a_seed_gives_one_result():
+    def run(seed):
+        result = Simulation(config(seed=seed)).run(bench_requests(MIX, seed=seed, rate=40, duration_s=5))
+        return {k: v for k, v in result.items() if k not in ("wall_s", "real_time_ratio")}
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_a_request_asking_for_one_token_finishes_as_it_joins():
+    sim = Simulation(config(prefill=1, decode=1))
+    result = sim.run(iter([SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 2)]))
+    assert_balanced(sim, result)
+    assert sim.itl.total == 1  # one gap: the second request's second token
