@@ -19,6 +19,12 @@ markdown table and one JSON line.
 --netns (root): the two processes on two nodes of a network-namespace lab (tests/harness/netns.py),
 so every byte crosses two veths and a bridge, as between pods on different hosts; the local
 pull and the memcpy then have no link to cross and are left out.
+
+--layouts: instead, bytes per token by cache layout (#44): a 2,048-token prompt's KV, 8 layers,
+bf16, block size 16, in DeepSeek-V3's latent layout (576 values a token a layer: kv_lora_rank 512
++ qk_rope_head_dim 64, one plane, no heads) against GQA with 8 KV heads of 128 (K and V: 2,048
+values), each pulled over UCX by a decode rank of TP 1 and of TP 2 (a GQA rank pulls its 4 heads,
+a latent rank the whole latent), against raw ucxx moving the same bytes, timed in turns.
 """
 
 from __future__ import annotations
@@ -133,6 +139,120 @@ def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.
         time.sleep(3600)
 
 
+# --layouts: name -> (layout's model id, cache shape per block for `layout_of`: planes, heads, head dim)
+LAYOUTS = {"DeepSeek-V3 latent (512 + 64)": ("deepseek-v3-latent", 1, 1, 576),
+           "GQA, 8 KV heads x 128": ("gqa-8x128", 2, 8, 128)}
+LAYOUT_LAYERS, LAYOUT_TOKENS = 8, 2048
+
+
+def _layout_cache(planes: int, heads: int, head_dim: int, zeros: bool = False):
+    import torch
+
+    shape = (LAYOUT_LAYERS, planes, NUM_BLOCKS, 16, heads, head_dim)
+    return torch.zeros(shape, dtype=torch.bfloat16) if zeros else torch.randn(shape).to(torch.bfloat16)
+
+
+def _layout_server(replies, repeats: int) -> None:
+    """The sending process for --layouts: one UCX exporter per layout (private caches: every byte
+    goes over UCX) and a raw ucxx listener."""
+    import numpy as np
+    import ucxx
+
+    from pdserve.engine.kv_cache import BlockPool
+    from pdserve.kvtransfer.backends import layout_of
+    from pdserve.kvtransfer.ucx_backend import UCXExporter, ucx_loop
+
+    pool = BlockPool(NUM_BLOCKS, 16)
+    blocks = _block_ids(LAYOUT_TOKENS, 1)
+    handles = {}
+    for name, (model_id, planes, heads, head_dim) in LAYOUTS.items():
+        kv = _layout_cache(planes, heads, head_dim)
+        e = UCXExporter(model_id, kv, layout_of(kv, model_id), pool.incref, pool.free, lease_s=600,
+                        shared_memory=False)
+        handles[name] = [e.export(f"{name}-{i}", blocks, LAYOUT_TOKENS).to_dict() for i in range(2 * (repeats + 2))]
+    buf = np.frombuffer(np.random.bytes(64 << 20), dtype=np.uint8)
+
+    async def handler(ep):
+        size = np.empty(1, dtype=np.uint64)
+        await ep.recv(size)
+        await ep.send(buf[: int(size[0])])
+        await ep.recv(np.empty(1, dtype=np.uint8))
+        await ep.close()
+
+    async def listen():
+        return ucxx.create_listener(handler, port=0)
+
+    listener = ucx_loop().run(listen(), 30)
+    replies.put((handles, listener.port))
+    while True:
+        time.sleep(3600)
+
+
+def _layouts(repeats: int) -> None:
+    """--layouts: see the module docstring."""
+    import numpy as np
+    import ucxx
+
+    from machine import machine_line  # this folder's scripts run with it on sys.path
+    from pdserve.kvtransfer.backends import layout_of
+    from pdserve.kvtransfer.protocol import KVHandle
+    from pdserve.kvtransfer.ucx_backend import UCXImporter, ucx_loop
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    server = ctx.Process(target=_layout_server, args=(replies, repeats), daemon=True)
+    server.start()
+    handles, port = replies.get(timeout=300)
+    raw_out = np.ones(64 << 20, dtype=np.uint8)
+
+    def raw_ucxx(nbytes: int):
+        async def go():
+            ep = await ucxx.create_endpoint("127.0.0.1", port)
+            await ep.send(np.array([nbytes], dtype=np.uint64))
+            await ep.recv(raw_out[:nbytes])
+            await ep.send(np.ones(1, dtype=np.uint8))
+            await ep.close()
+        ucx_loop().run(go())
+
+    dst, paths, sizes, importers = _block_ids(LAYOUT_TOKENS, 1), {}, {}, []
+    for name, (model_id, planes, heads, head_dim) in LAYOUTS.items():
+        queue = [KVHandle.from_dict(h) for h in handles[name]]
+        for tp in (1, 2):
+            local_heads = heads if planes == 1 else heads // tp  # the latent is not split
+            kv = _layout_cache(planes, local_heads, head_dim, zeros=True)
+            importer = UCXImporter(kv, layout_of(kv, model_id, tp, 0))
+            importers.append(importer)
+            key = f"{name}, decode TP {tp} (per rank)"
+            paths[key] = (lambda imp, q: lambda: imp.pull(q.pop(), dst))(importer, queue)
+            sizes[key] = nbytes = LAYOUT_LAYERS * planes * local_heads * head_dim * 2 * LAYOUT_TOKENS
+            paths[f"raw ucxx, {nbytes >> 20} MiB"] = (lambda n: lambda: raw_ucxx(n))(nbytes)
+            sizes[f"raw ucxx, {nbytes >> 20} MiB"] = nbytes
+    timed = _measure(paths, 0, repeats)  # (GB/s filled in below: the sizes differ by path)
+    for key, nbytes in sizes.items():
+        timed[key].update(bytes=nbytes, gb_s=nbytes / timed[key]["p50_ms"] / 1e6)
+    rows = []
+    for key, nbytes in sizes.items():
+        if key.startswith("raw ucxx"):
+            continue
+        r, raw = timed[key], timed[f"raw ucxx, {nbytes >> 20} MiB"]
+        per_token = nbytes // LAYOUT_TOKENS
+        rows.append(f"| {key} | {per_token // (2 * LAYOUT_LAYERS)} | {per_token} | {nbytes / 2**20:.1f} "
+                    f"| {nbytes / r['p50_ms'] / 1e6:.2f} | {r['p50_ms']:.1f} | {r['p50_ms'] * 1e3 / LAYOUT_TOKENS:.2f} "
+                    f"| {raw['p50_ms']:.1f} ({raw['p50_ms'] / r['p50_ms']:.0%}) |")
+        timed[key]["bytes_per_token"] = per_token
+    for importer in importers:
+        importer.close()
+    server.kill()
+    print(f"command: python benchmarks/kvtransfer.py --layouts --repeats {repeats}; UCX_TLS={os.environ['UCX_TLS']}")
+    print(f"machine: {machine_line()}\n")
+    print(f"{LAYOUT_TOKENS}-token prompt, {LAYOUT_LAYERS} layers, bf16, UCX pull on loopback\n")
+    print("| layout, decode rank | values per token per layer | bytes per token (all layers) | MiB per prompt "
+          "| GB/s (p50) | p50 ms | us per token | raw ucxx p50 ms, same bytes (pull at % of it) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(json.dumps({"bench": "kvtransfer_layouts", "results": timed}))
+
+
 def _measure(fns: dict, nbytes: int, repeats: int) -> dict:
     """Each path warmed up, then timed in turns (path A, B, C, A, B, C, ...), so a change in the
     machine's load during the run falls on all of them alike."""
@@ -158,7 +278,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--netns", action="store_true", help="run the two processes on two nodes of a namespace lab (root)")
+    ap.add_argument("--layouts", action="store_true", help="bytes per token: DeepSeek-V3's latent against GQA 8x128")
     args = ap.parse_args()
+    if args.layouts:
+        return _layouts(args.repeats)
     lab = host = None
     if args.netns:
         netns = _netns_lab()
