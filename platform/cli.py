@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub)
     from pdserve.telemetry import cli as status_cli
     status_cli.register(sub)
+    from pdserve.simulate import cli as simulate_cli
+    simulate_cli.register(sub)
     _register_serve(sub)
     _register_config(sub)
     return parser

@@ -1,8 +1,13 @@
-"""Queue-depth autoscaling for Ray Serve (DESIGN.md section 3): one policy per pool
-(`pdserve.autoscale.policies`), fed by what each replica reports."""
+"""Autoscaling for Ray Serve (DESIGN.md section 3): one queue-depth policy per pool, or the joint
+P:D policy against the latency target (`pdserve.autoscale.policies`, its core in
+`pdserve.autoscale.joint`), fed by what each replica reports."""
+
+# Figures a replica reports when its engine measures them (the joint policy reads them).
+OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "ttft_attainment", "itl_attainment")
 
 
 def autoscaling_stats(stats: dict) -> dict[str, float]:
     """The figures a replica reports for its pool's policy (Ray Serve's `record_autoscaling_stats`)."""
     return {"queued_prefill_tokens": float(stats["queued_prefill_tokens"]), "num_running": float(stats["num_running"]),
-            "kv_usage": stats["kv_usage"]}
+            "kv_usage": stats["kv_usage"],
+            **{k: float(stats[k]) for k in OPTIONAL_STATS if stats.get(k) is not None}}

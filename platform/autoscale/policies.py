@@ -115,3 +115,49 @@ class PoolRatioPolicy:
         prefill, decode = ratio_band(_bounded(p_ctx, self.prefill.wanted(p_ctx)),
                                      _bounded(d_ctx, self.decode.wanted(d_ctx)), self.min_ratio, self.max_ratio)
         return {p_id: _decided(p_ctx, prefill)[0], d_id: _decided(d_ctx, decode)[0]}, {}
+
+
+def _mean(ctx, name: str) -> float | None:
+    per_replica = (ctx.aggregated_metrics or {}).get(name)
+    return None if not per_replica else float(sum(per_replica.values()) / len(per_replica))
+
+
+class JointSloPolicy:
+    """Application-level policy for a disaggregated app with a latency target (`slo`): sizes the
+    Prefill and Decode pools together within `max_total_replicas` (`pdserve.autoscale.joint`:
+    prefill on its prompt-token load and TTFT attainment, decode on KV occupancy and ITL
+    attainment, with hysteresis). Replaces the per-pool policies and `PoolRatioPolicy`.
+
+    The figures come from the replicas' autoscaling stats (`autoscaling_stats`): prefill replicas'
+    `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
+    `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
+    replicas' `kv_usage`; either pool's `ttft_attainment` / `itl_attainment` (the share within
+    target over the window). A figure no replica reports counts as no signal: no load, or no
+    attainment to react to. Before the prefill pool has measured its rate, `prefill_tokens_per_s`
+    stands in. Ray Serve applies each pool's min/max and delays to the result."""
+
+    def __init__(self, ttft_ms: float, itl_ms: float, percentile: float, max_total_replicas: int,
+                 downscale_delay_s: float = 30.0, prefill_tokens_per_s: float = 1000.0):
+        from pdserve.autoscale.joint import JointScaler, Slo
+
+        self.scaler = JointScaler(Slo(ttft_ms / 1000, itl_ms / 1000, percentile), max_total_replicas,
+                                  downscale_delay_s)
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+
+    def __call__(self, contexts: dict) -> tuple[dict, dict]:
+        import time
+
+        from pdserve.autoscale.joint import DecodeSignal, PrefillSignal
+
+        by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        if "Prefill" not in by_name or "Decode" not in by_name:  # a pool not registered yet: hold
+            return {dep_id: ctx.current_num_replicas for dep_id, ctx in contexts.items()}, {}
+        (p_id, p_ctx), (d_id, d_ctx) = by_name["Prefill"], by_name["Decode"]
+        rate = _mean(p_ctx, "prefill_tokens_per_s") or self.prefill_tokens_per_s
+        prefill = PrefillSignal(p_ctx.current_num_replicas, _total(p_ctx, "queued_prefill_tokens") or 0.0,
+                                _total(p_ctx, "prompt_tokens_per_s") or 0.0, rate,
+                                _mean(d_ctx, "ttft_attainment"))
+        decode = DecodeSignal(d_ctx.current_num_replicas, _mean(d_ctx, "kv_usage") or 0.0,
+                              _mean(d_ctx, "itl_attainment"))
+        p, d = self.scaler.decide(prefill, decode, time.monotonic())
+        return {p_id: _decided(p_ctx, _bounded(p_ctx, p))[0], d_id: _decided(d_ctx, _bounded(d_ctx, d))[0]}, {}

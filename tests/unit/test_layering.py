@@ -33,7 +33,9 @@ ALLOWED = {
     "gateway": {"config", "engine", "errors", "output", "protocol", "telemetry"},
     "app": {"config", "config_check", "decode", "engine", "errors", "gateway", "prefill", "replica", "router"},
     "launch": {"app", "config", "errors", "router", "telemetry"},
-    "cli": {"app", "bench", "config", "config_check", "engine", "errors", "launch", "telemetry"},
+    # the simulator drives the router's index and ranking, placement and the autoscaling policy
+    "simulate": {"autoscale", "bench", "decode", "engine", "errors", "router", "telemetry"},
+    "cli": {"app", "bench", "config", "config_check", "engine", "errors", "launch", "simulate", "telemetry"},
 }
 
 # The Ray Serve glue: deployments, the replica shell, the Serve request router, Ray's metrics.
