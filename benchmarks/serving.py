@@ -343,6 +343,7 @@ def _start_ray(model: str, ingress: str) -> None:
         # An ingress replica otherwise drains for 30 s (for outside load balancers) when Serve shuts
         # down, past serve.shutdown's own wait: the next setup's serve.run then finds a dying controller.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+    os.environ.pop("RAY_ADDRESS", None)  # left by an earlier session's ray.init: start a new one
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}})
 
