@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import asdict, replace
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
@@ -44,12 +45,14 @@ from pdserve.kvtransfer.base import KVImporter
 from pdserve.kvtransfer.protocol import KVHandle, KVTransferError
 from pdserve.kvtransfer.protocol import source_rank
 from pdserve.protocol import GenerateRequest, PrefillResult
+from pdserve.telemetry.averages import Window
 from pdserve.telemetry.tracing import end_span, span, start_span
 
 log = logging.getLogger(__name__)
 
 RemotePrefill = Callable[[GenerateRequest], Awaitable[PrefillResult]]
 PullRank = Callable[[int, KVHandle, list[int], int, float], Awaitable[None]]
+ATTAINMENT_WINDOW_S = 30.0  # Ray Serve's default autoscaling look-back
 
 
 class DecodeServer:
@@ -72,7 +75,10 @@ class DecodeServer:
         slo = slo or SLOConfig()
         self.target = Target(slo.ttft_ms / 1000, slo.itl_ms / 1000)
         self.costs = CostModel()
-        self.engine.engine.on_step = self.costs.step  # (on the engine's thread, after each step)
+        # Attainment over the last ATTAINMENT_WINDOW_S (the joint autoscaling policy reads it):
+        # first tokens within the TTFT target, and token gaps (steps, one per stream) within the ITL's.
+        self.ttft, self.itl = Window(ATTAINMENT_WINDOW_S), Window(ATTAINMENT_WINDOW_S)
+        self.engine.engine.on_step = self._on_step  # (on the engine's thread, after each step)
         self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
         self.num_local_prefills_for_target = 0  # prefilled here because the prefill pool would miss the TTFT target
@@ -83,10 +89,20 @@ class DecodeServer:
         self.num_in_flight_requests = self.num_open_kv_pulls = 0
 
     async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
-        """`forward`: see AsyncLLMEngine (outputs it takes are not yielded)."""
+        """`forward`: see AsyncLLMEngine (outputs it takes are not yielded; the first never is)."""
+        arrived = time.monotonic()
+        async with aclosing(self._generate(req, forward, arrived)) as outs:
+            async for out in outs:
+                if arrived and not req.output_token_ids:  # a resumed stream's first token came long ago
+                    now = time.monotonic()
+                    self.ttft.add(now, now - arrived <= self.target.ttft_s)
+                arrived = 0.0
+                yield out
+
+    async def _generate(self, req: GenerateRequest, forward: Forward | None,
+                        arrived: float) -> AsyncIterator[RequestOutput]:
         self.num_in_flight_requests += 1
         self.num_resumed_requests += bool(req.output_token_ids)
-        arrived = time.monotonic()
         try:
             await self.engine.prepare(req.params)  # its grammar compiled off the step loop, before any work
             placement, num_uncached = await self._where_to_prefill(req)
@@ -162,6 +178,11 @@ class DecodeServer:
                                                            deadline_s=req.deadline_s,
                                                            output_token_ids=req.output_token_ids,
                                                            max_chunk_tokens=chunk))
+
+    def _on_step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        self.costs.step(num_decodes, num_prefill_tokens, seconds)
+        if num_decodes:
+            self.itl.add(time.monotonic(), seconds <= self.target.itl_s, num_decodes)
 
     def _first_token_early(self, arrived: float, num_uncached: int) -> bool:
         """Whether a remotely prefilled request's first token must go out before its KV is pulled:
@@ -279,6 +300,7 @@ class DecodeServer:
                 "num_local_prefills_for_target": self.num_local_prefills_for_target,
                 "num_early_first_tokens": self.num_early_first_tokens,
                 **{f"placement_{name}": value for name, value in asdict(self.costs.rates()).items()},
+                "ttft_attainment": self.ttft.share(time.monotonic()), "itl_attainment": self.itl.share(time.monotonic()),
                 "num_resumed_requests": self.num_resumed_requests,
                 "num_pulled_blocks": self.num_pulled_blocks,
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,

@@ -22,10 +22,11 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.backends import BACKENDS, exporter_options, layout_of
 from pdserve.kvtransfer.protocol import KVHandle
 from pdserve.protocol import GenerateRequest, PrefillResult
-from pdserve.telemetry.averages import Average
+from pdserve.telemetry.averages import Average, Window
 from pdserve.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
+RATE_WINDOW_S = 10.0
 
 ExportRanks = Callable[[str, list[int], int], Awaitable[tuple[KVHandle, ...]]]
 
@@ -42,6 +43,9 @@ class PrefillServer:
         # Its prompt tokens a second, told to decode replicas with each result (their placement).
         self.prefill_rate = Average(0.0)
         self.engine.engine.on_step = self._measure_step
+        # Prompt tokens computed, read at each stats(): their rate is the pool's load (the joint
+        # autoscaling policy's), the rate above what one replica can take.
+        self.computed = Window(RATE_WINDOW_S)
         kv = self.engine.engine.kv_cache.kv
         self.layout = layout_of(kv, Path(engine_config.model).name, engine_config.tensor_parallel_size)
         pool = self.engine.engine.block_pool
@@ -74,7 +78,7 @@ class PrefillServer:
                                             deadline_s=req.deadline_s, output_token_ids=req.output_token_ids)
         async for out in stream:
             first = out
-        rate = self.prefill_rate.value if self.prefill_rate.num_samples else None
+        rate = self._prefill_tokens_per_s()
         if not first.needs_decode:
             return PrefillResult(first, prefill_tokens_per_s=rate)
         try:
@@ -99,7 +103,16 @@ class PrefillServer:
     def stats(self) -> dict:
         leases = self.exporter.leases
         return {**self.engine.stats(), "num_kv_leases": len(leases), "num_open_kv_reads": leases.num_open_reads,
-                "num_expired_kv_leases": leases.num_expired, "prefill_tokens_per_s": self.prefill_rate.value}
+                "num_expired_kv_leases": leases.num_expired, "prefill_tokens_per_s": self._prefill_tokens_per_s(),
+                "prompt_tokens_per_s": self._prompt_tokens_per_s()}
+
+    def _prefill_tokens_per_s(self) -> float | None:
+        return self.prefill_rate.value if self.prefill_rate.num_samples else None  # None: not measured yet
+
+    def _prompt_tokens_per_s(self) -> float | None:
+        now = time.monotonic()
+        self.computed.add(now, self.engine.engine.scheduler.num_computed_prompt_tokens)
+        return self.computed.rate(now)
 
     def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop; with `drain_s`, first give decode replicas that long to pull what is leased (a

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+
 # Weight of a new sample: the last ~10 samples dominate, so a rate follows a change of load within
 # seconds of steps but one odd step moves it by a tenth.
 EMA_WEIGHT = 0.1
@@ -18,3 +21,41 @@ class Average:
         self.num_samples += 1
         weight = max(EMA_WEIGHT, 1.0 / self.num_samples)
         self.value += weight * (sample - self.value)
+
+
+class Window:
+    """What happened over the last `window_s` seconds: samples (time, value, weight), oldest dropped
+    as new ones come. Its figures: the share of weight whose value held (`share`), and the rate a
+    cumulative counter grew at (`rate`, its samples being the counter's readings). Thread-safe: an
+    engine's thread adds while its replica's event loop reads."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, now: float, value: float, weight: float = 1.0) -> None:
+        with self._lock:
+            self.samples.append((now, value, weight))
+            self._drop(now)
+
+    def _drop(self, now: float) -> None:
+        while self.samples and self.samples[0][0] < now - self.window_s:
+            self.samples.popleft()
+
+    def share(self, now: float) -> float | None:
+        """Weighted share of samples whose value is true (None: none in the window)."""
+        with self._lock:
+            self._drop(now)
+            samples = list(self.samples)
+        total = sum(w for _, _, w in samples)
+        return sum(w for _, v, w in samples if v) / total if total else None
+
+    def rate(self, now: float) -> float | None:
+        """Growth per second of the counter whose readings the samples are (None: under two)."""
+        with self._lock:
+            self._drop(now)
+            if len(self.samples) < 2 or self.samples[-1][0] <= self.samples[0][0]:
+                return None
+            (t0, v0, _), (t1, v1, _) = self.samples[0], self.samples[-1]
+        return (v1 - v0) / (t1 - t0)

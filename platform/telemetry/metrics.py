@@ -179,7 +179,7 @@ class ReplicaMetrics:
         s.running.set(stats["num_running"], tags=tags)
         s.kv_usage.set(stats["kv_usage"], tags=tags)
         for key, name in (*_GAUGED.items(), *_MEASURED.items()):
-            if key in stats:
+            if stats.get(key) is not None:  # (a rate not measured yet is None)
                 getattr(s, name).set(stats[key], tags=tags)
         for key, name in _COUNTED.items():
             if key in stats:

@@ -60,6 +60,8 @@ def test_placement_learns_from_the_prefill_replicas_report_and_its_own_steps(poo
     assert stats["placement_remote_wait_s"] > 0  # the call took longer than computing 40 tokens
     assert stats["placement_decode_step_s"] != CostModel().rates().decode_step_s  # its steps replaced the prior
     assert stats["placement_link_bytes_per_s"] != CostModel().rates().link_bytes_per_s  # and its pull
+    assert 0 <= stats["itl_attainment"] <= 1 and stats["ttft_attainment"] in (0.0, 1.0)  # measured, one request
+    assert prefill.stats()["prompt_tokens_per_s"] is not None  # (two readings of its counter: a rate)
 
 
 def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):
@@ -177,6 +179,7 @@ def test_first_token_leaves_after_the_pull_unless_that_misses_the_target(pools, 
     stats = decode.stats()
     assert stats["num_remote_prefills"] == 1 and stats["num_pulled_blocks"] == 5
     assert stats["num_early_first_tokens"] == early
+    assert stats["ttft_attainment"] == (0.0 if early else 1.0)  # the one first token, against either target
 
 
 def test_prompts_prefill_here_when_the_prefill_pool_would_miss_the_ttft_target(pools, tiny_llama):

@@ -1,0 +1,39 @@
+"""The moving averages and windows replicas decide on."""
+
+import pytest
+
+from pdserve.telemetry.averages import EMA_WEIGHT, Average, Window
+
+
+def test_an_average_starts_at_its_prior_and_follows_its_samples():
+    a = Average(5.0)
+    assert (a.value, a.num_samples) == (5.0, 0)
+    a.add(1.0)
+    a.add(3.0)
+    assert a.value == 2.0  # weights 1, then 1/2: the mean of the first samples
+    for _ in range(100):
+        a.add(10.0)
+    assert a.value == pytest.approx(10.0, abs=1e-3)  # at EMA_WEIGHT a sample, the prior long gone
+    a.add(0.0)
+    assert a.value == pytest.approx(10.0 * (1 - EMA_WEIGHT), abs=1e-3)
+
+
+def test_a_window_shares_weight_over_its_last_seconds():
+    w = Window(10.0)
+    assert w.share(0.0) is None
+    w.add(0.0, True, 3)
+    w.add(5.0, False, 1)
+    assert w.share(5.0) == 0.75
+    assert w.share(12.0) == 0.0  # the first sample left the window; the second remains
+    assert w.share(30.0) is None  # idle past the window: nothing to say
+
+
+def test_a_window_of_counter_readings_gives_its_rate():
+    w = Window(10.0)
+    w.add(0.0, 100)
+    assert w.rate(0.0) is None  # one reading
+    w.add(2.0, 300)
+    w.add(4.0, 400)
+    assert w.rate(4.0) == 75.0
+    w.add(12.0, 400)  # the reading at 0 s left: 400 - 300 over 10 s
+    assert w.rate(12.0) == 10.0
