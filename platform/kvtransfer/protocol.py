@@ -6,7 +6,8 @@ made before any KV byte moves.
   `LayoutMismatchError` when two sides cannot exchange blocks, and `head_slice` says which of the
   exporter's heads a decode rank pulls when decode runs k times prefill's TP degree. A latent cache
   (multi-head latent attention: one vector a token a layer, kv_cache.py) has one plane instead of K
-  and V and no heads to slice: every rank holds the whole latent, and every decode rank pulls it whole.
+  and V and no heads to slice: every rank holds the whole latent, every decode rank pulls it whole
+  from one prefill rank, and any two TP degrees pair.
 - `KVHandle`: what prefill returns with the first token; small and plain (dict/msgpack). With a
   `cache_region` (the exporter's cache is in shared memory, or on a GPU shared over CUDA IPC), an
   importer on the same host (and GPU) that can map that region asks for a *local* read: the exporter answers DATA with `local` and no chunks,
@@ -142,6 +143,8 @@ def check_compatible(exporter: KVLayout, importer: KVLayout) -> None:
                 if getattr(exporter, name) != getattr(importer, name)]
     if problems:
         raise LayoutMismatchError("KV caches are incompatible: " + "; ".join(problems))
+    if importer.is_latent:  # every prefill rank holds the whole latent: any two degrees pair
+        return
     if importer.tp_size < exporter.tp_size or importer.tp_size % exporter.tp_size:
         raise LayoutMismatchError(
             f"decode tensor-parallel degree {importer.tp_size} must be a multiple of prefill's {exporter.tp_size} "
@@ -149,7 +152,10 @@ def check_compatible(exporter: KVLayout, importer: KVLayout) -> None:
 
 
 def source_rank(exporter_tp_size: int, importer: KVLayout) -> int:
-    """The prefill rank holding the heads this decode rank needs."""
+    """The prefill rank holding the heads this decode rank needs (a latent cache: any rank holds
+    it whole, so the decode ranks spread over the prefill ranks, whichever degree is larger)."""
+    if importer.is_latent:
+        return importer.tp_rank % exporter_tp_size
     return importer.tp_rank // (importer.tp_size // exporter_tp_size)
 
 

@@ -57,3 +57,16 @@ def test_each_decode_rank_pulls_the_whole_latent():
         assert pool.num_free_blocks == 32
     finally:
         exporter.close()
+
+
+def test_any_prefill_degree_pairs_with_any_decode_degree():
+    """Every prefill rank holds the whole latent: decode TP 1 takes a TP-2 prefill's rank 0 (the
+    K/V layout refuses that pairing), decode TP 4 spreads over TP 2's ranks."""
+    latent, kv = layout_of(_latent_cache(8), "m"), layout_of(torch.zeros(LAYERS, 2, 8, BLOCK, 2, LATENT), "m")
+    prefill_tp2 = [p.KVLayout(**{**latent.__dict__, "tp_size": 2, "tp_rank": r}) for r in (0, 1)]
+    assert p.source_rank(2, latent) == 0 and p.head_slice(prefill_tp2[0], latent) == (0, 1)
+    with pytest.raises(p.LayoutMismatchError, match="must be a multiple"):
+        p.check_compatible(p.KVLayout(**{**kv.__dict__, "tp_size": 2}), kv)
+    decode_tp4 = [p.KVLayout(**{**latent.__dict__, "tp_size": 4, "tp_rank": r}) for r in range(4)]
+    assert [p.source_rank(2, d) for d in decode_tp4] == [0, 1, 0, 1]
+    assert all(p.head_slice(prefill_tp2[p.source_rank(2, d)], d) == (0, 1) for d in decode_tp4)
