@@ -183,7 +183,8 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         parts = name.split(".")
-        if len(parts) > 3 and parts[:2] == ["model", "layers"] and int(parts[2]) >= self.arch.num_layers:
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+                and int(parts[2]) >= self.arch.num_layers:
             return None  # a multi-token-prediction layer (num_nextn_predict_layers): not part of the LM
         if ".self_attn." in name:
             return name, None  # MLA's projections load as they are named (q_proj is not Llama's)
