@@ -189,7 +189,15 @@ def serve_config(config: ServeConfig) -> dict[str, Any]:
     """The Ray Serve config (what `serve deploy` and KubeRay's serveConfigV2 take) for this deployment."""
     app = {"name": config.name, "route_prefix": "/", "import_path": "pdserve.app:build_app",
            "args": config.model_dump(mode="json", exclude_defaults=True)}
-    if config.pool_ratio is not None:  # an application-level policy: only a config can set one
+    if config.joint_autoscaling:  # an application-level policy: only a config can set one
+        prefill, decode = config.prefill.autoscaling, config.decode.autoscaling
+        app["autoscaling_policy"] = {
+            "policy_function": "pdserve.autoscale.policies:JointSloPolicy",
+            "policy_kwargs": {"ttft_ms": config.slo.ttft_ms, "itl_ms": config.slo.itl_ms,
+                              "percentile": config.slo.percentile,
+                              "max_total_replicas": config.max_total_replicas or prefill.max_replicas + decode.max_replicas,
+                              "downscale_delay_s": max(prefill.downscale_delay_s, decode.downscale_delay_s)}}
+    elif config.pool_ratio is not None:
         ratio = config.pool_ratio
         app["autoscaling_policy"] = {
             "policy_function": "pdserve.autoscale.policies:PoolRatioPolicy",

@@ -390,7 +390,12 @@ class ServeConfig(BaseModel):
         None, description="The latency target: where each prompt is prefilled follows it (pdserve.decode.placement: "
                           "on the prefill pool while that meets the TTFT target, else on the decode replica in "
                           "chunks that keep its streams inside the ITL target). Unset: placement aims at "
-                          "SLOConfig's defaults.")
+                          "SLOConfig's defaults. With both pools autoscaling (disaggregated), one policy sizes them "
+                          "together against it (pdserve.autoscale.policies.JointSloPolicy) instead of each on its "
+                          "queue.")
+    max_total_replicas: int | None = Field(
+        None, ge=2, description="With slo and both pools autoscaling: the most replicas the two pools run together "
+                                "(an accelerator budget they share); default: the sum of their max_replicas.")
     # validate_default: a pool left out still runs the top-level engine, which _check_pool_engine checks.
     prefill: PoolConfig = Field(default_factory=PoolConfig, validate_default=True,
                                 description="The prefill pool (disaggregated mode).")
@@ -404,6 +409,12 @@ class ServeConfig(BaseModel):
     pool_ratio: PoolRatio | None = Field(
         None, description="Disaggregated, both pools autoscaling: keep prefill:decode replicas within this band. "
                           "Applies where Ray Serve deploys from a config (`pdserve serve`, `serve deploy`, KubeRay).")
+
+    @property
+    def joint_autoscaling(self) -> bool:
+        """Whether one policy sizes both pools against `slo` (disaggregated, both pools autoscaling)."""
+        return (self.slo is not None and self.mode == "disaggregated" and self.prefill.autoscaling is not None
+                and self.decode.autoscaling is not None)
 
     @property
     def served_model_name(self) -> str:
@@ -451,6 +462,17 @@ class ServeConfig(BaseModel):
             if d > 1 and self.transfer.backend != "ucx":
                 problems.append("tensor-parallel pools in disaggregated mode move KV rank to rank: "
                                 "transfer.backend must be ucx")
+        if self.joint_autoscaling:
+            if self.pool_ratio is not None:
+                problems.append("with slo and both pools autoscaling, one policy sizes the two pools together "
+                                "against the latency target: drop pool_ratio")
+            floor = self.prefill.autoscaling.min_replicas + self.decode.autoscaling.min_replicas
+            if self.max_total_replicas is not None and self.max_total_replicas < floor:
+                problems.append(f"max_total_replicas {self.max_total_replicas} is below the pools' min_replicas "
+                                f"together ({floor})")
+        elif self.max_total_replicas is not None:
+            problems.append("max_total_replicas is the budget of the joint autoscaling policy: it needs slo, mode "
+                            "disaggregated and autoscaling on both the prefill and the decode pool")
         if self.pool_ratio is not None and (self.mode != "disaggregated" or self.prefill.autoscaling is None
                                             or self.decode.autoscaling is None):
             problems.append("pool_ratio needs mode disaggregated and autoscaling on both the prefill and the "

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 RemotePrefill = Callable[[GenerateRequest], Awaitable[PrefillResult]]
 PullRank = Callable[[int, KVHandle, list[int], int, float], Awaitable[None]]
-ATTAINMENT_WINDOW_S = 30.0  # Ray Serve's default autoscaling look-back
+# Two of the autoscaler's default look-back windows: enough first tokens to count at a few requests a second.
+ATTAINMENT_WINDOW_S = 10.0
 
 
 class DecodeServer:

@@ -59,6 +59,10 @@ MISTAKES = [
     {"remote_prefill_min_tokens": 256, "early_first_token": True, "engine": {"max_num_seqs": 0}},
     {"overflow_prefill_pause_s": 2.0, "prefill": {"engine": {"tensor_parallel_size": 4}}},
     {"mode": "colocated", "pool_ratio": {}, "decode": {"autoscaling": {}}},
+    # the joint policy (slo, both pools autoscaling): its budget, and no pool_ratio beside it
+    {"slo": {"ttft_ms": 900}, "pool_ratio": {}, "max_total_replicas": "3",
+     "prefill": {"autoscaling": {"min_replicas": 2}}, "decode": {"autoscaling": {"min_replicas": "2"}}},
+    {"max_total_replicas": 4, "decode": {"autoscaling": {}}},
 ]
 
 

@@ -44,3 +44,34 @@ def test_pool_ratio_needs_both_pools_autoscaling():
     policy = serve_config(cfg)["applications"][0]["autoscaling_policy"]
     assert policy["policy_function"] == "pdserve.autoscale.policies:PoolRatioPolicy"
     assert policy["policy_kwargs"]["min_ratio"] == 0.25 and "target_kv_usage" in policy["policy_kwargs"]["decode"]
+
+
+def test_slo_with_both_pools_autoscaling_deploys_the_joint_policy():
+    from pdserve.autoscale.policies import JointSloPolicy
+
+    auto = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 20}
+    both = {"prefill": {"autoscaling": auto}, "decode": {"autoscaling": {**auto, "downscale_delay_s": 40}}}
+    cfg = ServeConfig(model="m", slo={"ttft_ms": 800, "itl_ms": 40}, **both)
+    policy = serve_config(cfg)["applications"][0]["autoscaling_policy"]
+    assert policy["policy_function"] == "pdserve.autoscale.policies:JointSloPolicy"
+    # The budget defaults to both pools' max_replicas; the slower of their scale-downs.
+    assert policy["policy_kwargs"] == {"ttft_ms": 800, "itl_ms": 40, "percentile": 99.0, "max_total_replicas": 6,
+                                       "downscale_delay_s": 40}
+    JointSloPolicy(**policy["policy_kwargs"])  # what Ray Serve will construct
+    budget = ServeConfig(model="m", slo={}, max_total_replicas=4, **both)
+    assert serve_config(budget)["applications"][0]["autoscaling_policy"]["policy_kwargs"]["max_total_replicas"] == 4
+    # Without slo, or with a pool of fixed size, the pools keep their own policies.
+    assert "autoscaling_policy" not in serve_config(ServeConfig(model="m", **both))["applications"][0]
+    assert "autoscaling_policy" not in serve_config(
+        ServeConfig(model="m", slo={}, prefill={"autoscaling": auto}))["applications"][0]
+
+
+def test_the_joint_policys_budget_and_pool_ratio_are_checked():
+    auto = {"min_replicas": 2, "max_replicas": 3}
+    both = {"prefill": {"autoscaling": auto}, "decode": {"autoscaling": auto}}
+    with pytest.raises(ValidationError, match="drop pool_ratio"):
+        ServeConfig(model="m", slo={}, pool_ratio={}, **both)
+    with pytest.raises(ValidationError, match=r"below the pools' min_replicas together \(4\)"):
+        ServeConfig(model="m", slo={}, max_total_replicas=3, **both)
+    with pytest.raises(ValidationError, match="budget of the joint autoscaling policy"):
+        ServeConfig(model="m", max_total_replicas=8, **both)

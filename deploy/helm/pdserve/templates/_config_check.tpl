@@ -225,6 +225,21 @@ the chart's own rule. Input: dict "config" "schema" "problems" (the fields' prob
 {{- $set := dict -}}{{- /* the fields written and not null */ -}}
 {{- range $key, $value := $config -}}{{- if not (kindIs "invalid" $value) -}}{{- $_ := set $set $key true -}}{{- end -}}{{- end -}}
 {{- range $name := list "prefill" "decode" -}}{{- if get (get $config $name | default dict) "autoscaling" -}}{{- $_ := set $set (printf "%s.autoscaling" $name) true -}}{{- end -}}{{- end -}}
+{{- if and $set.slo (eq $mode "disaggregated") (get $set "prefill.autoscaling") (get $set "decode.autoscaling") -}}
+{{- if $set.pool_ratio -}}
+{{- $out = print $out (include "pdserve.check.problem" (dict "path" "" "message" "with slo and both pools autoscaling, one policy sizes the two pools together against the latency target: drop pool_ratio" "hint" "")) -}}
+{{- end -}}
+{{- $floor := 0 -}}
+{{- range $name := list "prefill" "decode" -}}
+{{- $autoscaling := get (get $config $name) "autoscaling" -}}
+{{- $floor = add $floor (hasKey $autoscaling "min_replicas" | ternary (get $autoscaling "min_replicas") $defs.AutoscalingSpec.properties.min_replicas.default | int) -}}
+{{- end -}}
+{{- if and $set.max_total_replicas (lt (get $config "max_total_replicas" | int) $floor) -}}
+{{- $out = print $out (include "pdserve.check.problem" (dict "path" "" "message" (printf "max_total_replicas %d is below the pools' min_replicas together (%d)" (get $config "max_total_replicas" | int) $floor) "hint" "")) -}}
+{{- end -}}
+{{- else if $set.max_total_replicas -}}
+{{- $out = print $out (include "pdserve.check.problem" (dict "path" "" "message" "max_total_replicas is the budget of the joint autoscaling policy: it needs slo, mode disaggregated and autoscaling on both the prefill and the decode pool" "hint" "")) -}}
+{{- end -}}
 {{- if and $set.pool_ratio (or (ne $mode "disaggregated") (not (get $set "prefill.autoscaling")) (not (get $set "decode.autoscaling"))) -}}
 {{- $out = print $out (include "pdserve.check.problem" (dict "path" "" "message" "pool_ratio needs mode disaggregated and autoscaling on both the prefill and the decode pool" "hint" "")) -}}
 {{- end -}}
