@@ -37,10 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-num-batched-tokens", type=int, default=2048, help="a step's token budget")
     d.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a decode replica holds")
     d.add_argument("--cpu-calibration", help="the cpu profile's calibration file (default: the one shipped)")
-    s = p.add_argument_group("latency target")
-    s.add_argument("--ttft-ms", type=float, default=4000.0)
-    s.add_argument("--itl-ms", type=float, default=150.0)
-    s.add_argument("--percentile", type=float, default=99.0, help="share of requests that must meet it (percent)")
+    slo_args(p)
     a = p.add_argument_group("autoscaling (the joint P:D policy)")
     a.add_argument("--autoscale", action="store_true")
     a.add_argument("--max-total-replicas", type=int, help="the replica budget shared by both pools")
@@ -48,6 +45,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--downscale-delay-s", type=float, default=30.0,
                    help="how long a pool's want stays low before it shrinks (default %(default)s)")
     a.add_argument("--replica-start-s", type=float, default=30.0, help="a new replica's start-up time")
+    workload_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    o.add_argument("--result-file", help="also write the JSON result here")
+    o.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(handler=_simulate)
+    modes = p.add_subparsers(dest="simulate_mode", metavar="MODE")
+    c = modes.add_parser("calibrate", help="fit the cpu profile to this machine's engine",
+                         description="Time the real engine's decode steps and prefills and fit the cpu profile's "
+                                     "effective bandwidth, FLOP/s and step overhead (pdserve.simulate.calibration).")
+    c.add_argument("--model", default="serve-llama-40m", help="an engine preset or checkpoint (default %(default)s)")
+    c.add_argument("--threads", type=int, default=1, help="engine threads (default 1: a one-core replica)")
+    c.add_argument("--out", help="where to write it (default: the calibration file the simulator reads)")
+    c.add_argument("--no-progress", dest="progress", action="store_false")
+    c.set_defaults(handler=_calibrate)
+    from pdserve.simulate import plan_cli
+
+    plan_cli.register(sub)
+
+
+def slo_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("latency target")
+    s.add_argument("--ttft-ms", type=float, default=4000.0)
+    s.add_argument("--itl-ms", type=float, default=150.0)
+    s.add_argument("--percentile", type=float, default=99.0, help="share of requests that must meet it (percent)")
+
+
+def workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (as pdserve bench)")
     w.add_argument("--workload", choices=["random", "shared-prefix", "long-prompt-mix", "replay"], default="random")
     w.add_argument("--num-requests", type=int, help="this many requests at --rate (the bench's own draw)")
@@ -67,26 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--trace", help="replay: a JSONL trace (arrival_s, prompt_tokens, output_tokens, "
                                    "optional prefix_id and prefix_tokens)")
     w.add_argument("--seed", type=int, default=0)
-    o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    o.add_argument("--result-file", help="also write the JSON result here")
-    o.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(handler=_simulate)
-    modes = p.add_subparsers(dest="simulate_mode", metavar="MODE")
-    c = modes.add_parser("calibrate", help="fit the cpu profile to this machine's engine",
-                         description="Time the real engine's decode steps and prefills and fit the cpu profile's "
-                                     "effective bandwidth, FLOP/s and step overhead (pdserve.simulate.calibration).")
-    c.add_argument("--model", default="serve-llama-40m", help="an engine preset or checkpoint (default %(default)s)")
-    c.add_argument("--threads", type=int, default=1, help="engine threads (default 1: a one-core replica)")
-    c.add_argument("--out", help="where to write it (default: the calibration file the simulator reads)")
-    c.add_argument("--no-progress", dest="progress", action="store_false")
-    c.set_defaults(handler=_calibrate)
 
 
 def build(args):
     """(SimConfig, requests, simulated seconds expected) from the parsed flags."""
     from pdserve.autoscale.joint import Slo
-    from pdserve.simulate import workload as w
     from pdserve.simulate.hardware import accelerator
     from pdserve.simulate.model import load_model
     from pdserve.simulate.sim import AutoscaleSpec, PoolSpec, SimConfig
@@ -109,22 +119,29 @@ def build(args):
                        slo=Slo(args.ttft_ms / 1000, args.itl_ms / 1000, args.percentile), block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        seed=args.seed, autoscale=autoscale)
+    requests, expected_s = workload_requests(args)
+    return config, requests, expected_s
+
+
+def workload_requests(args):
+    """(requests, simulated seconds expected) from the workload flags."""
+    from pdserve.simulate import workload as w
+
     if args.workload == "replay":
         if not args.trace:
             raise ValueError("--workload replay needs --trace FILE")
         reqs = list(w.trace_requests(args.trace))
-        return config, iter(reqs), reqs[-1].arrival_s if reqs else 0.0
+        return iter(reqs), reqs[-1].arrival_s if reqs else 0.0
     spec = w.WorkloadSpec(args.workload, args.input_len, args.output_len, args.num_tenants, args.system_prompt_len,
                           args.question_len, args.popularity, args.long_len, args.long_fraction, args.long_output_len)
     steps = w.parse_rate_steps(args.rate_steps) if args.rate_steps else None
     if args.num_requests is not None:
         expected = args.num_requests / args.rate if args.rate else 0.0
-        return config, w.bench_requests(spec, args.seed, num_requests=args.num_requests, rate=args.rate,
-                                        arrival=args.arrival), expected
+        return w.bench_requests(spec, args.seed, num_requests=args.num_requests, rate=args.rate,
+                                arrival=args.arrival), expected
     if not args.duration or not (args.rate or steps):
         raise ValueError("give --num-requests (and --rate), or --duration with --rate or --rate-steps")
-    return config, w.bench_requests(spec, args.seed, rate=args.rate, duration_s=args.duration,
-                                    rate_steps=steps), args.duration
+    return w.bench_requests(spec, args.seed, rate=args.rate, duration_s=args.duration, rate_steps=steps), args.duration
 
 
 def _simulate(args) -> int:

@@ -33,6 +33,8 @@ class _CostModel(CostModel):
     `CostModel.step` skips such samples)."""
 
     def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        if not num_prefill_tokens:
+            return CostModel.step(self, num_decodes, 0, seconds)
         before = self.prefill_token.value, self.prefill_token.num_samples
         super().step(num_decodes, num_prefill_tokens, seconds)
         if self.prefill_token.value <= 0:
