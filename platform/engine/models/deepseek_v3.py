@@ -148,6 +148,8 @@ def check_deepseek_parallel(arch: ModelArch, parallel: ParallelState) -> None:
     """llama.check_parallel's checks plus the expert widths a tensor-parallel split divides."""
     check_parallel(arch, parallel)
     n, problems = parallel.size, []
+    if arch.dense_layers and arch.intermediate_size % n:  # (check_parallel lets it pass under expert parallelism)
+        problems.append(f"dense layers' intermediate size {arch.intermediate_size}")
     if not parallel.expert_parallel and arch.moe_intermediate_size % n:
         problems.append(f"expert intermediate size {arch.moe_intermediate_size}")
     if (arch.moe_intermediate_size * arch.num_shared_experts) % n:

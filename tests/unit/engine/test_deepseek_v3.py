@@ -166,3 +166,11 @@ def test_the_router_bias_stays_fp32_and_a_missing_one_is_named(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="lacks 1 tensors.*e_score_correction_bias"):
         load_model(path)
+
+
+@pytest.mark.parametrize("change, words", [({"intermediate_size": 161}, "dense layers' intermediate size 161"),
+                                           ({"moe_intermediate_size": 47}, "expert intermediate size 47")])
+def test_a_degree_that_does_not_divide_the_mlps_is_named(change, words):
+    arch = ModelArch.from_dict({**_config(PRESETS["tiny-deepseek-v3"], 512, 1, 2), **change})
+    with pytest.raises(UnsupportedModelError, match=f"tensor_parallel_size 2 .*{words}"):
+        DeepseekV3ForCausalLM(arch, 64, ParallelState(0, 2, expert_parallel="dense" in words))
