@@ -180,3 +180,37 @@ def test_pool_ratio_policy_runs_at_application_level(ray_session, tiny_llama):
         assert running_replicas("ratio", "Decode") == 1
     finally:
         serve.delete("ratio")
+
+
+def test_joint_policy_grows_both_pools_when_the_latency_target_is_missed(ray_session, tiny_llama):
+    """Deployed through Serve's config path, with a latency target no replica meets (1 ms to the
+    first token, 1 ms between tokens): the decode replica reports its attainment (0) through
+    Serve's autoscaling stats, and the joint policy grows both pools, within the budget."""
+    from ray import serve
+
+    from pdserve.launch import deploy
+
+    auto = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 600,
+            "look_back_period_s": 1}
+    small = {"ray_actor_options": {"num_cpus": 0.2}, "autoscaling": auto}
+    cfg = ServeConfig(name="joint", model=tiny_llama, engine=ENGINE, transfer={"host": "127.0.0.1"},
+                      prefill=small, decode=small, gateway={"port": 0}, slo={"ttft_ms": 1, "itl_ms": 1},
+                      max_total_replicas=4)
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    deploy(cfg)
+    decode = serve.get_deployment_handle("Decode", "joint").options(stream=True)
+
+    def one(i: int) -> None:
+        req = GenerateRequest(f"joint-{i}-{time.monotonic_ns()}", list(range(10, 60)),
+                              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len([o for o in decode.generate.remote(req)]) >= 1
+
+    try:
+        grown = load_until(one, 2, lambda: running_replicas("joint", "Prefill") == 2
+                           and running_replicas("joint", "Decode") == 2, 120)
+        stats = serve.get_deployment_handle("Decode", "joint").stats.remote().result(timeout_s=30)
+        assert grown, f"the joint policy did not grow both pools (decode attainment: {stats['ttft_attainment']}, " \
+                      f"{stats['itl_attainment']})"
+        assert stats["num_remote_prefills"] + stats["num_local_prefills"] >= 2
+    finally:
+        serve.delete("joint")
