@@ -45,7 +45,9 @@ def ray_session():
     import ray
 
     # Metrics: Ray's Prometheus export on a free port, reported every half second (tests/e2e/test_telemetry.py).
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=free_port(),
+    # address="local": a new instance even where a `ray start` cluster runs on this machine (another
+    # session's netns lab), which ray.init() would otherwise join.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=free_port(),
              _system_config={"metrics_report_interval_ms": 500},
              runtime_env={"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false",
                                        # Autoscaling tests: replicas report load every half second.
