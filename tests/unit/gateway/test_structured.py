@@ -97,8 +97,6 @@ def test_a_bad_constraint_is_a_400_naming_it_before_any_work(service, path, fiel
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"best_of": 2, "n": 1}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -112,6 +110,16 @@ def test_output_changing_fields_not_implemented_are_refused_by_name(service, pat
         assert status == 200 and sent
         return
     assert status == 400 and answer["error"]["param"] == param, answer
+    assert not sent
+
+
+@pytest.mark.parametrize("fields, param, reason", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),  # tiny-llama's template
+    ({"tool_choice": "required"}, "tool_choice", "tools"),  # a choice among no tools
+])
+def test_tools_a_model_cannot_call_are_refused_by_name(service, fields, param, reason):
+    status, answer, sent = post(service, "/v1/chat/completions", _body("/v1/chat/completions", **fields))
+    assert status == 400 and answer["error"]["param"] == param and reason in answer["error"]["message"], answer
     assert not sent
 
 
