@@ -108,7 +108,9 @@ class CostModel:
 
     Priors: a CPU-class step (20 ms to decode, 1 ms a prompt token), prefill replicas as fast as
     this replica and no wait beyond their compute, a 1 GB/s link; real hardware replaces each
-    within a few samples. Samples that carry no information (a zero-length step) are skipped."""
+    within a few samples. Samples that carry no information are skipped: a zero-length step, or
+    prompt tokens beside decodes in a step no longer than a decode step alone (so no rate ever
+    falls to 0)."""
 
     def __init__(self, decode_step_s: float = 0.02, prefill_token_s: float = 1e-3,
                  link_bytes_per_s: float = 1e9):
@@ -127,8 +129,9 @@ class CostModel:
             if num_decodes:
                 self.decode_step.add(seconds)
             return
-        base = self.decode_step.value if num_decodes else 0.0
-        self.prefill_token.add(max(seconds - base, 0.0) / num_prefill_tokens)
+        extra = seconds - (self.decode_step.value if num_decodes else 0.0)
+        if extra > 0:  # (not beyond a decode step's noise: it says nothing of the tokens' cost, never 0)
+            self.prefill_token.add(extra / num_prefill_tokens)
 
     def remote_prefill(self, num_tokens: int, seconds: float, replica_tokens_per_s: float | None) -> None:
         """A remote prefill call returned `seconds` after it was made, with `num_tokens` uncached

@@ -99,5 +99,7 @@ def test_samples_without_information_are_skipped():
     costs.pull(0, 1.0)
     costs.pull(100, 0.0)
     assert costs.rates() == before
+    costs.step(3, 8, 0.015)  # a few prompt tokens in a step shorter than a decode step: noise
+    assert costs.rates() == before
     costs.step(0, 10, 0.02)  # prefill alone: all of the step is the prompt's
     assert costs.rates().prefill_token_s == pytest.approx(2e-3)
