@@ -7,13 +7,18 @@ Out: the replicas each pool should run (`JointScaler.decide`).
 What each pool needs (`wanted`):
 - prefill: the prompt tokens arriving per second over what one replica computes per second, at
   TARGET_UTILIZATION (a queue's wait grows as rho / (1 - rho): at 0.8 it is four services), plus
-  enough to clear the tokens already queued within half the TTFT target;
-- decode: its KV occupancy brought to TARGET_KV_USAGE (the rest is headroom for the prompts the
-  prefill pool is about to hand over);
-- and each pool whose attainment over the window (the share of first tokens within the TTFT
-  target; of inter-token gaps within the ITL target) is below the SLO's percentile grows by
-  STEP_UP of its size (at least one replica): latency measures what the load figures cannot see
-  (long contexts, local prefill stalling decodes).
+  enough to clear the tokens already queued within half the TTFT target, or within the time a
+  new replica takes to start when that is longer (a replica that comes after a backlog is
+  cleared does not clear it);
+- decode: its occupancy (the larger of KV blocks held and sequence slots held) brought to
+  TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to hand over),
+  plus slots for the requests waiting to be admitted;
+- and each pool whose attainment over the window is below the SLO's percentile grows by STEP_UP
+  of its size (at least one replica): decode on the share of inter-token gaps within the ITL
+  target, prefill on the share of first tokens within the TTFT target, but only while its own
+  queue holds more than QUEUE_SHARE of the TTFT target's work (a first token that waited for a
+  decode slot is decode's to fix: its load figures grow with the wait). Latency measures what the
+  load figures cannot see (long contexts, local prefill stalling decodes).
 When both together exceed the budget, each pool gets its share of the budget in proportion to
 what it wants (at least one replica each).
 
@@ -33,6 +38,7 @@ TARGET_KV_USAGE = 0.8
 STEP_UP = 0.2
 DEADBAND = 0.1
 MAX_STEP_DOWN = 0.2
+QUEUE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -60,16 +66,23 @@ class DecodeSignal:
     num_replicas: int
     kv_usage: float  # KV blocks held / KV blocks, over the pool (0..1)
     itl_attainment: float | None = None  # share of inter-token gaps within the ITL target (None: no tokens)
+    seq_usage: float = 0.0  # sequences held / sequence slots (max_num_seqs), over the pool (0..1)
+    num_waiting: float = 0.0  # requests routed to the pool and not admitted yet
+    slots_per_replica: int = 256  # max_num_seqs
 
 
-def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo) -> tuple[int, int]:
+def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:
     """What each pool needs for this window's load and latency, before the budget and hysteresis."""
     rate = max(prefill.tokens_per_s_per_replica, 1e-9)
     p = math.ceil(prefill.arrival_tokens_per_s / rate / TARGET_UTILIZATION
-                  + prefill.queued_tokens / (rate * slo.ttft_s / 2) - 1e-9)
-    if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment:
+                  + prefill.queued_tokens / (rate * max(slo.ttft_s / 2, replica_start_s)) - 1e-9)
+    queue_s = prefill.queued_tokens / (rate * max(prefill.num_replicas, 1))
+    if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment \
+            and queue_s > QUEUE_SHARE * slo.ttft_s:
         p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
-    d = math.ceil(decode.num_replicas * decode.kv_usage / TARGET_KV_USAGE - 1e-9)
+    usage = max(decode.kv_usage, decode.seq_usage)
+    d = math.ceil(decode.num_replicas * usage / TARGET_KV_USAGE + decode.num_waiting / decode.slots_per_replica
+                  - 1e-9)
     if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment:
         d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
     return max(1, p), max(1, d)
@@ -107,15 +120,16 @@ class _Damper:
 class JointScaler:
     """The joint policy's state across ticks; `decide` once per control tick."""
 
-    def __init__(self, slo: Slo, max_total_replicas: int, downscale_delay_s: float = 30.0):
-        if downscale_delay_s < 0:
-            raise ValueError("downscale_delay_s must not be negative")
+    def __init__(self, slo: Slo, max_total_replicas: int, downscale_delay_s: float = 30.0,
+                 replica_start_s: float = 0.0):
+        if downscale_delay_s < 0 or replica_start_s < 0:
+            raise ValueError("downscale_delay_s and replica_start_s must not be negative")
         within_budget(1, 1, max_total_replicas)  # validates the budget
-        self.slo, self.max_total_replicas = slo, max_total_replicas
+        self.slo, self.max_total_replicas, self.replica_start_s = slo, max_total_replicas, replica_start_s
         self._prefill, self._decode = _Damper(downscale_delay_s), _Damper(downscale_delay_s)
 
     def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float) -> tuple[int, int]:
-        p, d = wanted(prefill, decode, self.slo)
+        p, d = wanted(prefill, decode, self.slo, self.replica_start_s)
         p = self._prefill.next(prefill.num_replicas, p, now_s)
         d = self._decode.next(decode.num_replicas, d, now_s)
         return within_budget(p, d, self.max_total_replicas)

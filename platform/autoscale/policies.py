@@ -131,17 +131,20 @@ class JointSloPolicy:
     The figures come from the replicas' autoscaling stats (`autoscaling_stats`): prefill replicas'
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
     `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
-    replicas' `kv_usage`; either pool's `ttft_attainment` / `itl_attainment` (the share within
+    replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
+    waiting in callers' handles (`total_num_requests` beyond those running); either pool's `ttft_attainment` / `itl_attainment` (the share within
     target over the window). A figure no replica reports counts as no signal: no load, or no
     attainment to react to. Before the prefill pool has measured its rate, `prefill_tokens_per_s`
     stands in. Ray Serve applies each pool's min/max and delays to the result."""
 
     def __init__(self, ttft_ms: float, itl_ms: float, percentile: float, max_total_replicas: int,
-                 downscale_delay_s: float = 30.0, prefill_tokens_per_s: float = 1000.0):
+                 downscale_delay_s: float = 30.0, prefill_tokens_per_s: float = 1000.0, replica_start_s: float = 0.0,
+                 max_num_seqs: int = 256):
         from pdserve.autoscale.joint import JointScaler, Slo
 
         self.scaler = JointScaler(Slo(ttft_ms / 1000, itl_ms / 1000, percentile), max_total_replicas,
-                                  downscale_delay_s)
+                                  downscale_delay_s, replica_start_s)
+        self.max_num_seqs = max_num_seqs
         self.prefill_tokens_per_s = prefill_tokens_per_s
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
@@ -157,7 +160,10 @@ class JointSloPolicy:
         prefill = PrefillSignal(p_ctx.current_num_replicas, _total(p_ctx, "queued_prefill_tokens") or 0.0,
                                 _total(p_ctx, "prompt_tokens_per_s") or 0.0, rate,
                                 _mean(d_ctx, "ttft_attainment"))
+        running = _total(d_ctx, "num_running") or 0.0
+        slots = max(d_ctx.current_num_replicas, 1) * self.max_num_seqs
         decode = DecodeSignal(d_ctx.current_num_replicas, _mean(d_ctx, "kv_usage") or 0.0,
-                              _mean(d_ctx, "itl_attainment"))
+                              _mean(d_ctx, "itl_attainment"), running / slots,
+                              max(0.0, d_ctx.total_num_requests - running), self.max_num_seqs)
         p, d = self.scaler.decide(prefill, decode, time.monotonic())
         return {p_id: _decided(p_ctx, _bounded(p_ctx, p))[0], d_id: _decided(d_ctx, _bounded(d_ctx, d))[0]}, {}

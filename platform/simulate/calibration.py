@@ -3,9 +3,9 @@
 It runs pdserve's engine (one thread, as a one-core replica of the serving benchmarks) on a model
 (default: the `serve-llama-40m` preset the serving benchmarks stream), times whole engine steps
 (`LLMEngine.step`: scheduling, the forward pass, sampling, outputs) of pure decode at several
-batch sizes and contexts and of single prefills of several lengths, and fits the roofline's
-effective memory bandwidth, FLOP/s and per-step overhead to them (least relative squared error:
-a log grid over bandwidth and FLOP/s, the overhead solved exactly for each). A memory copy's rate
+batch sizes and contexts and of single prefills of several lengths, and fits the additive
+roofline's effective rates to them (`fit`: streaming weights, FLOPs, reading KV in attention;
+least relative squared error). A memory copy's rate
 stands in for the link (the same-host KV path copies blocks). Out: a JSON file with the profile,
 every sample with its fitted prediction, the engine settings and the machine line.
 
@@ -120,40 +120,29 @@ def copy_bytes_per_s(num_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
     return num_bytes / statistics.median(times)
 
 
-def _predict_parts(model: ModelSpec, samples: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, flops) of each sample's step."""
-    nbytes = np.array([model.weight_bytes_read(s["num_tokens"]) + s["kv_tokens"] * model.kv_bytes_per_token
-                       for s in samples])
-    flops = np.array([s["num_tokens"] * model.flops_per_token + s["pairs"] * model.attention_flops_per_pair
-                      for s in samples])
-    return nbytes, flops
+def _parts(model: ModelSpec, samples: list[dict]) -> np.ndarray:
+    """Each sample's [weight bytes, FLOPs, KV bytes] (rows)."""
+    return np.array([[model.weight_bytes_read(s["num_tokens"]),
+                      s["num_tokens"] * model.flops_per_token + s["pairs"] * model.attention_flops_per_pair,
+                      s["kv_tokens"] * model.kv_bytes_per_token] for s in samples])
 
 
 def fit(model: ModelSpec, samples: list[dict]) -> tuple[float, float, float]:
-    """(bytes/s, FLOP/s, overhead s) minimising the relative squared error of
-    t = overhead + max(bytes / bw, flops / peak)."""
-    nbytes, flops = _predict_parts(model, samples)
+    """(weight bytes/s, FLOP/s, KV bytes/s) of the additive model t = W / bw + F / peak + KV / attn,
+    by least relative squared error (a linear fit in the reciprocals). A dense model streams the
+    same weights every step, so a fixed per-step cost cannot be told from the weights' and is
+    charged to their bandwidth."""
+    x = _parts(model, samples)
     t = np.array([s["seconds"] for s in samples])
-    w = 1.0 / t**2
-    lo_bw, hi_bw, lo_fl, hi_fl = 1e8, 1e13, 1e8, 1e14
-    best = None
-    for width in (1.5, 1.05, 1.005, None):  # a coarse log grid, then finer ones around the best point
-        bws = np.geomspace(lo_bw, hi_bw, 160)[:, None, None]
-        peaks = np.geomspace(lo_fl, hi_fl, 160)[None, :, None]
-        m = np.maximum(nbytes / bws, flops / peaks)  # [bw, peak, sample]
-        overhead = np.clip(((t - m) * w).sum(-1) / w.sum(), 0.0, None)
-        err = (((overhead[..., None] + m - t) / t) ** 2).sum(-1)
-        i, j = np.unravel_index(np.argmin(err), err.shape)
-        best = (float(bws[i, 0, 0]), float(peaks[0, j, 0]), float(overhead[i, j]))
-        if width is not None:
-            lo_bw, hi_bw = best[0] / width, best[0] * width
-            lo_fl, hi_fl = best[1] / width, best[1] * width
-    return best
+    coef, *_ = np.linalg.lstsq(x / t[:, None], np.ones_like(t), rcond=None)
+    if np.any(coef <= 0):
+        raise ValueError(f"the samples do not fit an additive roofline (reciprocal rates {coef}); measure again "
+                         "on a quieter machine")
+    return tuple(float(1.0 / c) for c in coef)
 
 
-def predict(model: ModelSpec, samples: list[dict], bw: float, peak: float, overhead: float) -> list[float]:
-    nbytes, flops = _predict_parts(model, samples)
-    return (overhead + np.maximum(nbytes / bw, flops / peak)).tolist()
+def predict(model: ModelSpec, samples: list[dict], bw: float, peak: float, attention_bw: float) -> list[float]:
+    return (_parts(model, samples) @ np.array([1 / bw, 1 / peak, 1 / attention_bw])).tolist()
 
 
 def calibrate(model_name: str, out: Path, num_threads: int = 1, progress: bool = True) -> dict:
@@ -170,13 +159,14 @@ def calibrate(model_name: str, out: Path, num_threads: int = 1, progress: bool =
         samples, settings = measure(model_dir, num_threads, progress=lambda: bar.update(1))
     finally:
         bar.close()
-    bw, peak, overhead = fit(spec, samples)
+    bw, peak, attention_bw = fit(spec, samples)
     link = copy_bytes_per_s()
-    for s, p in zip(samples, predict(spec, samples, bw, peak, overhead)):
+    for s, p in zip(samples, predict(spec, samples, bw, peak, attention_bw)):
         s["predicted_seconds"] = p
     profile = Accelerator("cpu", bw, peak, link, link, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                          step_overhead_s=overhead, kv_cache_bytes=float(settings["kv_cache_memory_bytes"]),
-                          source=f"calibrated on {model_name}, {num_threads} engine thread(s)")
+                          kv_cache_bytes=float(settings["kv_cache_memory_bytes"]),
+                          source=f"calibrated on {model_name}, {num_threads} engine thread(s)",
+                          attention_bytes_per_s=attention_bw, is_additive=True)
     errors = [abs(s["predicted_seconds"] / s["seconds"] - 1) for s in samples]
     result = {"machine": machine_line(), "load_average": os.getloadavg(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "model": model_name, "engine": settings, "profile": asdict(profile),

@@ -92,6 +92,10 @@ def workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", help="replay: a JSONL trace (arrival_s, prompt_tokens, output_tokens, "
                                    "optional prefix_id and prefix_tokens)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--arrival-seed", type=int, help="the arrivals' seed, when not --seed's (benchmarks/serving.py "
+                                                    "draws its mix with one seed and its arrivals with 0)")
+    w.add_argument("--tokenizer", help="the bench's --tokenizer: the same draw as a bench run that built its "
+                                       "prompts with it")
 
 
 def build(args):
@@ -135,13 +139,15 @@ def workload_requests(args):
     spec = w.WorkloadSpec(args.workload, args.input_len, args.output_len, args.num_tenants, args.system_prompt_len,
                           args.question_len, args.popularity, args.long_len, args.long_fraction, args.long_output_len)
     steps = w.parse_rate_steps(args.rate_steps) if args.rate_steps else None
+    pool_size = w.tokenizer_pool_size(args.tokenizer) if args.tokenizer else 24
     if args.num_requests is not None:
         expected = args.num_requests / args.rate if args.rate else 0.0
         return w.bench_requests(spec, args.seed, num_requests=args.num_requests, rate=args.rate,
-                                arrival=args.arrival), expected
+                                arrival=args.arrival, pool_size=pool_size, arrival_seed=args.arrival_seed), expected
     if not args.duration or not (args.rate or steps):
         raise ValueError("give --num-requests (and --rate), or --duration with --rate or --rate-steps")
-    return w.bench_requests(spec, args.seed, rate=args.rate, duration_s=args.duration, rate_steps=steps), args.duration
+    return w.bench_requests(spec, args.seed, rate=args.rate, duration_s=args.duration, rate_steps=steps,
+                            pool_size=pool_size), args.duration
 
 
 def _simulate(args) -> int:
@@ -188,8 +194,8 @@ def _calibrate(args) -> int:
     out = Path(args.out) if args.out else CPU_CALIBRATION
     result = calibrate(args.model, out, args.threads, args.progress)
     prof = result["profile"]
-    print(f"{result['machine']}\ncpu profile: {prof['hbm_bytes_per_s'] / 1e9:.2f} GB/s effective bandwidth, "
-          f"{prof['flops_per_s'] / 1e9:.1f} GFLOP/s, {prof['step_overhead_s'] * 1e3:.2f} ms a step; fit error "
+    print(f"{result['machine']}\ncpu profile: weights streamed at {prof['hbm_bytes_per_s'] / 1e9:.2f} GB/s, "
+          f"{prof['flops_per_s'] / 1e9:.1f} GFLOP/s, KV read at {prof['attention_bytes_per_s'] / 1e9:.2f} GB/s; fit error "
           f"median {result['fit']['median_abs_rel_error']:.1%}, max {result['fit']['max_abs_rel_error']:.1%}\n"
           f"wrote {out}")
     return 0

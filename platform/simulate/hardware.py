@@ -13,8 +13,10 @@ Spec figures are peaks: the roofline from them is a lower bound on step time (`s
 0); measured engines add scheduling, sampling and launch time.
 
 `cpu` is this machine's engine, calibrated: `pdserve simulate calibrate` measures the real
-engine's steps and fits effective bandwidth, FLOP/s and per-step overhead (calibration.py); the
-result ships as cpu_calibration.json beside this module, with the machine it was measured on.
+engine's steps and fits its effective rates (calibration.py): a CPU does not overlap streaming
+with arithmetic, and its attention reads KV far below its weight-streaming rate, so the cpu
+profile is additive with an attention bandwidth of its own. The result ships as
+cpu_calibration.json beside this module, with the machine it was measured on.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Accelerator:
     step_overhead_s: float = 0.0
     kv_cache_bytes: float | None = None  # None: what the weights leave of memory_bytes (MEMORY_UTILIZATION)
     source: str = ""
+    attention_bytes_per_s: float | None = None  # reading KV in attention, where slower than streaming weights
+    is_additive: bool = False  # memory and compute take turns (a CPU) instead of overlapping (a GPU)
 
     def kv_cache_bytes_for(self, weight_bytes: float, tp: int = 1) -> float:
         """KV-cache bytes a replica of `tp` such devices has beside `weight_bytes` of weights."""

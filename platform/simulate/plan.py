@@ -11,9 +11,9 @@ the frontier (per GPU count, the best candidate), the recommended pdserve config
 `pdserve serve` and the Helm chart's `config` value take) and, with matplotlib, a plot of the
 frontier.
 
-Each candidate runs the same requests (one draw of the workload); the simulation is short, so a
-candidate near the boundary may land on either side of it: confirm the recommendation with a
-longer `pdserve simulate`.
+Each candidate runs the same requests (one draw of the workload). A draw shorter than a few
+request lifetimes never fills the decode pool and flatters every split; near the boundary a
+candidate may land on either side: confirm the recommendation with a longer `pdserve simulate`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """`pdserve plan`: search pool sizes and TP degrees by simulation; print the recommended config.
 
     pdserve plan --model llama-3.1-8b --accelerators H100,A100 --tp 1,2 --max-gpus 12 \\
-        --workload long-prompt-mix --rate 40 --num-requests 2000 --ttft-ms 1000 --itl-ms 50 --out-dir plan/
+        --workload long-prompt-mix --rate 40 --duration 120 --ttft-ms 1000 --itl-ms 50 --out-dir plan/
 
-Prints the frontier (per GPU count, the best split found) and the recommended pdserve config;
+Each split runs the same Poisson stream (--duration, default 120 simulated seconds: long against a
+request's life, so the pools fill as they would). Prints the frontier (per GPU count, the best split found) and the recommended pdserve config;
 with --out-dir also writes plan.json (every candidate), config.yaml (for `pdserve serve`),
 values.yaml (the Helm chart's `config` value) and frontier.png (with matplotlib).
 """
@@ -57,7 +58,7 @@ def _plan(args) -> int:
         on_gpu = all(a.name != "cpu" for a in accs)
         model = load_model(args.model, 2 if on_gpu else None, 2 if on_gpu else None)
         if args.num_requests is None and args.duration is None:
-            args.num_requests = 1000
+            args.duration = 120.0  # long against a request's life, so the decode pool fills as it would
         requests, _ = workload_requests(args)
         requests = list(requests)
         base = SimConfig(model=model, decode=PoolSpec(accs[0], 1), prefill=None,

@@ -142,6 +142,10 @@ class SimDecode(_Replica):
     def is_idle(self) -> bool:
         return not (self.busy or self.num_admitted or self.blocked)
 
+    def can_admit(self, req: Req) -> bool:
+        return (not self.blocked and req.blocks <= self.num_blocks - self.used_blocks
+                and self.num_admitted < self.max_num_seqs)
+
     def route(self, req: Req, now: float) -> None:
         """A request the decode router chose this replica for."""
         req.decode = self
@@ -222,3 +226,4 @@ class SimDecode(_Replica):
         self.num_admitted -= 1
         self.sim.finished(req, now)
         self._admit(now)
+        self.sim.route_pending(now)

@@ -5,7 +5,8 @@ the context tokens whose KV it reads, the (query, context) pairs its attention s
 seconds. A step streams the weights it touches and the KV it attends over from memory and does
 2 FLOPs per multiply-add; it takes the longer of the two (they overlap), plus the accelerator's
 fixed per-step overhead, plus, under tensor parallelism, two all-reduces of the activations per
-layer over the replica's interconnect (ring: 2(tp-1)/tp of the bytes each).
+layer over the replica's interconnect (ring: 2(tp-1)/tp of the bytes each). A profile marked
+additive (a CPU) takes the sum of the two instead, and may read KV at a rate of its own.
 
 It does not know about requests, batches or queues: the simulated replicas count those.
 """
@@ -25,7 +26,9 @@ class StepCost:
         if tp < 1:
             raise ValueError("tensor-parallel degree must be at least 1")
         self.model, self.accelerator, self.tp = model, accelerator, tp
-        self._kv_s_per_token = model.kv_bytes_per_token / tp / accelerator.hbm_bytes_per_s
+        self._kv_s_per_token = model.kv_bytes_per_token / tp / (accelerator.attention_bytes_per_s
+                                                                  or accelerator.hbm_bytes_per_s)
+        self._additive = accelerator.is_additive
         self._flop_s_per_token = model.flops_per_token / tp / accelerator.flops_per_s
         self._flop_s_per_pair = model.attention_flops_per_pair / tp / accelerator.flops_per_s
         self._hbm = accelerator.hbm_bytes_per_s * tp
@@ -43,7 +46,8 @@ class StepCost:
             self.model.weight_bytes_read(num_tokens) / self._hbm)
         memory = weights + num_kv_tokens * self._kv_s_per_token
         compute = num_tokens * self._flop_s_per_token + num_attention_pairs * self._flop_s_per_pair
-        return self.overhead_s + (memory if memory > compute else compute) + num_tokens * self._comm_s_per_token
+        busy = memory + compute if self._additive else (memory if memory > compute else compute)
+        return self.overhead_s + busy + num_tokens * self._comm_s_per_token
 
 
 def prefill_pairs(num_cached: int, num_tokens: int) -> float:

@@ -7,7 +7,9 @@ pool, placement decisions by reason, and the run's own cost (events, wall second
 simulated to real time).
 
 A request's way, as in the app (DESIGN.md section 2): the decode router picks a decode replica
-(`DecodeRouter`, `rank_decode`); the replica admits it when its blocks fit, looks up the prefix it
+(`DecodeRouter`, `rank_decode`); when even that one has no room (blocks, a sequence slot) the
+request waits, first come first served, until a replica frees some or starts (as requests wait in
+Ray Serve's handles). The replica admits it, looks up the prefix it
 caches and asks `pdserve.decode.placement.place` with its own `CostModel`'s rates where to
 prefill; a remote prompt goes to the prefill replica `PrefillRouter` picks (`rank_prefill` over
 the `RadixIndex`), then its KV crosses the link (uncached tokens x KV bytes / link bandwidth) and
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 import math
 import random
 import time
@@ -117,13 +120,15 @@ class Simulation:
         # what the run saw
         self.ttft, self.itl, self.tpot = LogHistogram(), LogHistogram(), LogHistogram()
         self.window = Window()
+        self.pending: deque[Req] = deque()  # arrived, waiting for a decode replica with room
         self.num_arrived = self.num_finished = self.num_good = 0
         self.finish_counts = bytearray()  # per request id: how many times it finished
         self.placements: dict[str, int] = {}
         self.end_s = 0.0
         self.num_events = 0
         self._arrivals = None
-        self.scaler = (JointScaler(c.slo, c.autoscale.max_total_replicas, c.autoscale.downscale_delay_s)
+        self.scaler = (JointScaler(c.slo, c.autoscale.max_total_replicas, c.autoscale.downscale_delay_s,
+                                   c.autoscale.replica_start_s)
                        if c.autoscale else None)
         self._prefill_rate = (c.max_num_batched_tokens / self._costs["prefill"].seconds(
             c.max_num_batched_tokens, c.max_num_batched_tokens, c.max_num_batched_tokens ** 2 / 2)) if c.prefill else 0.0
@@ -179,7 +184,18 @@ class Simulation:
         self.num_arrived += 1
         self.finish_counts.append(0)
         self._next_arrival()
-        self.decode_router.choose(req.blocks).route(req, now)
+        self.pending.append(req)
+        self.route_pending(now)
+
+    def route_pending(self, now: float) -> None:
+        """Route waiting requests, oldest first, while the decode router's choice can admit them
+        (else they wait in the callers' handles, as Ray Serve queues past max_ongoing_requests)."""
+        pending = self.pending
+        while pending:
+            d = self.decode_router.choose(pending[0].blocks)
+            if d is None or not d.can_admit(pending[0]):
+                return
+            d.route(pending.popleft(), now)
 
     def _hashes(self, req: Req) -> tuple:
         if req.prefix_id is None:
@@ -304,6 +320,7 @@ class Simulation:
         else:
             self.decode_index.set_limit(r.name, r.num_blocks)
             self.decode_router.add(r)
+            self.route_pending(now)
 
     def _drain(self, r, now: float) -> None:
         self.pools[r.pool].remove(r)
@@ -331,13 +348,17 @@ class Simulation:
             self._prefill_rate = w.prefill_tokens / w.prefill_busy_s
         p_signal = PrefillSignal(len(prefill), sum(r.queued_tokens for r in prefill), w.prompt_tokens / spec.tick_s,
                                  self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None)
-        capacity = sum(r.num_blocks for r in decode)
+        capacity, slots = sum(r.num_blocks for r in decode), len(decode) * self.config.max_num_seqs
         d_signal = DecodeSignal(len(decode), sum(r.used_blocks for r in decode) / capacity if capacity else 0.0,
-                                w.gap_weight_within / w.gap_weight if w.gap_weight else None)
+                                w.gap_weight_within / w.gap_weight if w.gap_weight else None,
+                                sum(r.num_admitted for r in decode) / slots if slots else 0.0,
+                                len(self.pending), self.config.max_num_seqs)
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
         for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):
             live = self.pools[pool]
-            for _ in range(want - len(live)):
+            # Draining replicas still hold their devices: the budget counts them until they go.
+            room = spec.max_total_replicas - sum(map(len, self.pools.values())) - len(self.draining)
+            for _ in range(min(want - len(live), room)):
                 self._add_replica(pool, now, started=False)
             if want < len(live):  # drain the least loaded
                 key = (lambda r: r.queued_tokens) if pool == "prefill" else (lambda r: r.num_admitted)

@@ -131,16 +131,23 @@ def _poisson_times(steps: list[tuple[float, float]], duration_s: float, rng: np.
             t = float(times[-1]) if len(inside) == len(times) else end
 
 
+def tokenizer_pool_size(tokenizer_dir: str) -> int:
+    """How many whole-word tokens the bench's builder draws prompts from with this tokenizer (what
+    `CountingBuilder` needs to draw a tokenizer-built bench workload's lengths exactly)."""
+    return len(bench.PromptBuilder(tokenizer_dir).word_ids)
+
+
 def bench_requests(spec: WorkloadSpec, seed: int, *, num_requests: int | None = None, rate: float | None = None,
                    duration_s: float | None = None, rate_steps: list[tuple[float, float]] | None = None,
-                   arrival: str = "poisson", pool_size: int = 24) -> Iterator[SimRequest]:
+                   arrival: str = "poisson", pool_size: int = 24, arrival_seed: int | None = None) -> Iterator[SimRequest]:
     """The bench workload's requests with arrival times: `num_requests` at `rate` (the bench's
-    own arrival offsets, seed `seed`, as `pdserve bench --seed`), or a Poisson stream at `rate`
-    (or `rate_steps`) for `duration_s` seconds."""
+    own arrival offsets, seed `arrival_seed`, default `seed`, as `pdserve bench --seed`), or a
+    Poisson stream at `rate` (or `rate_steps`) for `duration_s` seconds."""
     builder = CountingBuilder(pool_size)
     if num_requests is not None:
         reqs = spec.draw(num_requests, seed, builder)
-        offsets = arrival_offsets(num_requests, rate or float("inf"), arrival, seed)
+        offsets = arrival_offsets(num_requests, rate or float("inf"), arrival,
+                                  seed if arrival_seed is None else arrival_seed)
         for r, t in zip(reqs, offsets):
             yield SimRequest(t, r.prompt_tokens, r.max_tokens, r.tenant, spec.prefix_tokens(r))
         return

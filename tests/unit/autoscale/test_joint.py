@@ -25,9 +25,21 @@ def test_each_pool_is_sized_by_its_load():
 
 
 def test_a_missed_latency_target_grows_the_pool_that_missed_it():
-    assert wanted(prefill(10, 0, attainment=0.95), decode(10, 0.1, attainment=1.0), SLO) == (12, 2)
+    # Prefill misses TTFT with 0.3 s of work queued a replica (30,000 tokens, 10 replicas of 10,000/s),
+    # over a quarter of the target: it grows by 20% (its queue alone asks for 30,000 / 5,000 = 6).
+    # Decode misses ITL: +20%.
+    assert wanted(prefill(10, 0, queued=30_000, attainment=0.95), decode(10, 0.1, attainment=1.0), SLO) == (12, 2)
     assert wanted(prefill(10, 0, attainment=1.0), decode(10, 0.1, attainment=0.9), SLO) == (1, 12)
-    assert wanted(prefill(1, 0, attainment=0.5), decode(1, 0.1, attainment=0.5), SLO) == (2, 2)
+    assert wanted(prefill(1, 0, queued=3_000, attainment=0.5), decode(1, 0.1, attainment=0.5), SLO) == (2, 2)
+
+
+def test_first_tokens_late_behind_an_empty_prefill_queue_are_decodes_to_fix():
+    """TTFT misses while the prefill queue is short: the wait was for a decode slot, and the
+    requests waiting for one grow the decode pool (256 slots a replica, 80% of them)."""
+    late = prefill(4, 0, queued=1_000, attainment=0.5)
+    # 2 replicas' slots all held: 2 x 1.0 / 0.8 = 2.5, and 512 waiting fill 2 more: 4.5 -> 5.
+    assert wanted(late, DecodeSignal(2, 0.5, 1.0, seq_usage=1.0, num_waiting=512, slots_per_replica=256), SLO) \
+        == (1, 5)
 
 
 def test_the_budget_is_shared_in_proportion():
@@ -86,7 +98,7 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
                         SimpleNamespace(autoscaling_decision=lambda *decision: recorded.append(decision)))
 
     def pool(name, current, **metrics):
-        return SimpleNamespace(deployment_name=name, app_name="app", current_num_replicas=current,
+        return SimpleNamespace(deployment_name=name, app_name="app", current_num_replicas=current, total_num_requests=0,
                                capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=10,
                                aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
 
@@ -95,7 +107,7 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     # KV 2 x 0.9 / 0.8 = 2.25 -> 3, and ITL attainment under 0.99 asks for at least 2 + 1.
     prefill = pool("Prefill", 2, queued_prefill_tokens=[0, 0], prefill_tokens_per_s=[10_000, 10_000],
                    prompt_tokens_per_s=[10_000, 10_000])
-    decode = pool("Decode", 2, kv_usage=[0.9, 0.9], itl_attainment=[0.9, 0.95])
+    decode = pool("Decode", 2, kv_usage=[0.9, 0.9], itl_attainment=[0.9, 0.95], num_running=[100, 100])
     assert policy({"p": prefill, "d": decode})[0] == {"p": 3, "d": 3}
     assert recorded == [("prefill", "app", 2, 3), ("decode", "app", 2, 3)]
     # Reports of an idle app: held (the drop must last downscale_delay_s); a pool not up yet: held.
