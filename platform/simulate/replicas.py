@@ -25,22 +25,6 @@ from pdserve.telemetry.averages import Average
 from pdserve.simulate.roofline import StepCost, prefill_pairs
 
 
-class _CostModel(CostModel):
-    """pdserve's `CostModel`, except that a step whose prompt tokens cost nothing measurable (a
-    small chunk beside the decodes of a memory-bound step: the roofline charges it nothing) leaves
-    the prompt-token rate as it was. The real one takes such a step's first sample at full weight,
-    its rate becomes 0 and `place` then divides by it (reported on issue #46; remove this when
-    `CostModel.step` skips such samples)."""
-
-    def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
-        if not num_prefill_tokens:
-            return CostModel.step(self, num_decodes, 0, seconds)
-        before = self.prefill_token.value, self.prefill_token.num_samples
-        super().step(num_decodes, num_prefill_tokens, seconds)
-        if self.prefill_token.value <= 0:
-            self.prefill_token.value, self.prefill_token.num_samples = before
-
-
 class Req:
     __slots__ = ("id", "arrival", "prompt", "output", "prefix_id", "prefix_tokens", "blocks", "decode",
                  "uncached", "dispatched", "ahead", "first", "pull_bytes")
@@ -120,9 +104,10 @@ class SimPrefill(_Replica):
 class SimDecode(_Replica):
     def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int, max_num_seqs: int):
         super().__init__(sim, name, cost, budget)
-        self.cm = _CostModel()  # the priors a real replica starts from
+        self.cm = CostModel()  # the priors a real replica starts from
         self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
         self.num_admitted = 0  # requests holding blocks here
+        self.active_blocks = 0  # blocks of the requests whose KV is here (decoding or prefilling here)
         self.blocked: deque[Req] = deque()  # routed here, waiting for blocks or a sequence slot
         self.num_running = 0
         self.context_tokens = 0  # KV tokens of the running streams (what a decode step reads)
@@ -162,13 +147,15 @@ class SimDecode(_Replica):
         self.sim.changed(self)
 
     def prefill_locally(self, req: Req, chunk_tokens: int, pause_until: float, now: float) -> None:
+        self.active_blocks += req.blocks
         self.local.append([req, req.uncached, req.prompt - req.uncached, chunk_tokens, pause_until])
         self.local_queued_tokens += req.uncached
         if not self.busy:
             self._start(now)
 
     def join(self, req: Req, now: float) -> None:
-        """The request's KV is here: it joins the batch at the next step."""
+        """The request's KV is here (pulled): it joins the batch at the next step."""
+        self.active_blocks += req.blocks
         self.joining.append(req)
         if not self.busy:
             self._start(now)
@@ -223,6 +210,7 @@ class SimDecode(_Replica):
 
     def _finish(self, req: Req, now: float) -> None:
         self.used_blocks -= req.blocks
+        self.active_blocks -= req.blocks
         self.num_admitted -= 1
         self.sim.finished(req, now)
         self._admit(now)

@@ -349,9 +349,11 @@ class Simulation:
         p_signal = PrefillSignal(len(prefill), sum(r.queued_tokens for r in prefill), w.prompt_tokens / spec.tick_s,
                                  self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None)
         capacity, slots = sum(r.num_blocks for r in decode), len(decode) * self.config.max_num_seqs
-        d_signal = DecodeSignal(len(decode), sum(r.used_blocks for r in decode) / capacity if capacity else 0.0,
+        # As a replica reports them: blocks and sequences of the requests whose KV it holds (not
+        # those still with the prefill pool), and the requests waiting for a replica.
+        d_signal = DecodeSignal(len(decode), sum(r.active_blocks for r in decode) / capacity if capacity else 0.0,
                                 w.gap_weight_within / w.gap_weight if w.gap_weight else None,
-                                sum(r.num_admitted for r in decode) / slots if slots else 0.0,
+                                sum(r.num_running + len(r.local) for r in decode) / slots if slots else 0.0,
                                 len(self.pending), self.config.max_num_seqs)
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
         for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):

@@ -69,8 +69,8 @@ def test_it_scales_down_only_after_a_sustained_drop_and_in_bounded_steps():
     for tick in range(12):
         p, d = scaler.decide(prefill(p, 8_000), decode(d, 0.4), now_s=tick)  # wants 1
         history.append(p)
-    # Low from t=0: held until 3 s have passed, then 20% down every 3 s.
-    assert history == [20, 20, 20, 16, 16, 16, 13, 13, 13, 11, 11, 11]
+    # Low from t=0: held until 3 s have passed, then halved every 3 s, down to what it wants.
+    assert history == [20, 20, 20, 10, 10, 10, 5, 5, 5, 3, 3, 3]
 
 
 def test_a_want_inside_the_dead_band_holds():

@@ -21,7 +21,7 @@ def assert_balanced(sim, result):
     assert set(sim.finish_counts) == {1}  # each request finished once
     for r in replicas(sim):
         if r.pool == "decode":
-            assert (r.used_blocks, r.num_admitted, r.num_running, r.context_tokens) == (0, 0, 0, 0), r.name
+            assert (r.used_blocks, r.active_blocks, r.num_admitted, r.num_running, r.context_tokens) == (0,) * 5, r.name
             assert not (r.blocked or r.joining or r.local or r.finishing), r.name
             assert (r.local_queued_tokens, r.remote_queued_tokens) == (0, 0), r.name
         else:
@@ -36,6 +36,7 @@ def test_every_request_finishes_once_and_replicas_end_empty(spec):
     sim = Simulation(config(prefill=2, decode=3, ttft_s=0.3))
     result = sim.run(bench_requests(spec, seed=1, rate=60, duration_s=10))
     assert_balanced(sim, result)
+    assert not sim.pending
     assert result["replica_seconds"]["total"] == pytest.approx(5 * sim.end_s)
     wheres = {key.split(":")[0] for key in result["placements"]}
     assert wheres == {"remote", "local"}  # both ways of prefilling ran
