@@ -176,9 +176,11 @@ class SimDecode(_Replica):
         if self.local:
             head = self.local[0]
             if not n or now >= head[4]:  # a pause yields to decodes only while there are any
-                chunk = min(head[1], head[3] if n and head[3] else self.budget)
-                kv += head[2] + chunk
-                pairs += prefill_pairs(head[2], chunk)
+                # The step's budget goes to the decodes first (the scheduler's order), then the chunk.
+                chunk = max(0, min(head[1], head[3] if n and head[3] else self.budget, self.budget - n))
+                if chunk:
+                    kv += head[2] + chunk
+                    pairs += prefill_pairs(head[2], chunk)
         if not n and not chunk:
             self.busy = False
             return
