@@ -24,8 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "placement and autoscaling)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("deployment")
-    d.add_argument("--model", default="serve-llama-40m",
-                   help="a checkpoint directory, an engine preset or a public config name (default %(default)s)")
+    d.add_argument("--config", help="a pdserve config: the pools (replicas, TP, accelerator_type), the decode engine's "
+                                    "limits, slo and max_total_replicas come from it, and the flags for those are "
+                                    "ignored")
+    d.add_argument("--model", help="a checkpoint directory, an engine preset or a public config name (default: the "
+                                   "config's model, else serve-llama-40m)")
     d.add_argument("--accelerator", default="cpu", help="both pools' accelerator: H100, H200, A100, MI300X or cpu")
     d.add_argument("--prefill-accelerator", help="the prefill pool's, when it differs")
     d.add_argument("--decode-accelerator", help="the decode pool's, when it differs")
@@ -105,6 +108,9 @@ def build(args):
     from pdserve.simulate.model import load_model
     from pdserve.simulate.sim import AutoscaleSpec, PoolSpec, SimConfig
 
+    if args.config:
+        _from_config(args)
+    args.model = args.model or "serve-llama-40m"
     calibration = Path(args.cpu_calibration) if args.cpu_calibration else None
     prefill_acc = accelerator(args.prefill_accelerator or args.accelerator, calibration)
     decode_acc = accelerator(args.decode_accelerator or args.accelerator, calibration)
@@ -125,6 +131,24 @@ def build(args):
                        seed=args.seed, autoscale=autoscale)
     requests, expected_s = workload_requests(args)
     return config, requests, expected_s
+
+
+def _from_config(args) -> None:
+    """Set the deployment flags from `--config` (accelerators only where its accelerator_type
+    names a profile; the model only where --model is not given)."""
+    from pdserve.simulate.from_config import read
+
+    dep = read(args.config)
+    args.model = args.model or dep.model
+    args.prefill_replicas, args.decode_replicas = dep.prefill_replicas, dep.decode_replicas
+    args.prefill_tp, args.decode_tp = dep.prefill_tp, dep.decode_tp
+    args.prefill_accelerator = dep.prefill_accelerator or args.prefill_accelerator
+    args.decode_accelerator = dep.decode_accelerator or args.decode_accelerator
+    args.block_size, args.max_num_batched_tokens = dep.block_size, dep.max_num_batched_tokens
+    args.max_num_seqs = dep.max_num_seqs
+    if dep.slo is not None:
+        args.ttft_ms, args.itl_ms, args.percentile = dep.slo
+    args.max_total_replicas = args.max_total_replicas or dep.max_total_replicas
 
 
 def workload_requests(args):

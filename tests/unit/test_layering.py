@@ -34,7 +34,7 @@ ALLOWED = {
     "app": {"config", "config_check", "decode", "engine", "errors", "gateway", "prefill", "replica", "router"},
     "launch": {"app", "config", "errors", "router", "telemetry"},
     # the simulator drives the router's index and ranking, placement and the autoscaling policy
-    "simulate": {"autoscale", "bench", "decode", "engine", "errors", "router", "telemetry"},
+    "simulate": {"autoscale", "bench", "config", "config_check", "decode", "engine", "errors", "router", "telemetry"},
     "cli": {"app", "bench", "config", "config_check", "engine", "errors", "launch", "simulate", "telemetry"},
 }
 
