@@ -24,8 +24,9 @@ what it wants (at least one replica each).
 
 Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
 has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
-then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A load that swings back and forth between two levels therefore
-holds the pool at the higher one instead of following it (Ray Serve drains the replicas removed).
+then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A load that
+swings back and forth between two levels therefore holds the pool at the higher one instead of
+following it (Ray Serve drains the replicas removed).
 """
 
 from __future__ import annotations

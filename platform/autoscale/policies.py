@@ -132,10 +132,12 @@ class JointSloPolicy:
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
     `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
     replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
-    waiting in callers' handles (`total_num_requests` beyond those running); either pool's `ttft_attainment` / `itl_attainment` (the share within
-    target over the window). A figure no replica reports counts as no signal: no load, or no
-    attainment to react to. Before the prefill pool has measured its rate, `prefill_tokens_per_s`
-    stands in. Ray Serve applies each pool's min/max and delays to the result."""
+    waiting in callers' handles (`total_num_requests` beyond those running); the decode replicas'
+    `ttft_attainment` / `itl_attainment` (the share within target over the window). A figure no
+    replica reports counts as no signal: no load, or no attainment to react to. Before the prefill
+    pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
+    engine's; `replica_start_s` how long a new replica takes to serve (a backlog is cleared within
+    it). Ray Serve applies each pool's min/max and delays to the result."""
 
     def __init__(self, ttft_ms: float, itl_ms: float, percentile: float, max_total_replicas: int,
                  downscale_delay_s: float = 30.0, prefill_tokens_per_s: float = 1000.0, replica_start_s: float = 0.0,

@@ -47,7 +47,8 @@ def _sample(kind: str, num_tokens: int, kv_tokens: int, pairs: float, seconds: f
             **what}
 
 
-def measure(model_dir: str, num_threads: int = 1, steps: int = 12, repeats: int = 5, progress=None) -> tuple[list, dict]:
+def measure(model_dir: str, num_threads: int = 1, steps: int = 12, repeats: int = 5,
+            progress=None) -> tuple[list, dict]:
     """Time the engine's steps; returns (samples, engine settings). Each case is measured
     `repeats` times, the cases taking turns, and keeps its fastest (`seconds`; every measurement
     in `all_seconds`): on a shared machine the other loads only ever slow a step down."""
@@ -168,7 +169,8 @@ def calibrate(model_name: str, out: Path, num_threads: int = 1, progress: bool =
                           source=f"calibrated on {model_name}, {num_threads} engine thread(s)",
                           attention_bytes_per_s=attention_bw, is_additive=True)
     errors = [abs(s["predicted_seconds"] / s["seconds"] - 1) for s in samples]
-    result = {"machine": machine_line(), "load_average": os.getloadavg(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    result = {"machine": machine_line(), "load_average": os.getloadavg(),
+              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "model": model_name, "engine": settings, "profile": asdict(profile),
               "fit": {"median_abs_rel_error": statistics.median(errors), "max_abs_rel_error": max(errors)},
               "samples": samples}

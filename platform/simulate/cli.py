@@ -219,7 +219,8 @@ def _calibrate(args) -> int:
     result = calibrate(args.model, out, args.threads, args.progress)
     prof = result["profile"]
     print(f"{result['machine']}\ncpu profile: weights streamed at {prof['hbm_bytes_per_s'] / 1e9:.2f} GB/s, "
-          f"{prof['flops_per_s'] / 1e9:.1f} GFLOP/s, KV read at {prof['attention_bytes_per_s'] / 1e9:.2f} GB/s; fit error "
+          f"{prof['flops_per_s'] / 1e9:.1f} GFLOP/s, KV read at {prof['attention_bytes_per_s'] / 1e9:.2f} GB/s; "
+          f"fit error "
           f"median {result['fit']['median_abs_rel_error']:.1%}, max {result['fit']['max_abs_rel_error']:.1%}\n"
           f"wrote {out}")
     return 0

@@ -4,7 +4,8 @@
         --workload long-prompt-mix --rate 40 --duration 120 --ttft-ms 1000 --itl-ms 50 --out-dir plan/
 
 Each split runs the same Poisson stream (--duration, default 120 simulated seconds: long against a
-request's life, so the pools fill as they would). Prints the frontier (per GPU count, the best split found) and the recommended pdserve config;
+request's life, so the pools fill as they would). Prints the frontier (per GPU count, the best
+split found) and the recommended pdserve config;
 with --out-dir also writes plan.json (every candidate), config.yaml (for `pdserve serve`),
 values.yaml (the Helm chart's `config` value) and frontier.png (with matplotlib).
 """

@@ -11,7 +11,8 @@ def _ms(d: dict, key: str) -> str:
 def table(r: dict) -> str:
     slo = r["slo"]
     pct = f"p{slo['percentile']:g}"
-    rows = [f"requests          {r['completed']} of {r['num_requests']} completed in {r['simulated_s']:.1f} simulated s",
+    rows = [f"requests          {r['completed']} of {r['num_requests']} completed in {r['simulated_s']:.1f} "
+            "simulated s",
             f"SLO               TTFT <= {slo['ttft_ms']:g} ms, ITL <= {slo['itl_ms']:g} ms at {pct}",
             "                  p50       p99       " + (f"{pct:<10}" if pct not in ("p50", "p99") else "") + "mean"]
     for name in ("ttft", "itl", "tpot"):

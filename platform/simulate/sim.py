@@ -97,8 +97,8 @@ class Simulation:
         self._seq = itertools.count()
         self.target = Target(c.slo.ttft_s, c.slo.itl_s)
         self.kv_bytes = c.model.kv_bytes_per_token
-        links = [c.decode.accelerator.link_bytes_per_s] + ([c.prefill.accelerator.link_bytes_per_s] if c.prefill else [])
-        self.link_bytes_per_s = min(links)
+        pools = [c.decode] + ([c.prefill] if c.prefill else [])
+        self.link_bytes_per_s = min(p.accelerator.link_bytes_per_s for p in pools)
         self.prefill_router = PrefillRouter(c.block_size, self.rng, c.queue_weight)
         self.decode_router = DecodeRouter(self.rng)
         self.decode_index = RadixIndex()  # what each decode replica's prefix cache holds
@@ -130,8 +130,10 @@ class Simulation:
         self.scaler = (JointScaler(c.slo, c.autoscale.max_total_replicas, c.autoscale.downscale_delay_s,
                                    c.autoscale.replica_start_s)
                        if c.autoscale else None)
-        self._prefill_rate = (c.max_num_batched_tokens / self._costs["prefill"].seconds(
-            c.max_num_batched_tokens, c.max_num_batched_tokens, c.max_num_batched_tokens ** 2 / 2)) if c.prefill else 0.0
+        self._prefill_rate = 0.0  # a full step's prompt tokens a second, until the window measures it
+        if c.prefill:
+            budget = c.max_num_batched_tokens
+            self._prefill_rate = budget / self._costs["prefill"].seconds(budget, budget, budget ** 2 / 2)
         for _ in range(c.prefill.num_replicas if c.prefill else 0):
             self._add_replica("prefill", 0.0, started=True)
         for _ in range(c.decode.num_replicas):

@@ -116,7 +116,8 @@ def parse_rate_steps(text: str) -> list[tuple[float, float]]:
     return steps
 
 
-def _poisson_times(steps: list[tuple[float, float]], duration_s: float, rng: np.random.Generator) -> Iterator[np.ndarray]:
+def _poisson_times(steps: list[tuple[float, float]], duration_s: float,
+                   rng: np.random.Generator) -> Iterator[np.ndarray]:
     """Arrival times of a piecewise-constant Poisson process over [0, duration_s), in blocks."""
     bounds = [s[0] for s in steps[1:]] + [duration_s]
     for (start, rate), end in zip(steps, bounds):
@@ -139,7 +140,8 @@ def tokenizer_pool_size(tokenizer_dir: str) -> int:
 
 def bench_requests(spec: WorkloadSpec, seed: int, *, num_requests: int | None = None, rate: float | None = None,
                    duration_s: float | None = None, rate_steps: list[tuple[float, float]] | None = None,
-                   arrival: str = "poisson", pool_size: int = 24, arrival_seed: int | None = None) -> Iterator[SimRequest]:
+                   arrival: str = "poisson", pool_size: int = 24,
+                   arrival_seed: int | None = None) -> Iterator[SimRequest]:
     """The bench workload's requests with arrival times: `num_requests` at `rate` (the bench's
     own arrival offsets, seed `arrival_seed`, default `seed`, as `pdserve bench --seed`), or a
     Poisson stream at `rate` (or `rate_steps`) for `duration_s` seconds."""
@@ -183,8 +185,8 @@ def trace_requests(path: str) -> Iterator[SimRequest]:
             prompt, output = int(row["prompt_tokens"]), int(row["output_tokens"])
             if prompt < 1 or output < 1 or at < 0 or prefix_tokens > prompt:
                 raise ValueError("need prompt_tokens, output_tokens >= 1, arrival >= 0, prefix_tokens <= prompt")
-            rows.append(SimRequest(at, prompt, output, None if prefix is None else prefix_ids.setdefault(prefix, len(prefix_ids)),
-                                   prefix_tokens))
+            prefix_id = None if prefix is None else prefix_ids.setdefault(prefix, len(prefix_ids))
+            rows.append(SimRequest(at, prompt, output, prefix_id, prefix_tokens))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{lineno}: bad trace line ({e}); need arrival_s, prompt_tokens, "
                              "output_tokens") from e
