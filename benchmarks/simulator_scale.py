@@ -49,7 +49,8 @@ def main() -> None:
     num_prefill = round(args.replicas * args.prefill_share)
     acc = accelerator(args.accelerator)
     model = load_model(args.model, 2, 2)
-    config = SimConfig(model=model, decode=PoolSpec(acc, args.replicas - num_prefill), prefill=PoolSpec(acc, num_prefill),
+    config = SimConfig(model=model, decode=PoolSpec(acc, args.replicas - num_prefill),
+                       prefill=PoolSpec(acc, num_prefill),
                        slo=Slo(1.0, 0.05, 99.0), max_num_seqs=256, seed=args.seed)
     load_before = os.getloadavg()
     sim = Simulation(config)
@@ -63,10 +64,12 @@ def main() -> None:
     load_after = os.getloadavg()
     max_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     report = {"bench": "simulator_scale", "machine": machine_line(), "load_average_before": load_before,
-              "load_average_after": load_after, "replicas": {"prefill": num_prefill, "decode": args.replicas - num_prefill},
+              "load_average_after": load_after,
+              "replicas": {"prefill": num_prefill, "decode": args.replicas - num_prefill},
               "model": args.model, "accelerator": args.accelerator, "rate": args.rate, "duration_s": args.duration,
               "workload": {"input_len": args.input_len, "output_len": args.output_len},
-              "wall_s": wall_s, "cpu_s": cpu_s, "simulated_s": result["simulated_s"], "num_requests": result["num_requests"],
+              "wall_s": wall_s, "cpu_s": cpu_s, "simulated_s": result["simulated_s"],
+              "num_requests": result["num_requests"],
               "num_events": result["num_events"], "real_time_ratio": result["simulated_s"] / wall_s,
               "real_time_ratio_cpu": result["simulated_s"] / cpu_s,
               "us_per_event": wall_s / result["num_events"] * 1e6,
@@ -82,7 +85,8 @@ def main() -> None:
           f"{report['real_time_ratio']:.3f} | {report['real_time_ratio_cpu']:.3f} | {report['us_per_event']:.2f} | "
           f"{max_rss_mib:.0f} |")
     print(f"\nTTFT p50/p99 {result['ttft_ms']['p50']:.1f}/{result['ttft_ms']['p99']:.1f} ms, ITL p50/p99 "
-          f"{result['itl_ms']['p50']:.2f}/{result['itl_ms']['p99']:.2f} ms, SLO attainment {result['slo_attainment']:.4f}")
+          f"{result['itl_ms']['p50']:.2f}/{result['itl_ms']['p99']:.2f} ms, "
+          f"SLO attainment {result['slo_attainment']:.4f}")
     print(json.dumps(report))
 
 
