@@ -33,6 +33,17 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def decode_weight_bytes(model) -> int:
+    """Weight bytes a batch-1 decode step reads: `num_decode_weight_bytes`, less, in each mixture of
+    experts, the experts a token does not choose (it reads `top_k` of `num_experts`)."""
+    total = model.num_decode_weight_bytes()
+    for m in model.modules():
+        if hasattr(m, "w13") and hasattr(m, "top_k"):
+            experts = (m.w13.numel() + m.w2.numel()) * m.w13.element_size()
+            total -= experts * (m.num_experts - m.top_k) // m.num_experts
+    return total
+
+
 # -- phases (each runs in a child process) -------------------------------------------------------
 
 def _gemv_forms(k: int, nbytes: int) -> dict[str, callable]:
@@ -66,7 +77,7 @@ def phase_roofline(args) -> dict:
     from pdserve.engine.models.loader import load_model
 
     model, _ = load_model(args.model)
-    nbytes = model.num_decode_weight_bytes()
+    nbytes = decode_weight_bytes(model)
     del model
     rates = {}
     for k in (512, 1408, 4096):
@@ -84,12 +95,14 @@ def phase_ours_decode(args) -> dict:
     after the repeat, is a poor yardstick). Every 16 steps it runs three times back to back and
     the fastest counts; a repeat's roofline is the median of those. Only the steps are timed for
     the decode rate."""
+    from pdserve.engine.kernels import cpu_decoder
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, num_kv_blocks=256)
     engine = llm.engine
-    nbytes = engine.model.num_decode_weight_bytes()
+    nbytes = decode_weight_bytes(engine.model)
+    is_c_step = cpu_decoder.decoder_for(engine.model, engine.kv_cache) is not None
     gemv = None
     if args.roofline_form:
         form, k = args.roofline_form.split(", K=")
@@ -113,7 +126,8 @@ def phase_ours_decode(args) -> dict:
     tok_s = statistics.median(rates)
     return {"decode_tok_s": tok_s, "step_ms": 1e3 / tok_s, "weight_bytes": nbytes,
             "implied_gb_s": nbytes * tok_s / 1e9, "paired_roofline_ratios": ratios,
-            "paired_roofline_ratio": statistics.median(ratios) if ratios else None, "peak_rss_mib": _peak_rss_mib()}
+            "paired_roofline_ratio": statistics.median(ratios) if ratios else None, "c_decode_step": is_c_step,
+            "peak_rss_mib": _peak_rss_mib()}
 
 
 def _seconds(f) -> float:

@@ -100,6 +100,24 @@ PRESETS: dict[str, Preset] = {
     # what the serving benchmarks stream (the bench client times text chunks, as vLLM's does).
     "serve-llama-40m": Preset("llama", 512, 1408, 8, 8, 4, None, max_position_embeddings=4096,
                               tokenizer_vocab_size=1024, peaked=False),
+    # The other families at bench-llama-56m's dimensions, each with its own parts (benchmarks/
+    # model_families.py): Qwen3's q/k norms; Qwen3-MoE's 8 experts (top 2) of 176 in every layer;
+    # Phi-3's fused projections and LongRoPE (short factors: within its pretraining length); Gemma 3's
+    # 5:1 sliding (512-token window) and global layers, gelu and four norms a layer.
+    "bench-qwen3-56m": Preset("qwen3", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
+                              rope_theta=1000000.0, head_dim=64, tokenizer_vocab_size=1024, peaked=False),
+    "bench-qwen3-moe-56m": Preset("qwen3_moe", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
+                                  rope_theta=1000000.0, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=176, tokenizer_vocab_size=1024, peaked=False),
+    "bench-phi3-56m": Preset("phi3", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
+                             rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(32)],
+                                           "long_factor": [1.0 + i / 8 for i in range(32)],
+                                           "original_max_position_embeddings": 4096},
+                             tokenizer_vocab_size=1024, peaked=False),
+    "bench-gemma3-56m": Preset("gemma3_text", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
+                               head_dim=64, sliding_window=512, layer_types=("sliding_attention",) * 5
+                               + ("full_attention",) + ("sliding_attention",) * 2,
+                               tokenizer_vocab_size=1024, peaked=False),
 }
 
 

@@ -59,3 +59,20 @@ def test_bad_seed_file_is_a_load_error(tiny_llama, tmp_path):
     (d / RANDOM_WEIGHTS_FILE).write_text('{"seed": "zero"}')
     with pytest.raises(ModelLoadError, match="seed"):
         LLM(str(d))
+
+
+def test_the_benchmark_presets_are_one_shape_of_about_50m_parameters():
+    """#44's benchmark compares each family with Llama at the same dimensions: every `bench-*-56m`
+    preset's checkpoint holds 50-60M parameters, in 8 layers of width 512, as its family."""
+    import math
+
+    from pdserve.engine.checkpoint import PRESETS, _config
+    from pdserve.engine.models.loader import checkpoint_tensors
+
+    bench = sorted(name for name in PRESETS if name.startswith("bench-") and name.endswith("-56m"))
+    assert bench == ["bench-gemma3-56m", "bench-llama-56m", "bench-phi3-56m", "bench-qwen3-56m", "bench-qwen3-moe-56m"]
+    for name in bench:
+        arch = ModelArch.from_dict(_config(PRESETS[name], PRESETS[name].vocab_size, 0, 1))
+        params = sum(math.prod(shape) for _, shape, _ in checkpoint_tensors(arch))
+        assert 50e6 <= params <= 60e6, (name, params)
+        assert (arch.model_type, arch.hidden_size, arch.num_layers) == (PRESETS[name].model_type, 512, 8)
