@@ -196,7 +196,9 @@ def serve_config(config: ServeConfig) -> dict[str, Any]:
             "policy_kwargs": {"ttft_ms": config.slo.ttft_ms, "itl_ms": config.slo.itl_ms,
                               "percentile": config.slo.percentile,
                               "max_total_replicas": config.max_total_replicas or prefill.max_replicas + decode.max_replicas,
-                              "downscale_delay_s": max(prefill.downscale_delay_s, decode.downscale_delay_s)}}
+                              "downscale_delay_s": max(prefill.downscale_delay_s, decode.downscale_delay_s),
+                              # (its sequence slots: the decode pool's occupancy)
+                              "max_num_seqs": config.engine_config(config.decode, unresolved_ok=True).max_num_seqs}}
     elif config.pool_ratio is not None:
         ratio = config.pool_ratio
         app["autoscaling_policy"] = {

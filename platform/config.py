@@ -425,11 +425,12 @@ class ServeConfig(BaseModel):
             raise ValueError("resolve the model first (pdserve.app.resolve_model)")
         return PurePath(self.model).name
 
-    def engine_config(self, pool: PoolConfig) -> EngineConfig:
-        """The engine a replica of `pool` runs (model resolved by the caller)."""
-        if self.model is None:
+    def engine_config(self, pool: PoolConfig, unresolved_ok: bool = False) -> EngineConfig:
+        """The engine a replica of `pool` runs (model resolved by the caller; with `unresolved_ok`,
+        an unset model reads '-': for the fields that do not depend on it)."""
+        if self.model is None and not unresolved_ok:
             raise ValueError("resolve the model first (pdserve.app.resolve_model)")
-        return EngineConfig(model=self.model, **_merged(self.engine, pool.engine))
+        return EngineConfig(model=self.model or "-", **_merged(self.engine, pool.engine))
 
     @field_validator("prefill", "decode")
     @classmethod
@@ -451,8 +452,7 @@ class ServeConfig(BaseModel):
     def _check_across_fields(self) -> "ServeConfig":
         """What no one field decides, checked once every field is valid; all reported together."""
         problems = []
-        prefill, decode = (EngineConfig(model="-", **_merged(self.engine, pool.engine))
-                           for pool in (self.prefill, self.decode))
+        prefill, decode = (self.engine_config(pool, unresolved_ok=True) for pool in (self.prefill, self.decode))
         if self.mode == "disaggregated":
             p, d = prefill.tensor_parallel_size, decode.tensor_parallel_size
             if d < p or d % p:

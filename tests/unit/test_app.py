@@ -51,14 +51,14 @@ def test_slo_with_both_pools_autoscaling_deploys_the_joint_policy():
 
     auto = {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 20}
     both = {"prefill": {"autoscaling": auto}, "decode": {"autoscaling": {**auto, "downscale_delay_s": 40}}}
-    cfg = ServeConfig(model="m", slo={"ttft_ms": 800, "itl_ms": 40}, **both)
+    cfg = ServeConfig(model="m", slo={"ttft_ms": 800, "itl_ms": 40}, **both)  # (max_num_seqs: the default 64)
     policy = serve_config(cfg)["applications"][0]["autoscaling_policy"]
     assert policy["policy_function"] == "pdserve.autoscale.policies:JointSloPolicy"
     # The budget defaults to both pools' max_replicas; the slower of their scale-downs.
     assert policy["policy_kwargs"] == {"ttft_ms": 800, "itl_ms": 40, "percentile": 99.0, "max_total_replicas": 6,
-                                       "downscale_delay_s": 40}
+                                       "downscale_delay_s": 40, "max_num_seqs": 64}
     JointSloPolicy(**policy["policy_kwargs"])  # what Ray Serve will construct
-    budget = ServeConfig(model="m", slo={}, max_total_replicas=4, **both)
+    budget = ServeConfig(slo={}, max_total_replicas=4, **both)  # (the model not resolved yet: serve-config)
     assert serve_config(budget)["applications"][0]["autoscaling_policy"]["policy_kwargs"]["max_total_replicas"] == 4
     # Without slo, or with a pool of fixed size, the pools keep their own policies.
     assert "autoscaling_policy" not in serve_config(ServeConfig(model="m", **both))["applications"][0]
