@@ -99,7 +99,12 @@ def _pool_tags(pool: dict) -> dict:
 def _user_configs() -> dict[str, dict]:
     configs = {"defaults": {}, **{name: yaml.safe_load((CONFIGS / name).read_text()) for name in EXAMPLES}}
     if "pool_ratio" in ServeConfig.model_fields:  # an application-level autoscaling policy in the Serve config
-        configs["pool-ratio"] = {**configs["llama3-8b-h100-a100.yaml"], "pool_ratio": {"max_prefill_per_decode": 2}}
+        # (without the slo: with it and both pools autoscaling, the joint policy sizes them instead)
+        llama = configs["llama3-8b-h100-a100.yaml"]
+        configs["pool-ratio"] = {**{k: v for k, v in llama.items() if k != "slo"},
+                                 "pool_ratio": {"max_prefill_per_decode": 2}}
+        configs["joint-budget"] = {**llama, "slo": {"ttft_ms": 750}, "max_total_replicas": 6,
+                                   "decode": {**llama["decode"], "engine": {"max_num_seqs": 96}}}
     return configs
 
 

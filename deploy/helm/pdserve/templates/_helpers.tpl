@@ -175,8 +175,12 @@ Everything else is left as written, so `pdserve serve-config` prints the same Se
 {{- define "pdserve.serveConfig" -}}
 {{- $config := include "pdserve.config" . | fromYaml -}}
 {{- $app := dict "name" (get $config "name" | default "pdserve") "route_prefix" "/" "import_path" "pdserve.app:build_app" "args" $config -}}
-{{- with get $config "pool_ratio" -}}
-{{- $_ := set $app "autoscaling_policy" (include "pdserve.poolRatioPolicy" (dict "config" $config "ratio" .) | fromYaml) -}}
+{{- $prefillScaling := get (get $config "prefill" | default dict) "autoscaling" -}}
+{{- $decodeScaling := get (get $config "decode" | default dict) "autoscaling" -}}
+{{- if and (kindIs "map" (get $config "slo")) (eq (get $config "mode" | default "disaggregated") "disaggregated") (kindIs "map" $prefillScaling) (kindIs "map" $decodeScaling) -}}
+{{- $_ := set $app "autoscaling_policy" (include "pdserve.jointSloPolicy" $config | fromYaml) -}}
+{{- else if get $config "pool_ratio" -}}
+{{- $_ := set $app "autoscaling_policy" (include "pdserve.poolRatioPolicy" (dict "config" $config "ratio" (get $config "pool_ratio")) | fromYaml) -}}
 {{- end -}}
 {{- $serve := dict "proxy_location" "EveryNode" "http_options" (dict "host" $config.gateway.host "port" $config.gateway.port) "applications" (list $app) -}}
 {{- if .Values.grpc.enabled -}}
@@ -203,6 +207,26 @@ policy_kwargs:
     target_kv_usage: {{ get $decode "target_kv_usage" | default 0.7 }}
   min_ratio: {{ get .ratio "min_prefill_per_decode" | default 0.25 }}
   max_ratio: {{ get .ratio "max_prefill_per_decode" | default 4.0 }}
+{{- end -}}
+
+{{/*
+The application-level policy that sizes both pools against config.slo (both pools autoscaling,
+disaggregated), as app.serve_config writes it (the defaults are SLOConfig's, AutoscalingSpec's and
+EngineConfig's; tests/helm checks both stay equal). Input: the config.
+*/}}
+{{- define "pdserve.jointSloPolicy" -}}
+{{- $slo := get . "slo" -}}
+{{- $prefill := get (get . "prefill") "autoscaling" -}}
+{{- $decode := get (get . "decode") "autoscaling" -}}
+{{- $engine := merge (deepCopy (get (get . "decode") "engine" | default dict)) (get . "engine" | default dict) -}}
+policy_function: pdserve.autoscale.policies:JointSloPolicy
+policy_kwargs:
+  ttft_ms: {{ get $slo "ttft_ms" | default 2000.0 | float64 }}
+  itl_ms: {{ get $slo "itl_ms" | default 100.0 | float64 }}
+  percentile: {{ get $slo "percentile" | default 99.0 | float64 }}
+  max_total_replicas: {{ get . "max_total_replicas" | default (add (get $prefill "max_replicas" | default 4) (get $decode "max_replicas" | default 4)) | int }}
+  downscale_delay_s: {{ maxf (get $prefill "downscale_delay_s" | default 60.0 | float64) (get $decode "downscale_delay_s" | default 60.0 | float64) }}
+  max_num_seqs: {{ get $engine "max_num_seqs" | default 64 | int }}
 {{- end -}}
 
 {{/*
