@@ -69,6 +69,7 @@ class DecodeServer:
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
+        self.kv_bytes_per_token = self.block_bytes // engine_config.block_size
         self.pull_rank, self.on_pull = pull_rank, on_pull
         self.remote_prefill = remote_prefill
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
@@ -191,7 +192,7 @@ class DecodeServer:
         leaves as the request joins the batch, so the stream runs at the batch's pace from token one
         (an early token puts the pull and the join between the first and second tokens)."""
         rates = self.costs.rates()
-        join_s = num_uncached * self.block_bytes / self.engine.engine.config.block_size / rates.link_bytes_per_s
+        join_s = num_uncached * self.kv_bytes_per_token / rates.link_bytes_per_s
         return time.monotonic() - arrived + join_s + rates.decode_step_s > self.target.ttft_s
 
     async def _decode(self, req: GenerateRequest, prefill: str, opening) -> AsyncIterator[RequestOutput]:
@@ -288,7 +289,7 @@ class DecodeServer:
         num_uncached = await self.engine.call(engine.num_uncached_prompt_tokens, req.prompt_token_ids,
                                               req.params.cache_salt)
         load = Load(num_uncached, self.remote_queued_tokens, engine.scheduler.num_queued_prefill_tokens(),
-                    len(engine.scheduler.running), self.block_bytes // engine.config.block_size,
+                    len(engine.scheduler.running), self.kv_bytes_per_token,
                     engine.config.max_num_batched_tokens)
         rates = self.costs.rates()
         placement = place(load, rates, self.target)
