@@ -7,8 +7,8 @@ transformers, all in one run so that the families' ratios can be compared with L
 
 Models: the `bench-<family>-56m` presets (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate
 1408, vocabulary 32,000, fp32; each family's own parts: Qwen3's q/k norms, Qwen3-MoE's experts,
-Phi-3's fused projections and LongRoPE, Gemma 3's sliding windows), generated into the pdserve
-cache on first use. The measurements are engine_offline.py's phases, each in a child process:
+Phi-3's fused projections and LongRoPE, Gemma 3's sliding windows, DeepSeek-V3's latent attention
+and DeepSeekMoE), generated into the pdserve cache on first use. The measurements are engine_offline.py's phases, each in a child process:
 the fastest GEMV form on this machine is chosen once (over Llama's bytes), then timed between each
 family's decode steps over that family's bytes (a mixture of experts: the experts a token
 chooses); for each family pdserve's 64 requests and transformers' static batches of 64 run back to
@@ -27,7 +27,7 @@ from engine_offline import _machine_line, _run_child  # this folder's scripts ru
 from machine import warn_if_pinned
 
 FAMILIES = {"llama": "bench-llama-56m", "qwen3": "bench-qwen3-56m", "qwen3-moe": "bench-qwen3-moe-56m",
-            "phi3": "bench-phi3-56m", "gemma3": "bench-gemma3-56m"}
+            "phi3": "bench-phi3-56m", "gemma3": "bench-gemma3-56m", "deepseek-v3": "bench-deepseek-v3-56m"}
 
 
 def _params_millions(model_dir: str) -> float:

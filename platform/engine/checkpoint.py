@@ -103,7 +103,7 @@ PRESETS: dict[str, Preset] = {
     # The other families at bench-llama-56m's dimensions, each with its own parts (benchmarks/
     # model_families.py): Qwen3's q/k norms; Qwen3-MoE's 8 experts (top 2) of 176 in every layer;
     # Phi-3's fused projections and LongRoPE (short factors: within its pretraining length); Gemma 3's
-    # 5:1 sliding (512-token window) and global layers, gelu and four norms a layer.
+    # 5:1 sliding (512-token window) and global layers, gelu and four norms a layer; DeepSeek-V3's below.
     "bench-qwen3-56m": Preset("qwen3", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
                               rope_theta=1000000.0, head_dim=64, tokenizer_vocab_size=1024, peaked=False),
     "bench-qwen3-moe-56m": Preset("qwen3_moe", 512, 1408, 8, 8, 4, 32000, max_position_embeddings=4096,
@@ -118,6 +118,16 @@ PRESETS: dict[str, Preset] = {
                                head_dim=64, sliding_window=512, layer_types=("sliding_attention",) * 5
                                + ("full_attention",) + ("sliding_attention",) * 2,
                                tokenizer_vocab_size=1024, peaked=False),
+    # DeepSeek-V3 at the same width, layers and heads: MLA (a 192-wide latent and a 32-wide rotary
+    # key: 224 cached values a token a layer, against Llama's 512; q through a 192-wide rank), one
+    # dense layer, then DeepSeekMoE (8 routed experts of 152 in 4 groups, top 2, and a shared one:
+    # 9 x 152 against the dense 1408), yarn rope as the tiny preset's.
+    "bench-deepseek-v3-56m": Preset("deepseek_v3", 512, 1408, 8, 8, 8, 32000, max_position_embeddings=4096,
+                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=152,
+                                    dense_layers=(0,), mla=(192, 192, 64, 32, 64),
+                                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 1024},
+                                    tokenizer_vocab_size=1024, peaked=False),
 }
 
 

@@ -70,7 +70,8 @@ def test_the_benchmark_presets_are_one_shape_of_about_50m_parameters():
     from pdserve.engine.models.loader import checkpoint_tensors
 
     bench = sorted(name for name in PRESETS if name.startswith("bench-") and name.endswith("-56m"))
-    assert bench == ["bench-gemma3-56m", "bench-llama-56m", "bench-phi3-56m", "bench-qwen3-56m", "bench-qwen3-moe-56m"]
+    assert bench == ["bench-deepseek-v3-56m", "bench-gemma3-56m", "bench-llama-56m", "bench-phi3-56m",
+                     "bench-qwen3-56m", "bench-qwen3-moe-56m"]
     for name in bench:
         arch = ModelArch.from_dict(_config(PRESETS[name], PRESETS[name].vocab_size, 0, 1))
         params = sum(math.prod(shape) for _, shape, _ in checkpoint_tensors(arch))
