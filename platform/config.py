@@ -354,7 +354,8 @@ class SLOConfig(BaseModel):
     ttft_ms: float = Field(2000.0, gt=0, description="Time to first token, from arrival at a decode replica.")
     itl_ms: float = Field(100.0, gt=0, description="Gap between two tokens of a stream (inter-token latency).")
     percentile: float = Field(99.0, gt=0, le=100, description="Share of requests (percent) the targets hold for: "
-                                                             "how attainment is counted.")
+                                                             "how attainment is counted, and the percentile of "
+                                                             "its prediction errors placement adds as a margin.")
 
 
 # Fields a config no longer takes -> what replaces them (`pdserve config validate` and the Helm

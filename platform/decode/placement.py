@@ -20,7 +20,10 @@ pause: while the TTFT target leaves slack, it prefills only in steps with nothin
 (see the scheduler's `prefill_pause_s`).
 
 The rates come from `CostModel`, moving averages of what this replica measures (its engine steps,
-its remote prefill calls, its pulls), starting from priors. Pure logic: no Ray, no engine.
+its remote prefill calls, its pulls), starting from priors. Averages predict the mean; the target
+holds for a percentile of requests, so each path's prediction carries a margin: that percentile of
+how far its recent first tokens came after their predictions (queues, hops and other processes
+vary more than any average says). Pure logic: no Ray, no engine.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.telemetry.averages import Average
+from pdserve.telemetry.averages import Average, Tail
+
+# Prediction errors kept per path: at 256, a 99th percentile is the third largest.
+ERROR_SAMPLES = 256
+# Below this many first tokens on a path its margin is 0: a handful of requests says nothing of a tail.
+MIN_ERROR_SAMPLES = 20
 
 @dataclass(frozen=True)
 class Target:
@@ -45,6 +53,9 @@ class Rates:
     remote_tokens_per_s: float  # prompt tokens a prefill replica computes per second (as it reports)
     remote_wait_s: float  # what a remote prefill call takes beyond computing this replica's prompts
     link_bytes_per_s: float  # KV pulled per second from a prefill replica
+    # How much later than predicted a first token comes, at the target's percentile, per path
+    remote_margin_s: float = 0.0
+    local_margin_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,22 +73,24 @@ class Load:
 class Placement:
     where: str  # "remote" | "local"
     reason: str  # why, in words (logged, and counted by decision)
-    remote_ttft_s: float
+    remote_ttft_s: float  # predicted at the target's percentile (mean + margin): what the rule compares
     local_ttft_s: float
     local_damage_s: float  # stream-seconds of stall a local prefill would add
     chunk_tokens: int  # local: most prompt tokens a step takes (0: any)
     pause_s: float  # local: how long it yields to decodes first (the TTFT target's slack)
+    expected_ttft_s: float  # the chosen path's mean prediction, its pause included (its error is measured against it)
 
 
 def place(load: Load, rates: Rates, target: Target) -> Placement:
     num_remote_tokens = load.num_remote_queued_tokens + load.num_uncached_tokens
     remote = (rates.remote_wait_s + num_remote_tokens / rates.remote_tokens_per_s
-              + load.num_uncached_tokens * load.kv_bytes_per_token / rates.link_bytes_per_s + rates.decode_step_s)
+              + load.num_uncached_tokens * load.kv_bytes_per_token / rates.link_bytes_per_s + rates.decode_step_s
+              + rates.remote_margin_s)
     chunk = local_chunk_tokens(load, rates, target)
     queued = load.num_local_queued_tokens + load.num_uncached_tokens
     steps = math.ceil(queued / chunk)
-    local = steps * rates.decode_step_s + queued * rates.prefill_token_s if load.num_running else (
-        queued * rates.prefill_token_s)
+    local = rates.local_margin_s + (steps * rates.decode_step_s + queued * rates.prefill_token_s if load.num_running
+                                    else queued * rates.prefill_token_s)
     damage = load.num_uncached_tokens * rates.prefill_token_s * max(1, load.num_running)
     if remote <= target.ttft_s:
         where, reason = "remote", "remote meets the TTFT target"
@@ -91,7 +104,8 @@ def place(load: Load, rates: Rates, target: Target) -> Placement:
     # as margin for the prediction's error; with nothing decoding there is nothing to yield to.
     slack = target.ttft_s - local - (rates.decode_step_s + chunk * rates.prefill_token_s)
     pause = max(0.0, slack) if load.num_running else 0.0
-    return Placement(where, reason, remote, local, damage, chunk if load.num_running else 0, pause)
+    expected = remote - rates.remote_margin_s if where == "remote" else local - rates.local_margin_s + pause
+    return Placement(where, reason, remote, local, damage, chunk if load.num_running else 0, pause, expected)
 
 
 def local_chunk_tokens(load: Load, rates: Rates, target: Target) -> int:
@@ -107,18 +121,21 @@ class CostModel:
     """The rates `place` needs, learned online by one decode replica.
 
     Priors: a CPU-class step (20 ms to decode, 1 ms a prompt token), prefill replicas as fast as
-    this replica and no wait beyond their compute, a 1 GB/s link; real hardware replaces each
-    within a few samples. Samples that carry no information are skipped: a zero-length step, or
-    prompt tokens beside decodes in a step no longer than a decode step alone (so no rate ever
-    falls to 0)."""
+    this replica and no wait beyond their compute, a 1 GB/s link, no margin; real hardware replaces
+    each within a few samples. Samples that carry no information are skipped: a zero-length step,
+    or prompt tokens beside decodes in a step no longer than a decode step alone (so no rate ever
+    falls to 0). The margins are the `percentile`-th percentile of each path's recent errors (a
+    first token's time from placement less its prediction)."""
 
     def __init__(self, decode_step_s: float = 0.02, prefill_token_s: float = 1e-3,
-                 link_bytes_per_s: float = 1e9):
+                 link_bytes_per_s: float = 1e9, percentile: float = 99.0):
         self.decode_step = Average(decode_step_s)
         self.prefill_token = Average(prefill_token_s)
         self.remote_rate = Average(0.0)  # until a prefill replica reports its rate: this replica's own
         self.remote_wait = Average(0.0)
         self.link = Average(link_bytes_per_s)
+        self.percentile = percentile
+        self.errors = {"remote": Tail(ERROR_SAMPLES), "local": Tail(ERROR_SAMPLES)}
 
     def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         """One engine step: `num_decodes` sequences decoded, `num_prefill_tokens` prompt tokens
@@ -147,6 +164,16 @@ class CostModel:
         if seconds > 0 and num_bytes > 0:
             self.link.add(num_bytes / seconds)
 
+    def first_token(self, where: str, predicted_s: float, seconds: float) -> None:
+        """A request placed `where` ("remote" or "local") with a mean prediction of `predicted_s`
+        (`Placement.expected_ttft_s`) had its first token `seconds` after it was placed."""
+        self.errors[where].add(seconds - predicted_s)
+
+    def _margin(self, where: str) -> float:
+        errors = self.errors[where]
+        return errors.percentile(self.percentile) if len(errors) >= MIN_ERROR_SAMPLES else 0.0
+
     def rates(self) -> Rates:
         remote = self.remote_rate.value if self.remote_rate.num_samples else 1.0 / self.prefill_token.value
-        return Rates(self.decode_step.value, self.prefill_token.value, remote, self.remote_wait.value, self.link.value)
+        return Rates(self.decode_step.value, self.prefill_token.value, remote, self.remote_wait.value, self.link.value,
+                     self._margin("remote"), self._margin("local"))

@@ -76,7 +76,9 @@ class DecodeServer:
         self.transfer = transfer or TransferConfig()
         slo = slo or SLOConfig()
         self.target = Target(slo.ttft_ms / 1000, slo.itl_ms / 1000)
-        self.costs = CostModel()
+        self.costs = CostModel(percentile=slo.percentile)
+        # request id -> (path, mean predicted TTFT, when placed): the first token's error feeds the cost model
+        self.placed: dict[str, tuple[str, float, float]] = {}
         # Attainment over the last ATTAINMENT_WINDOW_S (the joint autoscaling policy reads it):
         # first tokens within the TTFT target, and token gaps (steps, one per stream) within the ITL's.
         self.ttft, self.itl = Window(ATTAINMENT_WINDOW_S), Window(ATTAINMENT_WINDOW_S)
@@ -93,13 +95,20 @@ class DecodeServer:
     async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded; the first never is)."""
         arrived = time.monotonic()
-        async with aclosing(self._generate(req, forward, arrived)) as outs:
-            async for out in outs:
-                if arrived and not req.output_token_ids:  # a resumed stream's first token came long ago
-                    now = time.monotonic()
-                    self.ttft.add(now, now - arrived <= self.target.ttft_s)
-                arrived = 0.0
-                yield out
+        try:
+            async with aclosing(self._generate(req, forward, arrived)) as outs:
+                async for out in outs:
+                    if arrived and not req.output_token_ids:  # a resumed stream's first token came long ago
+                        now = time.monotonic()
+                        self.ttft.add(now, now - arrived <= self.target.ttft_s)
+                        placed = self.placed.pop(req.request_id, None)
+                        if placed is not None:
+                            where, expected_s, at = placed
+                            self.costs.first_token(where, expected_s, now - at)
+                    arrived = 0.0
+                    yield out
+        finally:
+            self.placed.pop(req.request_id, None)
 
     async def _generate(self, req: GenerateRequest, forward: Forward | None,
                         arrived: float) -> AsyncIterator[RequestOutput]:
@@ -108,6 +117,8 @@ class DecodeServer:
         try:
             await self.engine.prepare(req.params)  # its grammar compiled off the step loop, before any work
             placement, num_uncached = await self._where_to_prefill(req)
+            if placement is not None:
+                self.placed[req.request_id] = (placement.where, placement.expected_ttft_s, time.monotonic())
             if placement is None or placement.where == "local":
                 self.num_local_prefills_for_target += placement is not None
                 async for out in self._prefill_here(req, "local", forward, placement):
@@ -127,6 +138,7 @@ class DecodeServer:
             finally:
                 self.remote_queued_tokens -= num_uncached
             if isinstance(result, Exception):
+                self.placed.pop(req.request_id, None)  # (not the path predicted: no error to learn from)
                 log.warning("remote prefill of %s failed (%r); prefilling on this decode replica", req.request_id,
                             result)
                 async for out in self._prefill_here(req, "local after a failed remote prefill", forward):
@@ -140,6 +152,7 @@ class DecodeServer:
             try:
                 if early:
                     self.num_early_first_tokens += 1
+                    self.placed.pop(req.request_id, None)  # (ahead of the join it was predicted for)
                     yield result.first
                 with span("pdserve.kv_transfer", req.trace_context, request_id=req.request_id,
                           backend=type(self.importer).__name__) as s:

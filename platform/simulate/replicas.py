@@ -27,7 +27,7 @@ from pdserve.simulate.roofline import StepCost, prefill_pairs
 
 class Req:
     __slots__ = ("id", "arrival", "prompt", "output", "prefix_id", "prefix_tokens", "blocks", "decode",
-                 "uncached", "dispatched", "ahead", "first", "pull_bytes")
+                 "uncached", "dispatched", "ahead", "first", "pull_bytes", "placed")
 
     def __init__(self, rid: int, arrival: float, prompt: int, output: int, prefix_id, prefix_tokens: int,
                  blocks: int):
@@ -36,6 +36,7 @@ class Req:
         self.decode = None
         self.uncached = prompt  # prompt tokens the decode replica's cache lacks
         self.dispatched = self.ahead = self.first = self.pull_bytes = 0
+        self.placed = None  # (path, mean predicted TTFT, when placed), as the real decode replica keeps it
 
 
 class _Replica:
@@ -104,7 +105,7 @@ class SimPrefill(_Replica):
 class SimDecode(_Replica):
     def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int, max_num_seqs: int):
         super().__init__(sim, name, cost, budget)
-        self.cm = CostModel()  # the priors a real replica starts from
+        self.cm = CostModel(percentile=sim.config.slo.percentile)  # the priors a real replica starts from
         self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
         self.num_admitted = 0  # requests holding blocks here
         self.active_blocks = 0  # blocks of the requests whose KV is here (decoding or prefilling here)

@@ -222,6 +222,7 @@ class Simulation:
         p = place(Load(req.uncached, d.remote_queued_tokens, d.local_queued_tokens, d.num_running, self.kv_bytes,
                        self.config.max_num_batched_tokens), d.cm.rates(), self.target)
         self._placed(p.where, p.reason)
+        req.placed = (p.where, p.expected_ttft_s, now)
         if p.where == "local":
             d.prefill_locally(req, p.chunk_tokens, now + p.pause_s, now)
             return
@@ -258,6 +259,9 @@ class Simulation:
 
     def first_token(self, req: Req, now: float) -> None:
         req.first = now
+        if req.placed is not None:
+            where, expected_s, at = req.placed
+            req.decode.cm.first_token(where, expected_s, now - at)
         ttft = now - req.arrival
         self.ttft.add(ttft)
         self.window.num_first += 1

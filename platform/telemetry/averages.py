@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+from bisect import bisect_left, insort
 from collections import deque
 
 # Weight of a new sample: the last ~10 samples dominate, so a rate follows a change of load within
@@ -59,3 +61,28 @@ class Window:
                 return None
             (t0, v0, _), (t1, v1, _) = self.samples[0], self.samples[-1]
         return (v1 - v0) / (t1 - t0)
+
+
+class Tail:
+    """The last `size` samples of a quantity, kept in order for its percentiles: where a decision
+    must hold for a share of cases (a latency target's percentile), an average hides the tail."""
+
+    def __init__(self, size: int):
+        self.recent: deque[float] = deque()
+        self.ordered: list[float] = []
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.recent)
+
+    def add(self, sample: float) -> None:
+        if len(self.recent) == self.size:
+            del self.ordered[bisect_left(self.ordered, self.recent.popleft())]
+        self.recent.append(sample)
+        insort(self.ordered, sample)
+
+    def percentile(self, percent: float) -> float:
+        """The smallest sample at least `percent` percent of the samples do not exceed (the
+        nearest-rank percentile; there must be samples)."""
+        n = len(self.ordered)
+        return self.ordered[min(n - 1, max(0, math.ceil(percent / 100 * n) - 1))]

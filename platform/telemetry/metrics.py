@@ -69,6 +69,10 @@ def series() -> SimpleNamespace:
                                                                    "take beyond computing its prompts (moving "
                                                                    "average): hops, other replicas' prompts."),
         link_rate=gauge("placement_link_bytes_per_second", "KV bytes a second a decode replica pulls."),
+        remote_margin=gauge("placement_remote_margin_seconds", "How much later than predicted remotely prefilled "
+                                                               "first tokens come, at the SLO's percentile."),
+        local_margin=gauge("placement_local_margin_seconds", "How much later than predicted locally prefilled "
+                                                             "first tokens come, at the SLO's percentile."),
         prefill_rate=gauge("prefill_tokens_per_second", "Prompt tokens a second a prefill replica computes "
                                                         "(moving average of its steps)."),
         early_first_tokens=counter("early_first_tokens", "First tokens sent before their KV was pulled, where "
@@ -162,7 +166,8 @@ _GAUGED = {"num_kv_leases": "kv_leases", "num_open_kv_reads": "open_kv_reads", "
 # Rates a replica has measured, by stats key.
 _MEASURED = {"placement_decode_step_s": "decode_step", "placement_prefill_token_s": "prefill_token",
              "placement_remote_tokens_per_s": "remote_rate", "placement_remote_wait_s": "remote_wait",
-             "placement_link_bytes_per_s": "link_rate", "prefill_tokens_per_s": "prefill_rate"}
+             "placement_link_bytes_per_s": "link_rate", "placement_remote_margin_s": "remote_margin",
+             "placement_local_margin_s": "local_margin", "prefill_tokens_per_s": "prefill_rate"}
 
 
 class ReplicaMetrics:

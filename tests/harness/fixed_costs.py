@@ -22,6 +22,9 @@ class FixedCosts(CostModel):
     def pull(self, *_) -> None:
         pass
 
+    def first_token(self, *_) -> None:
+        pass
+
     def rates(self) -> Rates:
         return self.fixed
 

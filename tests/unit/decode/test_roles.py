@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pdserve.decode.placement import CostModel
+from pdserve.decode.placement import MIN_ERROR_SAMPLES, CostModel
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import GenerateRequest
@@ -62,6 +62,17 @@ def test_placement_learns_from_the_prefill_replicas_report_and_its_own_steps(poo
     assert stats["placement_link_bytes_per_s"] != CostModel().rates().link_bytes_per_s  # and its pull
     assert 0 <= stats["itl_attainment"] <= 1 and stats["ttft_attainment"] in (0.0, 1.0)  # measured, one request
     assert prefill.stats()["prompt_tokens_per_s"] is not None  # (two readings of its counter: a rate)
+
+
+def test_each_first_token_measures_its_paths_prediction_error(pools):
+    _, decode = pools
+    assert decode.stats()["placement_remote_margin_s"] == 0.0  # no error measured yet
+    _run(decode, [GenerateRequest(f"r{i}", list(range(5, 13 + i)), GREEDY) for i in range(MIN_ERROR_SAMPLES)])
+    errors = decode.costs.errors
+    assert len(errors["remote"]) == MIN_ERROR_SAMPLES and len(errors["local"]) == 0
+    # Enough first tokens: the margin is the 99th percentile of their errors (the largest of 20).
+    assert decode.stats()["placement_remote_margin_s"] == errors["remote"].ordered[-1] != 0.0
+    assert decode.placed == {}  # nothing kept past a first token
 
 
 def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):

@@ -40,6 +40,9 @@ def test_every_request_finishes_once_and_replicas_end_empty(spec):
     assert result["replica_seconds"]["total"] == pytest.approx(5 * sim.end_s)
     wheres = {key.split(":")[0] for key in result["placements"]}
     assert wheres == {"remote", "local"}  # both ways of prefilling ran
+    # Each placed request's first token measured its path's prediction error, as on a real replica.
+    errors = {where: sum(len(r.cm.errors[where]) for r in sim.pools["decode"]) for where in ("remote", "local")}
+    assert errors["remote"] > 0 and errors["local"] > 0
 
 
 def test_prefix_hits_cut_the_prefill_work():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.telemetry.averages import EMA_WEIGHT, Average, Window
+from pdserve.telemetry.averages import EMA_WEIGHT, Average, Tail, Window
 
 
 def test_an_average_starts_at_its_prior_and_follows_its_samples():
@@ -37,3 +37,15 @@ def test_a_window_of_counter_readings_gives_its_rate():
     assert w.rate(4.0) == 75.0
     w.add(12.0, 400)  # the reading at 0 s left: 400 - 300 over 10 s
     assert w.rate(12.0) == 10.0
+
+
+def test_a_tail_gives_nearest_rank_percentiles_of_its_last_samples():
+    t = Tail(4)
+    for sample in (3.0, 1.0, 4.0, 2.0):
+        t.add(sample)
+    assert (t.percentile(50), t.percentile(75), t.percentile(99), t.percentile(1)) == (2.0, 3.0, 4.0, 1.0)
+    t.add(0.5)  # the oldest (3.0) leaves; the order holds
+    assert len(t) == 4 and t.ordered == [0.5, 1.0, 2.0, 4.0]
+    for _ in range(4):
+        t.add(7.0)
+    assert t.ordered == [7.0] * 4
