@@ -107,7 +107,7 @@ def _stream(url: str, body: dict, on_event=None) -> list[dict]:
     """The SSE stream's events (JSON), [DONE] checked; `on_event(i)` after the i-th event."""
     events = []
     with requests.post(url, json={**body, "stream": True}, stream=True, timeout=120) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
         for raw in r.iter_lines():
             if not raw:
                 continue
@@ -120,10 +120,41 @@ def _stream(url: str, body: dict, on_event=None) -> list[dict]:
     raise AssertionError("the stream ended without [DONE]")
 
 
+def _killer(name: str, killed: list[dict], at_event: int = 3):
+    """An `on_event` for `_stream`: at its `at_event`-th event, kill (SIGKILL, through Ray) the
+    replica of app `name` whose status line shows a running sequence; its line goes to `killed`."""
+    import ray
+
+    from pdserve.telemetry.status import read_replica_lines
+
+    def kill_the_serving_replica(num_events: int) -> None:
+        if num_events != at_event:
+            return
+        until = time.monotonic() + 10
+        while not killed and time.monotonic() < until:  # status lines come every 0.1 s
+            serving = [line for line in read_replica_lines(name) if line["num_running"]]
+            if serving:
+                killed.append(serving[0])
+                ray.kill(ray.get_actor(f"SERVE_REPLICA::{name}#Unified#{serving[0]['replica']}", namespace="serve"))
+            time.sleep(0.02)
+
+    return kill_the_serving_replica
+
+
+def _wait_for_replicas(name: str, num_replicas: int, timeout_s: float = 90) -> None:
+    """Until `num_replicas` live replicas of app `name` publish status lines (after a kill: its
+    replacement too)."""
+    from pdserve.telemetry.status import read_replica_lines
+
+    deadline = time.monotonic() + timeout_s
+    while len(read_replica_lines(name)) < num_replicas:
+        assert time.monotonic() < deadline, f"{num_replicas} replicas of {name} did not start"
+        time.sleep(0.2)
+
+
 def test_a_replica_killed_mid_stream_hands_the_stream_to_the_other(serve_apps, tiny_llama):
     """Two replicas; the one serving a greedy stream is killed mid-way: the stream goes on on the
     other, resumed, and ends as the uninterrupted run does (same text, one finish, same usage)."""
-    import ray
     from ray import serve
 
     from pdserve.telemetry.status import read_replica_lines
@@ -137,26 +168,10 @@ def test_a_replica_killed_mid_stream_hands_the_stream_to_the_other(serve_apps, t
     body = {"prompt": "the quick brown fox", "temperature": 0, "max_tokens": 1000, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     try:
-        deadline = time.monotonic() + 60
-        while len(read_replica_lines(name)) < 2:  # each replica's first status line names it
-            assert time.monotonic() < deadline, "the two replicas did not start"
-            time.sleep(0.2)
+        _wait_for_replicas(name, 2)
         whole = _stream(url, body)
         killed = []
-
-        def kill_the_serving_replica(num_events: int) -> None:
-            if num_events != 3:
-                return
-            until = time.monotonic() + 10
-            while not killed and time.monotonic() < until:  # status lines come every 0.1 s
-                serving = [line for line in read_replica_lines(name) if line["num_running"]]
-                if serving:
-                    killed.append(serving[0])
-                    ray.kill(ray.get_actor(f"SERVE_REPLICA::{name}#Unified#{serving[0]['replica']}",
-                                           namespace="serve"))
-                time.sleep(0.02)
-
-        moved = _stream(url, body, kill_the_serving_replica)
+        moved = _stream(url, body, _killer(name, killed))
         assert killed, "no replica reported the stream running"
 
         def text(events):
@@ -174,5 +189,62 @@ def test_a_replica_killed_mid_stream_hands_the_stream_to_the_other(serve_apps, t
                 break
             assert time.monotonic() < deadline, survivors
             time.sleep(0.2)
+    finally:
+        serve.delete(name)
+
+
+# 72 strings of 8-12 characters: about 800 tokens of the tiny model, greedy or sampled, so the
+# stream lasts long enough to be killed mid-way, and ends with stop well within max_tokens.
+NOTES = {"type": "object", "properties": {"notes": {"type": "array", "minItems": 72, "maxItems": 72,
+                                                    "items": {"type": "string", "minLength": 8, "maxLength": 12}}},
+         "required": ["notes"], "additionalProperties": False}
+
+
+def test_a_constrained_stream_killed_mid_way_goes_on_valid_and_unchanged(serve_apps, tiny_llama):
+    """Issue #45: a JSON-schema-constrained chat stream, greedy and then seeded at temperature 1,
+    whose replica is killed mid-way: the other replica rebuilds the grammar's state from the
+    tokens streamed so far, so the client sees one stream with one finish, its JSON validates,
+    and it is the uninterrupted run's token for token; the gateway counts the migration."""
+    import jsonschema
+    from ray import serve
+
+    from .test_telemetry import scrape, total
+
+    name, model = "guided-migrating", "guided-migrating-llama"
+    deploy(name, tiny_llama, {"num_replicas": 2}, {"served_model_name": model}, metrics_period_s=0.1,
+           engine={"max_model_len": 1100, "num_kv_blocks": 160})  # the chat prompt and max_tokens
+    url = f"{serve_apps['base']}/{name}/v1/chat/completions"
+    request = {"messages": [{"role": "user", "content": "Reply with JSON only."}], "max_tokens": 1000,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES,
+                                                                          "strict": True}},
+               "logprobs": True, "stream_options": {"include_usage": True}}
+
+    def text(events):
+        return "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+
+    def tokens(events):
+        return [t["token"] for e in events for c in e["choices"] if c.get("logprobs")
+                for t in c["logprobs"]["content"]]
+
+    try:
+        for num_migrations, sampling in enumerate(({"temperature": 0}, {"temperature": 1.0, "seed": 7}), 1):
+            body = {**request, **sampling}
+            _wait_for_replicas(name, 2)  # after the first kill: its replacement too
+            whole = _stream(url, body)
+            killed = []
+            moved = _stream(url, body, _killer(name, killed))
+            assert killed, "no replica reported the stream running"
+            assert not any("error" in e for e in moved), moved[-1]
+            finishes = [c["finish_reason"] for e in moved for c in e["choices"] if c["finish_reason"]]
+            assert finishes == ["stop"], (sampling, finishes)
+            jsonschema.validate(json.loads(text(moved)), NOTES)
+            assert text(moved) == text(whole)
+            assert tokens(moved) == tokens(whole) and len(tokens(whole)) == whole[-1]["usage"]["completion_tokens"]
+            for key in ("prompt_tokens", "completion_tokens"):  # cached_tokens: the second run may hit the cache
+                assert moved[-1]["usage"][key] == whole[-1]["usage"][key]
+            deadline = time.monotonic() + 20  # Ray exports the gateway's counter every half second
+            while total(scrape(), "ray_pdserve_stream_migrations_total", model=model) < num_migrations:
+                assert time.monotonic() < deadline, f"the gateway counted no migration for {sampling}"
+                time.sleep(0.5)
     finally:
         serve.delete(name)
