@@ -421,19 +421,23 @@ class LLMEngine:
         return req.grammar.advance(token_id) and req.grammar.is_stopped
 
     def _process_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> str:
-        """Append a sampled token, apply the stop conditions; returns the new text."""
+        """Append a sampled token, apply the stop conditions; returns the new text. A stop token
+        (EOS, `stop_token_ids`) adds no text, as in vLLM: with `skip_special_tokens` false,
+        EOS's own text (`</s>`) would otherwise end the output (and follow a tool call)."""
         req.append_token(token_id)
         if logprob is not None:
             req.output_logprobs.append(logprob)
         detok = self._detokenizers[req.request_id]
-        text = detok.add(token_id)
         p = req.params
+        if token_id in p.stop_token_ids:
+            req.finish("stop", token_id)
+            return ""
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            req.finish("stop", None)
+            return ""
+        text = detok.add(token_id)
         if detok.stopped_by is not None:
             req.finish("stop", detok.stopped_by)
-        elif token_id in p.stop_token_ids:
-            req.finish("stop", token_id)
-        elif not p.ignore_eos and token_id in self.eos_token_ids:
-            req.finish("stop", None)
         elif req.grammar is not None and self._grammar_ends(req, token_id):
             req.finish("stop", None)
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:

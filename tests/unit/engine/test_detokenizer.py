@@ -66,3 +66,21 @@ def test_other_decoders_keep_decode_stream(tmp_path):
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.stream is not None
     assert "".join(detok.add(i) for i in (0, 1)) == "hello world"
+
+
+def test_a_stop_token_adds_no_text_even_with_special_tokens_kept(tiny_llama):
+    """As vLLM: EOS or a token of `stop_token_ids` ends the output without its own text, so with
+    `skip_special_tokens` false no `</s>` trails it (a tool call's parser reads that text)."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=64)
+    eos = llm.engine.tokenizer.eos_token_id
+    kept = dict(max_tokens=8, temperature=0, skip_special_tokens=False)
+    [out] = llm.generate(["the quick brown"], SamplingParams(**kept, logit_bias=((eos, 100.0),)))
+    assert (out.token_ids, out.text, out.finish_reason) == ([eos], "", "stop")
+    [free] = llm.generate(["the quick brown"], SamplingParams(**kept, ignore_eos=True))
+    second = free.token_ids[1]
+    [out] = llm.generate(["the quick brown"], SamplingParams(**kept, stop_token_ids=(second,)))
+    assert out.token_ids == free.token_ids[:2] and out.stop_reason == second
+    assert out.text == llm.engine.tokenizer.decode(free.token_ids[:1], skip_special_tokens=False)
