@@ -10,11 +10,13 @@ in pieces gives, so a response is its stream joined. The formats:
   one block per call, text allowed around them;
 - llama3_json (Llama 3.1+): the output opens with `{"name": ..., "parameters": {...}}`
   (after an optional `<|python_tag|>`), calls separated by `;`;
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (tokenizers before v11; one
+  object without the list is read too), or v11's `[TOOL_CALLS]name[ARGS]{...}`, repeated for
+  parallel calls. Each `[TOOL_CALLS]` is read in whichever form follows it.
 
 Anything that is not a call (no name, broken JSON before the name, garbage in a tag) stays
-content, never an error: a call is committed once its name is read; what breaks after that ends
-its arguments. Text is held back only while it may still be a tag or a call whose name is not
+content, never an error: a call is committed once its name is read (in v11's form: once
+`[ARGS]` follows a name); what breaks after that ends its arguments. Text is held back only while it may still be a tag or a call whose name is not
 read yet, and each character is looked at once. Whitespace around calls is dropped. It does
 not know tools, grammars or HTTP: `tools.py` decides which format and what a request allows.
 """
@@ -31,6 +33,8 @@ from pdserve.gateway.reasoning import held_prefix
 FORMATS = ("hermes", "llama3_json", "mistral")
 _OPEN_TAG = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
 _CLOSE_TAG = "</tool_call>"
+ARGS_TAG = "[ARGS]"  # mistral v11: between a call's name and its arguments
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")  # OpenAI's
 _ARGUMENT_KEYS = ("arguments", "parameters")
 _WS = " \t\r\n"
 
@@ -164,6 +168,24 @@ class _CallObject:
         self.stage = "done"
 
 
+class _Arguments:
+    """Mistral v11's call after `name[ARGS]`: its arguments, one JSON object, a character at a
+    time (the interface `_CallObject` offers `ToolCallStream`)."""
+
+    def __init__(self, name: str):
+        self.name, self.args, self.stage, self.value = name, "", "value", _Value()
+
+    def step(self, c: str) -> None:
+        if self.stage != "value" or (self.value.kind is None and c in _WS):
+            return
+        if self.value.kind is None and c != "{":
+            self.stage = "error"
+            return
+        self.args += c
+        if self.value.step(c) == 2:
+            self.stage = "done"
+
+
 def _loads(raw: str):
     try:
         return json.loads(raw)
@@ -186,6 +208,7 @@ class ToolCallStream:
         self.call_index: int | None = None  # the current call's, once its name committed it
         self.after_call = False  # whitespace from here to the next content is dropped
         self.in_list = False  # mistral: inside [TOOL_CALLS][...]
+        self.name = ""  # mistral v11: the name read so far after [TOOL_CALLS]
         self.num_calls = 0
         self.content = ""  # content delta being built
         self.deltas: list[ToolCallDelta] = []
@@ -200,8 +223,8 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """What was held back: an unfinished tag, or an object whose name never came, is content."""
-        if (self.state == "call" and self.call_index is None) or self.state == "list_open":
-            self._add_content(self.call_raw)
+        if (self.state == "call" and self.call_index is None) or self.state in ("list_open", "name"):
+            self._add_content(self.call_raw + (self.held if self.state == "name" else ""))
         elif self.state in ("text", "start", "plain"):
             self._add_content(self.held)
         self.held = ""
@@ -244,17 +267,42 @@ class ToolCallStream:
             self._begin_call(tag)
         return buf[at + len(tag):]
 
-    def _list_open(self, buf: str) -> str:  # mistral: [TOOL_CALLS] then [obj, ...] or one obj
+    def _list_open(self, buf: str) -> str:  # mistral: [TOOL_CALLS] then [obj, ...], one obj, or name[ARGS]
         stripped = buf.lstrip()
         if not stripped:
             self.call_raw += buf
             return ""
+        if stripped[0] not in "[{":
+            self.state, self.name, self.in_list = "name", "", False
+            self.call_raw += buf[:len(buf) - len(stripped)]
+            return stripped
         self.in_list = stripped[0] == "["
         raw = self.call_raw + buf[:len(buf) - len(stripped)]
         if self.in_list:
             raw, stripped = raw + "[", stripped[1:]
         self._begin_call(raw)
         return stripped
+
+    def _name(self, buf: str) -> str:  # mistral v11: [TOOL_CALLS]name[ARGS]{...}
+        at = buf.find(ARGS_TAG)
+        head = buf if at < 0 else buf[:at]
+        keep = 0 if at >= 0 else held_prefix(head, ARGS_TAG)
+        for i, c in enumerate(head[:len(head) - keep]):
+            if c not in _NAME_CHARS and c not in _WS:
+                self.call_raw += head[:i]
+                return self._broken(buf[i:])
+        self.name += head[:len(head) - keep]
+        self.call_raw += head[:len(head) - keep]
+        if at < 0:
+            self.held = head[len(head) - keep:]
+            return ""
+        name = self.name.strip()
+        if not name or any(c in _WS for c in name):  # no name, or two words: not a call
+            self.call_raw += ARGS_TAG
+            return self._broken(buf[at + len(ARGS_TAG):])
+        self.state, self.call, self.call_index = "call", _Arguments(name), None
+        self._emit_call()  # the name is read: the call is committed
+        return buf[at + len(ARGS_TAG):]
 
     def _call(self, buf: str) -> str:
         call = self.call

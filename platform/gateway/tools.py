@@ -3,7 +3,9 @@ chat request's `tools`, `tool_choice` and `parallel_tool_calls` ask for, and the
 enforces `required` and a named function.
 
 In: the `gateway.tool_call_parser` setting, the tokenizer (its chat template names the format
-under `auto`), and a validated `ChatCompletionRequest`. Out: a `ToolPlan` (None: no tools in
+under `auto`; for mistral, whether calls are written in v11's `[TOOL_CALLS]name[ARGS]{...}`
+form: the template writes `[ARGS]` or the vocabulary has it, else the JSON list of older
+tokenizers), and a validated `ChatCompletionRequest`. Out: a `ToolPlan` (None: no tools in
 play): the tools for the chat template, the format `tool_calls.py` parses the output in, how
 many calls may be kept, and for `required`/named the Lark grammar (the format's markup around
 JSON that a schema built from the tools' parameters constrains) that `structured.py` compiles and
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
-from pdserve.gateway.tool_calls import FORMATS
+from pdserve.gateway.tool_calls import ARGS_TAG, FORMATS
 
 # What a chat template writes for each format: the first one it contains picks the format.
 _TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
@@ -48,17 +50,27 @@ class ToolPlan:
     keeps_special_tokens: bool = False  # the format's marker is a special token: the text must keep it
 
 
+def _special_token_id(tokenizer: Tokenizer, text: str) -> int | None:
+    """`text`'s id where the vocabulary has it as a special token (one the detokenizer skips)."""
+    tid = tokenizer.tok.token_to_id(text)
+    added = tokenizer.tok.get_added_tokens_decoder()
+    return tid if tid is not None and tid in added and added[tid].special else None
+
+
 class ToolCalling:
     """Tool calling for one model: its format, and each request's plan."""
 
     def __init__(self, setting: str, tokenizer: Tokenizer):
         self.fmt = tool_format(setting, tokenizer.chat_template)
-        self.marker_id = None  # mistral's [TOOL_CALLS], where the vocabulary has it as a special token
+        # mistral: its markers' ids where they are special tokens (the grammar names them by id),
+        # and whether calls are written name[ARGS]{...} (v11) rather than as a JSON list
+        self.marker_id = self.args_id = None
+        self.is_mistral_v11 = False
         if self.fmt == "mistral":
-            tid = tokenizer.tok.token_to_id("[TOOL_CALLS]")
-            added = tokenizer.tok.get_added_tokens_decoder()
-            if tid is not None and tid in added and added[tid].special:
-                self.marker_id = tid
+            self.marker_id = _special_token_id(tokenizer, "[TOOL_CALLS]")
+            self.args_id = _special_token_id(tokenizer, ARGS_TAG)
+            self.is_mistral_v11 = (ARGS_TAG in (tokenizer.chat_template or "")
+                                   or tokenizer.tok.token_to_id(ARGS_TAG) is not None)
 
     def plan(self, body) -> ToolPlan | None:
         choice, tools = body.tool_choice, body.tools or []
@@ -84,18 +96,20 @@ class ToolCalling:
             chosen = [t for t in tools if named is None or t.function.name == named]
             grammar = self.grammar(chosen, single)
         return ToolPlan(self.fmt, [t.model_dump(exclude_none=True) for t in tools], 1 if single else None, grammar,
-                        self.marker_id is not None)
+                        self.marker_id is not None or self.args_id is not None)
 
     def grammar(self, tools, single: bool) -> str:
         """Lark for one call (`single`) or one or more, to any of `tools`, in this model's format;
         the arguments follow each tool's parameters schema, written without free whitespace."""
+        if self.is_mistral_v11:
+            return self._mistral_v11_grammar(tools, single)
         key = _ARGUMENTS_KEY[self.fmt]
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                    key: t.function.parameters or _NO_PARAMETERS},
                   "required": ["name", key], "additionalProperties": False} for t in tools]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if self.fmt == "mistral":
-            marker = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps("[TOOL_CALLS]")
+            marker = _token(self.marker_id, "[TOOL_CALLS]")
             array = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
             return f"start: {marker} %json {_compact(array)}\n"
         if self.fmt == "hermes":
@@ -105,6 +119,21 @@ class ToolCalling:
             rule = f"call: %json {_compact(call)}\n"
             sep = '"; "'
         return ("start: call\n" if single else f"start: call ({sep} call)*\n") + rule
+
+
+    def _mistral_v11_grammar(self, tools, single: bool) -> str:
+        """`[TOOL_CALLS]name[ARGS]{...}` once (`single`) or more, a rule per tool."""
+        marker, args = (_token(tid, text) for tid, text in ((self.marker_id, "[TOOL_CALLS]"),
+                                                            (self.args_id, ARGS_TAG)))
+        rules = [f"call_{i}: {marker} {json.dumps(t.function.name)} {args} "
+                 f"%json {_compact(t.function.parameters or _NO_PARAMETERS)}" for i, t in enumerate(tools)]
+        call = " | ".join(f"call_{i}" for i in range(len(tools)))
+        return f"start: {'call' if single else 'call+'}\ncall: {call}\n" + "\n".join(rules) + "\n"
+
+
+def _token(tid: int | None, text: str) -> str:
+    """Lark for a marker: its special token by id, or else its text."""
+    return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
 
 def _compact(schema: dict) -> str:

@@ -34,6 +34,17 @@ CASES = [
      [("a", '{"x": "]"}'), ("b", "{}")]),
     ("mistral", 'Sure [TOOL_CALLS]{"name": "one", "arguments": {"n": 1}}', "Sure", [("one", '{"n": 1}')]),
     ("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    # v11: name[ARGS]{...}, once per call
+    ("mistral", '[TOOL_CALLS]weather[ARGS]{"city": "Paris", "x": "[ARGS]"}', None,
+     [("weather", '{"city": "Paris", "x": "[ARGS]"}')]),
+    ("mistral", 'Sure. [TOOL_CALLS]a[ARGS]{} [TOOL_CALLS]b.v-2[ARGS] {"n": [1]}', "Sure.",
+     [("a", "{}"), ("b.v-2", '{"n": [1]}')]),
+    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}][TOOL_CALLS]b[ARGS]{}', None, [("a", "{}"), ("b", "{}")]),
+    ('mistral', '[TOOL_CALLS]cut[ARGS]{"x": [1, ', None, [("cut", '{"x": [1, ')]),
+    ("mistral", "[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS]two words[ARGS]{}", []),
+    ("mistral", "[TOOL_CALLS]f(x) = 1", "[TOOL_CALLS]f(x) = 1", []),
+    ("mistral", "[TOOL_CALLS]half[ARG", "[TOOL_CALLS]half[ARG", []),
+    ("mistral", "[TOOL_CALLS]a[ARGS]oops [TOOL_CALLS]b[ARGS]{}", None, [("a", "")]),
 ]
 
 
@@ -99,7 +110,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert _calls(_streamed(text, "hermes", list(range(1, len(text))), max_calls=1)[1]) == [("a", "{}")]
 
 
-GARBAGE_PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", '"', "\\",
+GARBAGE_PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "get_x", "<|python_tag|>", "{", "}", "[", "]", '"', "\\",
                   '"name"', '"arguments"', '"parameters"', ":", ",", ";", " ", "\n", "x", "7", "null", "\ufffd", "é"]
 
 

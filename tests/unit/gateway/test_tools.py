@@ -14,11 +14,15 @@ import pytest
 
 from pdserve.config import GatewayConfig
 from pdserve.engine.grammar import GrammarCompiler
+from pdserve.engine.sampling_params import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_service import OpenAIService
+from pdserve.gateway.protocol import ChatCompletionRequest
 from pdserve.gateway.tool_calls import parse_tool_calls
-from pdserve.gateway.tools import tool_format
+from pdserve.gateway.tools import ToolCalling, tool_format
 from tests.fakes.gateway_client import ScriptedClient, call
+from tests.fakes.mistral_tool_model import CHAT_TEMPLATE as MISTRAL_TEMPLATE
+from tests.fakes.mistral_tool_model import make_mistral_tool_model
 from tests.fakes.tool_model import CHAT_TEMPLATE, make_tool_model
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
@@ -53,6 +57,7 @@ def chat(svc, **body):
 def test_the_format_comes_from_the_template_or_the_setting():
     assert tool_format("auto", CHAT_TEMPLATE) == "hermes"
     assert tool_format("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert tool_format("auto", MISTRAL_TEMPLATE) == "mistral"
     assert tool_format("auto", "{{ '<|python_tag|>' }}") == "llama3_json"
     assert tool_format("auto", "{{ messages }}") is None
     assert tool_format("llama3_json", CHAT_TEMPLATE) == "llama3_json"
@@ -205,3 +210,55 @@ def test_a_model_without_a_tool_format_refuses_tools_by_name(model):
     status, answer = chat(svc, tools=TOOLS)
     assert status == 400 and answer["error"]["param"] == "tools"
     assert chat(svc, tools=TOOLS, tool_choice="none")[0] == 200  # no call asked for: tools are left out
+
+
+@pytest.fixture(scope="module")
+def mistral_model(tiny_llama, tmp_path_factory):
+    return str(make_mistral_tool_model(tiny_llama, tmp_path_factory.mktemp("mistral-tool-model")))
+
+
+def _accepts(compiler, tok, spec, text: str) -> bool:
+    matcher = compiler.matcher(spec)
+    return all(matcher.advance(t) for t in tok.encode(text, add_special_tokens=False)) and matcher.is_accepting
+
+
+@pytest.mark.parametrize("v11", [True, False], ids=["name[ARGS]", "json-list"])
+def test_mistral_required_and_named_grammars_write_the_form_the_template_uses(model, mistral_model, v11):
+    """v11 (the template writes [ARGS], a special token as [TOOL_CALLS] is): the grammar names both
+    by id and writes name[ARGS]{...} per call; older tokenizers (no [ARGS]): a JSON list of calls."""
+    tok = Tokenizer(mistral_model if v11 else model)
+    tools = ToolCalling("auto" if v11 else "mistral", tok)
+    assert (tools.fmt, tools.is_mistral_v11) == ("mistral", v11)
+    assert (tools.marker_id is not None, tools.args_id is not None) == (v11, v11)
+    compiler = GrammarCompiler(tok.tok.to_str(), tok.vocab_size, [tok.eos_token_id])
+    if v11:
+        weather, forecast = '[TOOL_CALLS]weather[ARGS]{"city":"Paris"}', '[TOOL_CALLS]forecast[ARGS]{"days":3}'
+    else:
+        weather = '[TOOL_CALLS][{"name":"weather","arguments":{"city":"Paris"}}]'
+        forecast = '[TOOL_CALLS][{"name":"forecast","arguments":{"days":3}}]'
+    both = weather + forecast if v11 else weather[:-1] + "," + forecast[len("[TOOL_CALLS]["):]
+    names = {weather: ["weather"], forecast: ["forecast"], both: ["weather", "forecast"]}
+    for body, accepted in ((dict(tool_choice="required"), {weather, forecast, both}),
+                           (dict(tool_choice="required", parallel_tool_calls=False), {weather, forecast}),
+                           (dict(tool_choice={"type": "function", "function": {"name": "forecast"}}), {forecast})):
+        plan = tools.plan(ChatCompletionRequest(messages=ASK, tools=TOOLS, **body))
+        assert plan.keeps_special_tokens == v11
+        spec = StructuredOutput("grammar", plan.grammar)
+        for text in (weather, forecast, both, weather.replace("Paris", "Far too long a name"), "Sure!"):
+            assert _accepts(compiler, tok, spec, text) == (text in accepted), (body, text)
+            if text in accepted:
+                calls = parse_tool_calls(text, "mistral")[1]
+                assert [c["function"]["name"] for c in calls] == names[text]
+
+
+def test_a_mistral_call_is_read_with_its_special_tokens_kept(mistral_model):
+    svc = service(mistral_model, 'Let me check.[TOOL_CALLS]weather[ARGS]{"city": "Paris"}')
+    status, answer = chat(svc, tools=TOOLS)
+    assert status == 200, answer
+    assert svc.client.requests[-1].params.skip_special_tokens is False  # [TOOL_CALLS] and [ARGS] are special
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == "Let me check." and choice["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "Paris"}'}]
+    prompt = svc.tokenizer.decode(svc.client.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.startswith("<s>[AVAILABLE_TOOLS][") and prompt.endswith("[INST]Weather in Paris?[/INST]")
