@@ -3,7 +3,8 @@ P:D policy against the latency target (`pdserve.autoscale.policies`, its core in
 `pdserve.autoscale.joint`), fed by what each replica reports."""
 
 # Figures a replica reports when its engine measures them (the joint policy reads them).
-OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "ttft_attainment", "itl_attainment")
+OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "ttft_attainment", "itl_attainment",
+                  "requests_per_s", "finished_requests_per_s")
 
 
 def autoscaling_stats(stats: dict) -> dict[str, float]:

@@ -10,15 +10,21 @@ What each pool needs (`wanted`):
   enough to clear the tokens already queued within half the TTFT target, or within the time a
   new replica takes to start when that is longer (a replica that comes after a backlog is
   cleared does not clear it);
-- decode: its occupancy (the larger of KV blocks held and sequence slots held) brought to
-  TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to hand over),
-  plus slots for the requests waiting to be admitted;
+- decode: its occupancy (the larger of KV blocks held and sequence slots held, on the replicas
+  serving) as it will be once the arrival rate holds: by Little's law a pool holds arrival rate x
+  residence time, and residence time is today's occupancy over today's departure rate, so while
+  requests arrive faster than they finish the occupancy grows by arrivals / departures (a step of
+  the load shows in the arrival rate a tick after it happens; the occupancy, capped at full,
+  never shows it). That brought to TARGET_KV_USAGE (the rest is headroom for the prompts the
+  prefill pool is about to hand over), plus slots for the requests waiting to be admitted;
 - and each pool whose attainment over the window is below the SLO's percentile grows by STEP_UP
   of its size (at least one replica): decode on the share of inter-token gaps within the ITL
   target, prefill on the share of first tokens within the TTFT target, but only while its own
   queue holds more than QUEUE_SHARE of the TTFT target's work (a first token that waited for a
   decode slot is decode's to fix: its load figures grow with the wait). Latency measures what the
-  load figures cannot see (long contexts, local prefill stalling decodes).
+  load figures cannot see (long contexts, local prefill stalling decodes). Not while replicas of
+  the pool are still starting: the misses then are the ones those replicas are coming to fix,
+  and stepping again on every tick of a start overshoots by a step a tick.
 When both together exceed the budget, each pool gets its share of the budget in proportion to
 what it wants (at least one replica each).
 
@@ -55,21 +61,32 @@ class Slo:
 
 @dataclass(frozen=True)
 class PrefillSignal:
-    num_replicas: int
+    num_replicas: int  # serving and starting
     queued_tokens: float  # prompt tokens waiting in the pool, all replicas
     arrival_tokens_per_s: float  # prompt tokens sent to the pool per second over the window
     tokens_per_s_per_replica: float  # what one busy replica computes per second (measured)
     ttft_attainment: float | None = None  # share of first tokens within the TTFT target (None: no requests)
+    num_starting: int = 0  # of num_replicas, those not serving yet
 
 
 @dataclass(frozen=True)
 class DecodeSignal:
-    num_replicas: int
-    kv_usage: float  # KV blocks held / KV blocks, over the pool (0..1)
+    num_replicas: int  # serving and starting
+    kv_usage: float  # KV blocks held / KV blocks, over the replicas serving (0..1)
     itl_attainment: float | None = None  # share of inter-token gaps within the ITL target (None: no tokens)
-    seq_usage: float = 0.0  # sequences held / sequence slots (max_num_seqs), over the pool (0..1)
+    seq_usage: float = 0.0  # sequences held / sequence slots (max_num_seqs), over the replicas serving (0..1)
     num_waiting: float = 0.0  # requests routed to the pool and not admitted yet
     slots_per_replica: int = 256  # max_num_seqs
+    num_starting: int = 0  # of num_replicas, those not serving yet
+    arrivals_per_s: float | None = None  # requests the pool received a second over the window (None: not measured)
+    departures_per_s: float | None = None  # requests it finished a second
+
+    @property
+    def growth(self) -> float:
+        """How much its occupancy grows before arrivals and departures balance (Little's law), at least 1."""
+        if not self.arrivals_per_s or not self.departures_per_s:
+            return 1.0
+        return max(1.0, self.arrivals_per_s / self.departures_per_s)
 
 
 def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:
@@ -77,14 +94,14 @@ def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start
     rate = max(prefill.tokens_per_s_per_replica, 1e-9)
     p = math.ceil(prefill.arrival_tokens_per_s / rate / TARGET_UTILIZATION
                   + prefill.queued_tokens / (rate * max(slo.ttft_s / 2, replica_start_s)) - 1e-9)
-    queue_s = prefill.queued_tokens / (rate * max(prefill.num_replicas, 1))
+    queue_s = prefill.queued_tokens / (rate * max(prefill.num_replicas - prefill.num_starting, 1))
     if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment \
-            and queue_s > QUEUE_SHARE * slo.ttft_s:
+            and queue_s > QUEUE_SHARE * slo.ttft_s and not prefill.num_starting:
         p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
-    usage = max(decode.kv_usage, decode.seq_usage)
-    d = math.ceil(decode.num_replicas * usage / TARGET_KV_USAGE + decode.num_waiting / decode.slots_per_replica
-                  - 1e-9)
-    if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment:
+    serving = decode.num_replicas - decode.num_starting
+    occupied = serving * max(decode.kv_usage, decode.seq_usage) * decode.growth
+    d = math.ceil(occupied / TARGET_KV_USAGE + decode.num_waiting / decode.slots_per_replica - 1e-9)
+    if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment and not decode.num_starting:
         d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
     return max(1, p), max(1, d)
 

@@ -117,6 +117,12 @@ class PoolRatioPolicy:
         return {p_id: _decided(p_ctx, prefill)[0], d_id: _decided(d_ctx, decode)[0]}, {}
 
 
+def _asked(ctx) -> int:
+    """The replicas a pool has been asked for: those running (`current_num_replicas`) and those
+    still starting (up to the last target)."""
+    return max(ctx.current_num_replicas, ctx.target_num_replicas)
+
+
 def _mean(ctx, name: str) -> float | None:
     per_replica = (ctx.aggregated_metrics or {}).get(name)
     return None if not per_replica else float(sum(per_replica.values()) / len(per_replica))
@@ -132,8 +138,11 @@ class JointSloPolicy:
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
     `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
     replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
-    waiting in callers' handles (`total_num_requests` beyond those running); the decode replicas'
-    `ttft_attainment` / `itl_attainment` (the share within target over the window). A figure no
+    waiting in callers' handles (`total_num_requests` beyond those running), and the requests
+    they take and end a second (`requests_per_s`, `finished_requests_per_s`); the decode replicas'
+    `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
+    asked for and not running yet (the last target beyond `current_num_replicas`) count as
+    starting. A figure no
     replica reports counts as no signal: no load, or no attainment to react to. Before the prefill
     pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
     engine's; `replica_start_s` how long a new replica takes to serve (a backlog is cleared within
@@ -159,13 +168,15 @@ class JointSloPolicy:
             return {dep_id: ctx.current_num_replicas for dep_id, ctx in contexts.items()}, {}
         (p_id, p_ctx), (d_id, d_ctx) = by_name["Prefill"], by_name["Decode"]
         rate = _mean(p_ctx, "prefill_tokens_per_s") or self.prefill_tokens_per_s
-        prefill = PrefillSignal(p_ctx.current_num_replicas, _total(p_ctx, "queued_prefill_tokens") or 0.0,
+        prefill = PrefillSignal(_asked(p_ctx), _total(p_ctx, "queued_prefill_tokens") or 0.0,
                                 _total(p_ctx, "prompt_tokens_per_s") or 0.0, rate,
-                                _mean(d_ctx, "ttft_attainment"))
+                                _mean(d_ctx, "ttft_attainment"), _asked(p_ctx) - p_ctx.current_num_replicas)
         running = _total(d_ctx, "num_running") or 0.0
         slots = max(d_ctx.current_num_replicas, 1) * self.max_num_seqs
-        decode = DecodeSignal(d_ctx.current_num_replicas, _mean(d_ctx, "kv_usage") or 0.0,
+        decode = DecodeSignal(_asked(d_ctx), _mean(d_ctx, "kv_usage") or 0.0,
                               _mean(d_ctx, "itl_attainment"), running / slots,
-                              max(0.0, d_ctx.total_num_requests - running), self.max_num_seqs)
+                              max(0.0, d_ctx.total_num_requests - running), self.max_num_seqs,
+                              _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
+                              _total(d_ctx, "finished_requests_per_s"))
         p, d = self.scaler.decide(prefill, decode, time.monotonic())
         return {p_id: _decided(p_ctx, _bounded(p_ctx, p))[0], d_id: _decided(d_ctx, _bounded(d_ctx, d))[0]}, {}

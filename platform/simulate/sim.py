@@ -184,6 +184,7 @@ class Simulation:
         req = Req(self.num_arrived, now, s.prompt_tokens, s.output_tokens, s.prefix_id, s.prefix_tokens,
                   -(-(s.prompt_tokens + s.output_tokens) // self.config.block_size))
         self.num_arrived += 1
+        self.window.num_arrived += 1
         self.finish_counts.append(0)
         self._next_arrival()
         self.pending.append(req)
@@ -281,6 +282,7 @@ class Simulation:
     def finished(self, req: Req, now: float) -> None:
         self.finish_counts[req.id] += 1
         self.num_finished += 1
+        self.window.num_finished += 1
         self.end_s = now
         ttft_ok = req.first - req.arrival <= self.config.slo.ttft_s
         if req.output > 1:
@@ -353,14 +355,18 @@ class Simulation:
         if w.prefill_busy_s > 0:
             self._prefill_rate = w.prefill_tokens / w.prefill_busy_s
         p_signal = PrefillSignal(len(prefill), sum(r.queued_tokens for r in prefill), w.prompt_tokens / spec.tick_s,
-                                 self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None)
-        capacity, slots = sum(r.num_blocks for r in decode), len(decode) * self.config.max_num_seqs
-        # As a replica reports them: blocks and sequences of the requests whose KV it holds (not
-        # those still with the prefill pool), and the requests waiting for a replica.
-        d_signal = DecodeSignal(len(decode), sum(r.active_blocks for r in decode) / capacity if capacity else 0.0,
+                                 self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None,
+                                 sum(not r.is_active for r in prefill))
+        serving = [r for r in decode if r.is_active]
+        capacity, slots = sum(r.num_blocks for r in serving), len(serving) * self.config.max_num_seqs
+        # As the serving replicas report them: blocks and sequences of the requests whose KV they
+        # hold (not those still with the prefill pool); the requests waiting for a replica; the
+        # requests that came and went.
+        d_signal = DecodeSignal(len(decode), sum(r.active_blocks for r in serving) / capacity if capacity else 0.0,
                                 w.gap_weight_within / w.gap_weight if w.gap_weight else None,
-                                sum(r.num_running + len(r.local) for r in decode) / slots if slots else 0.0,
-                                len(self.pending), self.config.max_num_seqs)
+                                sum(r.num_running + len(r.local) for r in serving) / slots if slots else 0.0,
+                                len(self.pending), self.config.max_num_seqs, len(decode) - len(serving),
+                                w.num_arrived / spec.tick_s, w.num_finished / spec.tick_s)
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
         for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):
             live = self.pools[pool]

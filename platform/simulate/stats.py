@@ -58,9 +58,10 @@ class LogHistogram:
 
 
 class Window:
-    """What one autoscaling window saw: first tokens and inter-token gaps against the targets."""
+    """What one autoscaling window saw: first tokens and inter-token gaps against the targets,
+    the prefill pool's work, and the requests that reached and left the decode pool."""
     __slots__ = ("num_first", "num_first_within", "gap_weight", "gap_weight_within", "prompt_tokens",
-                 "prefill_tokens", "prefill_busy_s")
+                 "prefill_tokens", "prefill_busy_s", "num_arrived", "num_finished")
 
     def __init__(self):
         self.num_first = self.num_first_within = 0
@@ -68,3 +69,4 @@ class Window:
         self.prompt_tokens = 0  # uncached prompt tokens sent to the prefill pool
         self.prefill_tokens = 0  # prompt tokens the prefill pool computed
         self.prefill_busy_s = 0.0  # seconds its replicas spent computing them
+        self.num_arrived = self.num_finished = 0  # requests (the decode pool's arrivals and departures)

@@ -1,5 +1,7 @@
 """The joint P:D policy's core: what each pool wants, the shared budget, and hysteresis."""
 
+from dataclasses import replace
+
 import pytest
 
 from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo, wanted, within_budget
@@ -40,6 +42,31 @@ def test_first_tokens_late_behind_an_empty_prefill_queue_are_decodes_to_fix():
     # 2 replicas' slots all held: 2 x 1.0 / 0.8 = 2.5, and 512 waiting fill 2 more: 4.5 -> 5.
     assert wanted(late, DecodeSignal(2, 0.5, 1.0, seq_usage=1.0, num_waiting=512, slots_per_replica=256), SLO) \
         == (1, 5)
+
+
+def test_arrivals_outpacing_departures_size_decode_for_the_occupancy_to_come():
+    """Little's law: the pool will hold arrivals x residence time, and residence time is today's
+    occupancy over today's departures. A 4x step of arrivals shows a tick after it happens, while
+    the occupancy (full at most) cannot show it."""
+    # 2 replicas at 80% (1.6 replicas' worth) whose arrivals went from 50/s to 200/s: 6.4 -> 8 at 80%.
+    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=200, departures_per_s=50), SLO)[1] == 8
+    # Balanced, or draining (fewer arriving than leaving): the occupancy as it is.
+    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=50, departures_per_s=50), SLO)[1] == 2
+    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=10, departures_per_s=50), SLO)[1] == 2
+    # Nothing has left yet (no residence time measured): the occupancy as it is.
+    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=100, departures_per_s=0), SLO)[1] == 2
+
+
+def test_no_latency_step_while_the_pools_last_growth_is_starting():
+    """Misses while replicas are starting are the ones those replicas come to fix: stepping on
+    each tick of a start would overshoot by a step a tick. The load figures still count, over the
+    replicas serving."""
+    starting = DecodeSignal(4, 0.5, attainment := 0.5, num_starting=2)
+    assert wanted(prefill(1, 0), starting, SLO)[1] == 2  # 2 serving x 0.5 / 0.8 -> 2: no step
+    assert wanted(prefill(1, 0), DecodeSignal(4, 0.5, attainment), SLO)[1] == 5  # all serving: +20%
+    late = PrefillSignal(10, 30_000, 0, 10_000, ttft_attainment=0.5, num_starting=3)
+    assert wanted(late, decode(1, 0.1), SLO)[0] == 6  # its queue's want (30,000 / 5,000), no step
+    assert wanted(replace(late, num_starting=0), decode(1, 0.1), SLO)[0] == 12
 
 
 def test_the_budget_is_shared_in_proportion():
@@ -97,8 +124,9 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     monkeypatch.setitem(sys.modules, "pdserve.telemetry.metrics",
                         SimpleNamespace(autoscaling_decision=lambda *decision: recorded.append(decision)))
 
-    def pool(name, current, **metrics):
-        return SimpleNamespace(deployment_name=name, app_name="app", current_num_replicas=current, total_num_requests=0,
+    def pool(name, current, target=None, **metrics):
+        return SimpleNamespace(deployment_name=name, app_name="app", current_num_replicas=current,
+                               target_num_replicas=current if target is None else target, total_num_requests=0,
                                capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=10,
                                aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
 
@@ -114,6 +142,15 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     idle = pool("Prefill", 3, queued_prefill_tokens=[0]), pool("Decode", 3, kv_usage=[0.0])
     assert policy({"p": idle[0], "d": idle[1]})[0] == {"p": 3, "d": 3}
     assert policy({"p": prefill})[0] == {"p": 2}
+    # Decode requests arriving at 3x the rate they leave: 2 x 0.5 x 3 / 0.8 = 3.75 -> 4. Prefill
+    # (0.5 + 3,000 queued / 5,000 -> 2) misses TTFT with 0.3 s queued on the replica serving, but its
+    # second replica is still starting: no step to 3 while it starts.
+    policy = JointSloPolicy(ttft_ms=1000, itl_ms=50, percentile=99, max_total_replicas=12, downscale_delay_s=60)
+    growing = pool("Decode", 2, kv_usage=[0.5, 0.5], requests_per_s=[30, 30], finished_requests_per_s=[10, 10],
+                   ttft_attainment=[0.5, 0.5], num_running=[10, 10])
+    starting = pool("Prefill", 1, target=2, queued_prefill_tokens=[3_000], prefill_tokens_per_s=[10_000],
+                    prompt_tokens_per_s=[4_000])
+    assert policy({"p": starting, "d": growing})[0] == {"p": 2, "d": 4}
     # Each pool's bounds apply.
     busy = pool("Prefill", 9, queued_prefill_tokens=[10**6], prefill_tokens_per_s=[10_000])
     assert policy({"p": busy, "d": decode})[0]["p"] <= 10
