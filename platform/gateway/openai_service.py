@@ -50,6 +50,7 @@ from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, D
 from pdserve.gateway.request_body import parse_json_object, read_body
 from pdserve.gateway.reasoning import CLOSED, reasoning_mode, template_thinks
 from pdserve.gateway.structured import StructuredOutputChecker
+from pdserve.gateway.reasoning_effort import ReasoningEffort
 from pdserve.gateway.tools import ToolCalling
 from pdserve.gateway.sse import DONE, TextChunks, chat_choice, completion_choice, sse_event
 from pdserve.protocol import GenerateRequest
@@ -122,6 +123,7 @@ class OpenAIService:
         self.bounds = RequestBounds.of(config, tokenizer_json(tokenizer), max_model_len)
         self.structured = StructuredOutputChecker(tokenizer)  # compiles each constraint once, 400 if bad
         self.tool_calling = ToolCalling(config.tool_call_parser, tokenizer)
+        self.reasoning_effort = ReasoningEffort(tokenizer.chat_template)
         self.thinks = config.reasoning_parser == "think" or (config.reasoning_parser == "auto"
                                                               and template_thinks(tokenizer.chat_template))
         self.token_str = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
@@ -409,11 +411,12 @@ class OpenAIService:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         self.bounds.check_sequences(1, body.n)
         tools = self.tool_calling.plan(body)
+        template_kwargs = self.reasoning_effort.template_kwargs(body.reasoning_effort, body.template_kwargs())
         messages = body.template_messages()
         self.bounds.check_prompt_chars(sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
                                            for m in body.messages), "messages")
         text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt,
-                                                  tools.tools if tools else None, **body.template_kwargs())
+                                                  tools.tools if tools else None, **template_kwargs)
         mode = reasoning_mode(text) if self.thinks else None
         after = "" if mode in (None, CLOSED) else mode  # where the constraint starts: after any reasoning
         structured = self._check_sampling(body, tools.grammar if tools else None, after)

@@ -251,14 +251,14 @@ class ChatCompletionRequest(_SamplingFields):
     audio: Any = None
     modalities: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
+    # To the chat template as its variables (reasoning_effort.py): a 400 where it cannot take it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     UNSUPPORTED = (("functions", " (deprecated by OpenAI: send tools)"),
                     ("function_call", " (deprecated by OpenAI: send tool_choice)"),
                     ("prediction", " (predicted outputs)"),
-                    ("audio", " (text output only)"), ("web_search_options", ""),
-                    ("reasoning_effort", " (a thinking model's effort is not adjustable here)"), ("verbosity", ""))
+                    ("audio", " (text output only)"), ("web_search_options", ""), ("verbosity", ""))
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

@@ -10,6 +10,12 @@ the tiny checkpoint's weights, a chat template with tools and thinking, `</think
   told, and reads it as it would read a model trained to call (the constraint stands in for the
   weights; the call's arguments vary with the seed). Streamed deltas join to the response's call.
 - A round trip (the call, then a `tool` message with its result) is answered.
+- A Mistral v11 test model (`tests/fakes/mistral_tool_model.py`: `[AVAILABLE_TOOLS]`,
+  `[TOOL_CALLS]name[ARGS]{...}`, `[TOOL_RESULTS]`, weights that write a call) on a colocated app:
+  under `auto` it calls by itself, the stream joins to the same call, a `tool` message back gets
+  its answer, and a named choice (a grammar in v11's form) gives a valid call.
+- `reasoning_effort` reaches the template as `enable_thinking` (on for a level, off for "none");
+  a model whose template reads neither it nor `enable_thinking` answers 400 naming it.
 - Reasoning: with thinking on (the template opens `<think>`) and `logit_bias` (+18) making `</think>`
   likely, the section comes back as `reasoning_content`, the rest as `content`, and a regex
   constraint holds for the content after it; a stream agrees with the response.
@@ -26,6 +32,7 @@ import pytest
 
 from pdserve.config import ServeConfig
 from tests.e2e.conftest import App, POOL
+from tests.fakes.mistral_tool_model import ANSWER, CALL_ARGUMENTS, CALL_NAME, make_mistral_tool_model
 from tests.fakes.tool_model import END_THINK_ID, make_tool_model
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 256, "block_size": 16, "max_model_len": 1024, "max_num_seqs": 16,
@@ -178,3 +185,62 @@ def test_reasoning_comes_back_apart_and_the_constraint_holds_after_it(tools_app)
         whole.reasoning_content
     assert "".join(x.choices[0].delta.content or "" for x in chunks) == whole.content
     tools_app.wait_for_idle()
+
+
+def test_reasoning_effort_turns_thinking_on_or_off_and_a_template_without_it_refuses(tools_app, serve_apps):
+    """The test model's template reads enable_thinking: "low" opens the section, "none" closes it
+    (the same logit_bias then makes no reasoning); tiny-llama's template reads neither: 400."""
+    kwargs = dict(model=tools_app.model, messages=ASK, temperature=1.0, seed=4, max_tokens=30,
+                  logit_bias={str(END_THINK_ID): 18})
+    thinking = tools_app.client.chat.completions.create(reasoning_effort="low", **kwargs)
+    assert isinstance(thinking.choices[0].message.reasoning_content, str)
+    plain = tools_app.client.chat.completions.create(reasoning_effort="none", **kwargs)
+    assert plain.choices[0].message.reasoning_content is None
+    assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens  # the closed, empty section
+    colo = serve_apps["colo"]
+    with pytest.raises(openai.BadRequestError) as e:
+        colo.client.chat.completions.create(model=colo.model, messages=ASK, max_tokens=4, reasoning_effort="high")
+    assert e.value.body["param"] == "reasoning_effort"
+
+@pytest.fixture(scope="module")
+def mistral_app(serve_apps, tiny_llama, tmp_path_factory):
+    from ray import serve
+
+    from pdserve.app import build
+
+    model = make_mistral_tool_model(tiny_llama, tmp_path_factory.mktemp("models") / "mistral-tool-model")
+    cfg = ServeConfig(name="mistral-tools", model=str(model), engine=ENGINE, mode="colocated", decode=POOL)
+    serve.run(build(cfg), name="mistral-tools", route_prefix="/mistral-tools")
+    yield App("mistral-tools", f"{serve_apps['base']}/mistral-tools", "mistral-tool-model", "unused", ["Unified"])
+    serve.delete("mistral-tools")
+
+
+def test_a_mistral_model_calls_by_itself_streams_the_same_call_and_answers_a_tool_message(mistral_app):
+    client, model = mistral_app.client, mistral_app.model
+    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=40)
+    c = whole.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert _valid_calls(c.message, {"weather"}) == [(CALL_NAME, json.loads(CALL_ARGUMENTS))]
+    assert c.message.tool_calls[0].function.arguments == CALL_ARGUMENTS  # the model's text, as written
+    content, calls, finish = _joined_stream(client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=40, stream=True))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(x["name"], x["arguments"]) for x in calls] == [(CALL_NAME, CALL_ARGUMENTS)]
+
+    history = ASK + [c.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0,
+                                            max_tokens=40)
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].message.content == ANSWER
+    assert not answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > whole.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_a_mistral_named_choice_gives_a_valid_call(mistral_app):
+    for seed in SEEDS[:2]:
+        r = mistral_app.client.chat.completions.create(
+            model=mistral_app.model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=60,
+            tool_choice={"type": "function", "function": {"name": "forecast"}})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", (seed, c)
+        assert [name for name, _ in _valid_calls(c.message, {"forecast"})] == ["forecast"]
