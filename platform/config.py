@@ -282,8 +282,9 @@ class GatewayConfig(BaseModel):
         "auto", description="How the model writes tool calls, read into `tool_calls` and enforced for `tool_choice` "
                             "required or a named function. hermes: `<tool_call>{json}</tool_call>` (Hermes, Qwen2.5, "
                             "Qwen3); llama3_json: `{\"name\": ..., \"parameters\": ...}` (Llama 3.1+); mistral: "
-                            "`[TOOL_CALLS][...]`. auto: from the chat template (the tag it writes); none: requests "
-                            "with `tools` are refused.")
+                            "`[TOOL_CALLS][...]` or, where the template writes `[ARGS]` (v11 tokenizers), "
+                            "`[TOOL_CALLS]name[ARGS]{json}`. auto: from the chat template (the tag it writes); none: "
+                            "requests with `tools` are refused.")
     reasoning_parser: Literal["auto", "none", "think"] = Field(
         "auto", description="Reasoning output: think splits a `<think>...</think>` section (Qwen3, QwQ, DeepSeek-R1) "
                             "into `reasoning_content`, and output constraints apply after it. auto: think when the "

@@ -16,8 +16,9 @@ in pieces gives, so a response is its stream joined. The formats:
 
 Anything that is not a call (no name, broken JSON before the name, garbage in a tag) stays
 content, never an error: a call is committed once its name is read (in v11's form: once
-`[ARGS]` follows a name); what breaks after that ends its arguments. Text is held back only while it may still be a tag or a call whose name is not
-read yet, and each character is looked at once. Whitespace around calls is dropped. It does
+`[ARGS]` follows a name); what breaks after that ends its arguments. Text is held back only
+while it may still be a tag or a call whose name is not read yet, and each character is looked
+at once. Whitespace around calls is dropped. It does
 not know tools, grammars or HTTP: `tools.py` decides which format and what a request allows.
 """
 

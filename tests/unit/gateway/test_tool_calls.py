@@ -110,7 +110,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert _calls(_streamed(text, "hermes", list(range(1, len(text))), max_calls=1)[1]) == [("a", "{}")]
 
 
-GARBAGE_PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "get_x", "<|python_tag|>", "{", "}", "[", "]", '"', "\\",
+GARBAGE_PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "get_x", "<|python_tag|>",
+                  "{", "}", "[", "]", '"', "\\",
                   '"name"', '"arguments"', '"parameters"', ":", ",", ";", " ", "\n", "x", "7", "null", "\ufffd", "é"]
 
 
