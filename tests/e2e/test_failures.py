@@ -2,7 +2,8 @@
 keeps serving); a decode replica killed mid-stream, with migration off, ends that stream with an
 in-stream error and [DONE] (no hang), whether its outputs came on the call or over the replica's
 output connection, after which Ray Serve's replacement serves again; with migration on (the
-default) and a second replica, the stream goes on there and ends as an uninterrupted run."""
+default) and a second replica, the stream goes on there and ends as an uninterrupted run, a
+JSON-schema-constrained one too (the grammar's state is rebuilt there from the tokens sent)."""
 
 from __future__ import annotations
 
