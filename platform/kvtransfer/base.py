@@ -116,10 +116,15 @@ class BlockRead:
         self._staging: torch.Tensor | None = None
         self._is_closed = False
 
+    def is_in_place(self, i: int) -> bool:
+        """Chunk i is a view of the cache (no gather copy)."""
+        s0, s1 = self.chunks[i]
+        return self._run is not None and s1 - s0 == 1
+
     def chunk(self, i: int) -> torch.Tensor:
         s0, s1 = self.chunks[i]
         slabs = slab_view(self._exporter.kv)
-        if self._run is not None and s1 - s0 == 1:
+        if self.is_in_place(i):
             return slabs[s0, 0, self._run:self._run + len(self.block_ids)]
         if self._staging is None:
             self._staging = self._exporter.buffers.take(self.shape, self._exporter.kv.dtype, self._exporter.kv.device)

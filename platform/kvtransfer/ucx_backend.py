@@ -308,12 +308,14 @@ class UCXExporter(KVExporter):
 
     @staticmethod
     async def _send_blocks(ep, read: BlockRead) -> None:
-        """DATA, then every chunk; chunk i+1 is gathered while chunk i is on the wire."""
+        """DATA, then every chunk; a chunk to gather is gathered while the one before is on the
+        wire; chunks sent from the cache itself are all posted at once."""
         sends = [asyncio.ensure_future(_send_frame(ep, p.DATA, {"shape": list(read.shape),
                                                                 "num_chunks": len(read.chunks)}))]
         try:
             for i in range(len(read.chunks)):
-                await asyncio.sleep(0)  # the previous send is posted (in order) before the next copy
+                if not read.is_in_place(i):
+                    await asyncio.sleep(0)  # the sends before are posted (in order) before this copy
                 sends.append(asyncio.ensure_future(ep.send(_buffer(read.chunk(i)))))
             await asyncio.gather(*sends)
         finally:
@@ -505,10 +507,19 @@ class UCXImporter(KVImporter):
                     copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
                 left()  # past it, they may have gone back to its pool meanwhile: the copy is void
                 self.num_shared_memory_pulls += 1
+            in_place = []
             for (s0, s1), (target, is_staged), recv in zip(chunks, targets, tasks[2:]):
-                await asyncio.wait_for(asyncio.shield(recv), left())
-                if is_staged:  # while the next chunks arrive
+                if is_staged:  # scattered while the next chunks arrive
+                    await asyncio.wait_for(asyncio.shield(recv), left())
                     scatter_blocks(slabs[s0:s1], dst, target)
+                else:
+                    in_place.append(recv)
+            if in_place:  # one wait for them all: a wake-up of this loop per chunk cost ~0.1 ms each
+                done, pending = await asyncio.wait(in_place, timeout=left(), return_when=asyncio.FIRST_EXCEPTION)
+                for recv in done:
+                    recv.result()  # a failed receive raises here
+                if pending:
+                    raise asyncio.TimeoutError
             await asyncio.wait_for(_send_frame(ep, p.ACK if ack else p.DONE, {"request_id": handle.request_id,
                                                                             "lease_token": handle.lease_token}),
                                    left())

@@ -105,6 +105,7 @@ def test_a_read_yields_chunks_in_place_or_gathered_and_holds_its_blocks():
                 chunks = [read.chunk(i) for i in range(num_chunks)]
                 shares_cache = [c.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr() for c in chunks]
                 assert all(c.is_contiguous() for c in chunks) and shares_cache == [is_in_place] * num_chunks
+                assert [read.is_in_place(i) for i in range(num_chunks)] == shares_cache
                 data = torch.cat([c.reshape(-1) for c in chunks]).view(read.shape)
                 assert torch.equal(data, gather_blocks(kv, ids, heads))
         # An ack while a read is still sending: the lease ends, the blocks stay until the read closes.
