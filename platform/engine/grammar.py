@@ -3,8 +3,9 @@ that says which tokens may come next.
 
 In: a `StructuredOutput` (`sampling_params.py`) and the model's tokenizer (its tokenizer.json,
 vocabulary size and EOS ids). Out: `GrammarCompiler.matcher(spec)`, a fresh `GrammarMatcher`
-per request, and `disallowed_tokens(matchers, vocab_size)`, the batch's masks as one boolean
-tensor (the sampler sets the logits of the tokens it marks to -inf).
+per request, and `allowed_token_bitmask(rows, num_rows, vocab_size)`, a batch's masks as one
+packed bitmask (1 bit a token, llguidance's layout), which the sampler applies to the logits in
+one pass (`ops.token_bitmask`).
 
 The library is llguidance (benchmarks/grammar_mask.py and RESULTS.md say why: it installs
 with no dependencies, it compiles a schema in milliseconds, and its masks cost tens of
@@ -158,27 +159,24 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
 
 
-def disallowed_tokens(matchers: Sequence[GrammarMatcher], vocab_size: int):
-    """`[len(matchers), vocab_size]` booleans (a CPU torch tensor): True for each token a matcher
-    does not allow next. The masks are filled in parallel on llguidance's threads when there are
-    several (they let go of the GIL), then unpacked once, without a copy into torch."""
-    import torch  # here: the gateway compiles with this module and loads no torch
-
+def allowed_token_bitmask(rows: Sequence[tuple[int, GrammarMatcher]], num_rows: int,
+                          vocab_size: int) -> np.ndarray:
+    """`[num_rows, ceil(vocab_size / 32)]` int32 words: bit t % 32 of word t // 32 of row i is set
+    when token t may come next. `rows` pairs a row with its matcher; the other rows allow every
+    token. The rows are filled in one call, in parallel on llguidance's threads when there are
+    several (they let go of the GIL), straight into the array: nothing is unpacked here."""
     words = (vocab_size + 31) // 32
-    bitmask = np.zeros((len(matchers), words), dtype=np.int32)
-    executor = matchers[0].executor if len(matchers) > 1 else None
+    bitmask = np.full((num_rows, words), -1, dtype=np.int32)
+    executor = rows[0][1].executor if len(rows) > 1 else None
     if executor is not None:
-        executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
-                                         words * 4, len(matchers))
+        executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in rows], bitmask.ctypes.data, words * 4, num_rows)
     else:
-        for i, m in enumerate(matchers):
+        for i, m in rows:
             m.fill(bitmask[i])
-    for m in matchers:
+    for _, m in rows:
         if m.error is not None:
             raise GrammarError(f"the grammar failed: {m.error[:300]}")
-    np.invert(bitmask, out=bitmask)
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # 0/1 bytes: valid bools
-    return torch.from_numpy(bits).view(torch.bool)[:, :vocab_size]
+    return bitmask
 
 
 class GrammarCompiler:

@@ -1,13 +1,17 @@
 """Turn a batch of next-token logits into sampled tokens, per-request parameters applied.
 
-Order (as vLLM): logit bias -> penalties -> grammar mask -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> sample (a top-k of the vocabulary's size or more is no filter).
-Logit biases of the whole batch are added in one scatter; the grammar mask is computed only for
-the rows whose request has a grammar (`Request.grammar`, `pdserve.engine.grammar`), filled in
-one call for all of them, and sets every token the grammar does not allow to -inf. The runner
-calls `start_masks` before the forward pass: the masks depend only on the tokens each request
-has accepted, so they are filled on a thread of their own (llguidance lets go of the GIL) while
-the model computes, and the sampler takes them when it runs on the same requests.
+Order: grammar mask -> logit bias -> penalties -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> sample (a top-k of the vocabulary's size or more is no filter). vLLM applies
+the mask after bias and penalties; the mask's -inf absorbs both (biases are finite, repetition
+penalties positive), so the logits are the same, and the mask doubles as the copy that keeps the
+caller's logits unwritten. Logit biases of the whole batch are added in one scatter; the grammar
+mask is computed only for the rows whose request has a grammar (`Request.grammar`,
+`pdserve.engine.grammar`), filled for all of them in one call into one packed bitmask (the
+other rows allow every token), and applied to the whole batch in one pass (`ops.token_bitmask`),
+which sets every token a grammar does not allow to -inf. The runner calls `start_masks` before
+the forward pass: the masks depend only on the tokens each request has accepted, so they are
+filled on a thread of their own (llguidance lets go of the GIL) while the model computes, and the
+sampler takes them when it runs on the same requests.
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` (equivalent to multinomial). A request with a seed
 draws E from a generator seeded by its seed and the position of the token being drawn
 (`counter_seed`), so its samples depend neither on what else is in the batch nor on which engine
@@ -26,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pdserve.engine.grammar import disallowed_tokens
+from pdserve.engine.grammar import GrammarMatcher, allowed_token_bitmask
 from pdserve.engine.kernels import ops
 from pdserve.engine.outputs import TokenLogprob
 from pdserve.engine.request import Request
@@ -41,23 +45,22 @@ class Sampler:
     def start_masks(self, requests: list[Request]) -> None:
         """Begin filling the grammar masks of `requests` (the rows the next call samples)."""
         self._pending = None
-        constrained = [r.grammar for r in requests if r.grammar is not None]
-        if not constrained:
+        rows = _grammar_rows(requests)
+        if not rows:
             return
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar-masks")
-        vocab = constrained[0].vocab_size
-        self._pending = (list(requests), self._mask_thread.submit(disallowed_tokens, constrained, vocab))
+        self._pending = (list(requests), self._mask_thread.submit(allowed_token_bitmask, rows, len(requests),
+                                                                  rows[0][1].vocab_size))
 
-    def _masks(self, requests: list[Request], constrained: list[int], vocab: int) -> torch.Tensor:
-        """The constrained rows' banned tokens: the ones `start_masks` filled for these requests,
-        else filled now."""
+    def _bitmask(self, requests: list[Request]) -> torch.Tensor:
+        """The batch's packed grammar masks (`allowed_token_bitmask`): the ones `start_masks`
+        filled for these requests, else filled now."""
         pending, self._pending = self._pending, None
         if pending is not None and len(pending[0]) == len(requests) and all(map(operator.is_, pending[0], requests)):
-            banned = pending[1].result()
-            if banned.shape[-1] >= vocab:
-                return banned[:, :vocab]
-        return disallowed_tokens([requests[i].grammar for i in constrained], vocab)
+            return torch.from_numpy(pending[1].result())
+        rows = _grammar_rows(requests)
+        return torch.from_numpy(allowed_token_bitmask(rows, len(requests), rows[0][1].vocab_size))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = logits.float()
@@ -65,15 +68,14 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if constrained or any(p.has_penalties or p.logit_bias for p in params):
-            logits = logits.clone()
+        has_grammar = any(r.grammar is not None for r in requests)
+        if has_grammar or any(p.has_penalties or p.logit_bias for p in params):
+            # A copy either way: the caller's logits stay as they are.
+            logits = ops.token_bitmask(logits, self._bitmask(requests)) if has_grammar else logits.clone()
             apply_logit_bias(logits, params)
             for i, r in enumerate(requests):
                 if r.params.has_penalties:
                     apply_penalties(logits[i], r)
-            if constrained:
-                apply_grammar_masks(logits, self._masks(requests, constrained, logits.shape[-1]), constrained)
 
         if all(p.is_greedy for p in params):
             tokens = ops.argmax(logits)
@@ -117,6 +119,11 @@ def counter_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
+def _grammar_rows(requests: list[Request]) -> list[tuple[int, GrammarMatcher]]:
+    """(row, matcher) of each request that has a grammar."""
+    return [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+
+
 def needs_only_argmax(requests: list[Request]) -> bool:
     """Whether sampling these requests is each row's argmax and nothing else (greedy, no
     penalties, no logprobs): then a model that picks the argmax as it writes the logits (the C
@@ -150,16 +157,6 @@ def apply_logit_bias(logits: torch.Tensor, params) -> None:
     if rows:
         index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
         logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
-
-
-def apply_grammar_masks(logits: torch.Tensor, banned: torch.Tensor, rows: list[int]) -> None:
-    """In place: -inf in row `rows[j]` for every token `banned[j]` marks (a CPU bool tensor)."""
-    banned = banned.to(logits.device)
-    if len(rows) == logits.shape[0]:  # every row constrained: one op, no gather
-        logits.masked_fill_(banned, float("-inf"))
-        return
-    for j, i in enumerate(rows):
-        logits[i].masked_fill_(banned[j], float("-inf"))
 
 
 def apply_filters(logits: torch.Tensor, params) -> torch.Tensor:

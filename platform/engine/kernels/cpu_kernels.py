@@ -10,6 +10,7 @@ them): built into one library on first use, called through ctypes.
   registers, products and sums in fp32), which halves the bytes a decode step streams.
 - the decode step in one call (`pdserve_decoder_*`): bound here, driven by `cpu_decoder.py`.
 - `argmax`: greedy sampling's argmax over the vocabulary.
+- `token_bitmask`: a grammar's packed token mask applied to logits (constrained decoding).
 - `rms_norm` (optionally adding the residual first), `silu_mul`, `rotary_`: one pass each where
   torch runs several ops with temporaries; at decode batch sizes those per-op costs add up.
 
@@ -282,6 +283,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of dense fp32 `[rows, n]` x with -inf for every token dense int32 `[rows, words]`
+    `bitmask` does not allow (bit t % 32 of word t // 32; tokens from 32 * words on: -inf)."""
+    out = torch.empty_like(x)
+    load().pdserve_token_bitmask_f32(x.data_ptr(), bitmask.data_ptr(), x.shape[0], x.shape[1], bitmask.shape[1],
+                                     out.data_ptr())
+    return out
+
+
 PANEL = 16  # columns per panel of a packed weight (cpu_linear.h)
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -301,4 +311,5 @@ _SIGNATURES = {
     "pdserve_decoder_stats": (None, [_P, _P]),
     "pdserve_decoder_chaos": (None, [_P, _T, _T]),
     "pdserve_argmax_f32": (None, [_P, _I, _I, _P, _T]),
+    "pdserve_token_bitmask_f32": (None, [_P, _P, _I, _I, _I, _P]),
 }

@@ -7,6 +7,7 @@
  *   cpu_prefill_attention.c    a sequence's prefill chunk, causal, on the matmul's tiles
  *   cpu_elementwise.h/.c       RMSNorm with the residual add, silu * up, rotary
  *   cpu_argmax.h/.c            greedy sampling's argmax
+ *   cpu_token_bitmask.c        a grammar's packed token mask applied to logits
  *   cpu_decoder.h/.c           a whole decode step in one call, token ids to logits
  *   cpu_decoder_threads.c      the decode step's own threads and how they share its work
  *

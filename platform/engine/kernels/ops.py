@@ -15,7 +15,7 @@ Elementwise (the model files'):
 Linear layers: `pack_linear(weight)` once at load, then `linear(x, ...)` on what it packed for.
 Experts: `fuses_moe(w13, ...)` once at load (it fixes the weights' layout), then `moe(...)`.
 Paged attention: `write_kv`, `paged_decode_attention`, `paged_prefill_attention`.
-Sampling: `argmax(logits)`.
+Sampling: `argmax(logits)`, `token_bitmask(logits, bitmask)` (a grammar's packed mask).
 
 It knows nothing of layers or models: tensors in, tensors out.
 """
@@ -235,3 +235,23 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if cpu_kernels.usable(logits) and logits.is_contiguous() and logits.shape[-1] > 0:
         return cpu_kernels.argmax(logits)
     return logits.argmax(dim=-1)
+
+
+def token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits `[rows, vocab]` with -inf for every token int32 `bitmask` `[rows, words]`
+    does not allow: bit t % 32 of word t // 32 (llguidance's layout; tokens from 32 * words on
+    are not allowed). One pass in C where it takes the tensors (unpacking to booleans and
+    `masked_fill` costs ~5 ms at 64 rows of 32k tokens on 2 cores)."""
+    if (cpu_kernels.usable(logits) and logits.is_contiguous() and bitmask.dtype == torch.int32
+            and bitmask.is_contiguous() and not bitmask.is_cuda):
+        return cpu_kernels.token_bitmask(logits, bitmask)
+    return _token_bitmask_torch(logits, bitmask)
+
+
+def _token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[-1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[-1]))
+    return logits.masked_fill(~allowed, float("-inf"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels, ops
 from pdserve.engine.kernels import paged_attention as ref
 from pdserve.engine.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding
 
@@ -313,3 +313,24 @@ def test_argmax_matches_torch(n):
     x[4, -1] = float("inf")
     x[5] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
     assert cpu_kernels.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("n,words", [(32000, 1000), (50, 2), (50, 1), (33, 2), (7, 1)])
+def test_token_bitmask_matches_torch(n, words):
+    """A grammar's packed mask (bit t % 32 of word t // 32): every token whose bit is clear, and
+    every token past the mask's 32 * words, becomes -inf; the rest are copied, NaN and inf
+    included; whole words of ones and of zeros (the fast paths) and partial ones alike."""
+    g = torch.Generator().manual_seed(n + words)
+    x = torch.randn(5, n, generator=g)
+    x[0, 0], x[0, -1] = float("nan"), float("inf")
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    bitmask[3, 0] = -1
+    allowed = torch.tensor([[t < 32 * words and bool(int(bitmask[r, t // 32]) >> (t % 32) & 1) for t in range(n)]
+                            for r in range(5)])
+    expected = torch.where(allowed, x, torch.tensor(float("-inf")))
+    out = cpu_kernels.token_bitmask(x, bitmask)
+    torch.testing.assert_close(out, expected, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(ops._token_bitmask_torch(x, bitmask), expected, equal_nan=True, rtol=0, atol=0)
+    assert ops.token_bitmask(x, bitmask).data_ptr() != x.data_ptr()  # a copy: the logits stay as they are

@@ -14,7 +14,7 @@ import torch
 
 from pdserve.engine import sampler as sampler_module
 from pdserve.engine.async_engine import AsyncLLMEngine
-from pdserve.engine.grammar import GrammarCompiler, GrammarError, disallowed_tokens
+from pdserve.engine.grammar import GrammarCompiler, GrammarError, allowed_token_bitmask
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, needs_only_argmax
@@ -203,16 +203,18 @@ def test_the_mask_is_computed_only_for_constrained_rows(engine, monkeypatch):
             _req(SamplingParams(seed=1)), _req(SamplingParams(seed=2, structured=spec), engine)]
     seen = []
 
-    def spy(matchers, vocab_size):
-        seen.append(len(matchers))
-        return disallowed_tokens(matchers, vocab_size)
+    def spy(rows, num_rows, vocab_size):
+        seen.append([i for i, _ in rows])
+        return allowed_token_bitmask(rows, num_rows, vocab_size)
 
-    monkeypatch.setattr(sampler_module, "disallowed_tokens", spy)
+    monkeypatch.setattr(sampler_module, "allowed_token_bitmask", spy)
     tokens, _ = Sampler()(logits, reqs)
-    assert seen == [2]  # one fill for the batch's two constrained rows
+    assert seen == [[1, 3]]  # one fill for the batch's two constrained rows
     digits = set(engine.tokenizer.encode("0123456789", add_special_tokens=False))
-    allowed = ~disallowed_tokens([engine.grammars.matcher(spec)], vocab)[0]
-    assert allowed[tokens[1]] and allowed[tokens[3]]
+    bitmask = allowed_token_bitmask([(0, engine.grammars.matcher(spec))], 1, vocab)[0]
+    allowed = {t for t in range(vocab) if bitmask[t // 32] >> (t % 32) & 1}
+    assert tokens[1] in allowed and tokens[3] in allowed
+    assert allowed and all(engine.tokenizer.decode([t]).isdigit() for t in allowed)
     unconstrained, _ = Sampler()(logits[[0, 2]], [reqs[0], reqs[2]])
     assert [tokens[0], tokens[2]] == unconstrained  # rows without a grammar are untouched
     assert digits  # the vocabulary has digit tokens for the grammar to allow
@@ -250,11 +252,11 @@ def test_logit_bias_is_bounded_and_checked_against_the_vocabulary(engine):
 def test_masks_are_filled_on_their_own_thread_during_the_forward_pass(engine, monkeypatch):
     threads = []
 
-    def spy(matchers, vocab_size):
+    def spy(rows, num_rows, vocab_size):
         threads.append(threading.current_thread().name)
-        return disallowed_tokens(matchers, vocab_size)
+        return allowed_token_bitmask(rows, num_rows, vocab_size)
 
-    monkeypatch.setattr(sampler_module, "disallowed_tokens", spy)
+    monkeypatch.setattr(sampler_module, "allowed_token_bitmask", spy)
     outs = _run(engine, "overlap", SamplingParams(max_tokens=40, seed=2, structured=JSON))
     jsonschema.validate(json.loads(_text(outs)), SCHEMA)
     assert len(threads) == len(outs)  # one fill a step
