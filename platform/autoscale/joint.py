@@ -12,11 +12,11 @@ What each pool needs (`wanted`):
   cleared does not clear it);
 - decode: its occupancy (the larger of KV blocks held and sequence slots held, on the replicas
   serving) as it will be once the arrival rate holds: by Little's law a pool holds arrival rate x
-  residence time, and residence time is today's occupancy over today's departure rate, so while
-  requests arrive faster than they finish the occupancy grows by arrivals / departures (a step of
-  the load shows in the arrival rate a tick after it happens; the occupancy, capped at full,
-  never shows it). That brought to TARGET_KV_USAGE (the rest is headroom for the prompts the
-  prefill pool is about to hand over), plus slots for the requests waiting to be admitted;
+  residence time requests, so while that exceeds the requests it holds now, the occupancy grows
+  in proportion (a step of the load shows in the arrival rate a tick after it happens; the
+  occupancy, full at most, never shows it, and mid-step it shows the step only in part). That
+  brought to TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to
+  hand over), plus slots for the requests waiting to be admitted;
 - and each pool whose attainment over the window is below the SLO's percentile grows by STEP_UP
   of its size (at least one replica): decode on the share of inter-token gaps within the ITL
   target, prefill on the share of first tokens within the TTFT target, but only while its own
@@ -79,14 +79,16 @@ class DecodeSignal:
     slots_per_replica: int = 256  # max_num_seqs
     num_starting: int = 0  # of num_replicas, those not serving yet
     arrivals_per_s: float | None = None  # requests the pool received a second over the window (None: not measured)
-    departures_per_s: float | None = None  # requests it finished a second
+    residence_s: float | None = None  # how long the requests that ended over the window were held, on average
+    num_held: float = 0.0  # requests the pool holds now
 
     @property
     def growth(self) -> float:
-        """How much its occupancy grows before arrivals and departures balance (Little's law), at least 1."""
-        if not self.arrivals_per_s or not self.departures_per_s:
+        """How much its occupancy grows before arrivals and departures balance, at least 1: the
+        requests it will hold (arrival rate x residence time, Little's law) over those it holds."""
+        if not (self.arrivals_per_s and self.residence_s and self.num_held):
             return 1.0
-        return max(1.0, self.arrivals_per_s / self.departures_per_s)
+        return max(1.0, self.arrivals_per_s * self.residence_s / self.num_held)
 
 
 def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:

@@ -138,8 +138,9 @@ class JointSloPolicy:
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
     `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
     replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
-    waiting in callers' handles (`total_num_requests` beyond those running), and the requests
-    they take and end a second (`requests_per_s`, `finished_requests_per_s`); the decode replicas'
+    waiting in callers' handles (`total_num_requests` beyond those running), the requests they
+    take a second (`requests_per_s`), hold (`num_in_flight_requests`) and how long they held
+    those that ended (`residence_s`); the decode replicas'
     `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
     asked for and not running yet (the last target beyond `current_num_replicas`) count as
     starting. A figure no
@@ -177,6 +178,6 @@ class JointSloPolicy:
                               _mean(d_ctx, "itl_attainment"), running / slots,
                               max(0.0, d_ctx.total_num_requests - running), self.max_num_seqs,
                               _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
-                              _total(d_ctx, "finished_requests_per_s"))
+                              _mean(d_ctx, "residence_s"), _total(d_ctx, "num_in_flight_requests") or 0.0)
         p, d = self.scaler.decide(prefill, decode, time.monotonic())
         return {p_id: _decided(p_ctx, _bounded(p_ctx, p))[0], d_id: _decided(d_ctx, _bounded(d_ctx, d))[0]}, {}

@@ -23,18 +23,23 @@ The rates come from `CostModel`, moving averages of what this replica measures (
 its remote prefill calls, its pulls), starting from priors. Averages predict the mean; the target
 holds for a percentile of requests, so each path's prediction carries a margin: that percentile of
 how far its recent first tokens came after their predictions (queues, hops and other processes
-vary more than any average says). Pure logic: no Ray, no engine.
+vary more than any average says), over the last minute at most. Pure logic: no Ray, no engine.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pdserve.telemetry.averages import Average, Tail
 
-# Prediction errors kept per path: at 256, a 99th percentile is the third largest.
+# Prediction errors kept per path: at 256, a 99th percentile is the third largest. Kept a minute at
+# most: a margin measured under a past load must not outlive it, least of all on a path it keeps
+# unused (no new errors would ever replace the old).
 ERROR_SAMPLES = 256
+ERROR_HORIZON_S = 60.0
 # Below this many first tokens on a path its margin is 0: a handful of requests says nothing of a tail.
 MIN_ERROR_SAMPLES = 20
 
@@ -125,17 +130,18 @@ class CostModel:
     each within a few samples. Samples that carry no information are skipped: a zero-length step,
     or prompt tokens beside decodes in a step no longer than a decode step alone (so no rate ever
     falls to 0). The margins are the `percentile`-th percentile of each path's recent errors (a
-    first token's time from placement less its prediction)."""
+    first token's time from placement less its prediction); `clock` dates them (seconds)."""
 
     def __init__(self, decode_step_s: float = 0.02, prefill_token_s: float = 1e-3,
-                 link_bytes_per_s: float = 1e9, percentile: float = 99.0):
+                 link_bytes_per_s: float = 1e9, percentile: float = 99.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.decode_step = Average(decode_step_s)
         self.prefill_token = Average(prefill_token_s)
         self.remote_rate = Average(0.0)  # until a prefill replica reports its rate: this replica's own
         self.remote_wait = Average(0.0)
         self.link = Average(link_bytes_per_s)
-        self.percentile = percentile
-        self.errors = {"remote": Tail(ERROR_SAMPLES), "local": Tail(ERROR_SAMPLES)}
+        self.percentile, self.clock = percentile, clock
+        self.errors = {where: Tail(ERROR_SAMPLES, ERROR_HORIZON_S) for where in ("remote", "local")}
 
     def step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         """One engine step: `num_decodes` sequences decoded, `num_prefill_tokens` prompt tokens
@@ -167,10 +173,11 @@ class CostModel:
     def first_token(self, where: str, predicted_s: float, seconds: float) -> None:
         """A request placed `where` ("remote" or "local") with a mean prediction of `predicted_s`
         (`Placement.expected_ttft_s`) had its first token `seconds` after it was placed."""
-        self.errors[where].add(seconds - predicted_s)
+        self.errors[where].add(self.clock(), seconds - predicted_s)
 
     def _margin(self, where: str) -> float:
         errors = self.errors[where]
+        errors.expire(self.clock())
         return errors.percentile(self.percentile) if len(errors) >= MIN_ERROR_SAMPLES else 0.0
 
     def rates(self) -> Rates:

@@ -82,10 +82,11 @@ class DecodeServer:
         # Attainment over the last ATTAINMENT_WINDOW_S (the joint autoscaling policy reads it):
         # first tokens within the TTFT target, and token gaps (steps, one per stream) within the ITL's.
         self.ttft, self.itl = Window(ATTAINMENT_WINDOW_S), Window(ATTAINMENT_WINDOW_S)
-        # Requests that came and went (however they ended), read at each stats(): their rates tell
-        # the joint policy how the occupancy will move (Little's law).
-        self.num_arrived = self.num_departed = 0
-        self.arrived, self.departed = Window(ATTAINMENT_WINDOW_S), Window(ATTAINMENT_WINDOW_S)
+        # Requests taken (a counter, read at each stats()) and how long each was held (however it
+        # ended): with the requests held now, they tell the joint policy how the occupancy will
+        # move (Little's law).
+        self.num_arrived = 0
+        self.arrived, self.held = Window(ATTAINMENT_WINDOW_S), Window(ATTAINMENT_WINDOW_S)
         self.engine.engine.on_step = self._on_step  # (on the engine's thread, after each step)
         self.remote_queued_tokens = 0  # uncached prompt tokens of this replica's remote prefills in flight
         self.num_remote_prefills = self.num_local_prefills = self.num_pulled_blocks = self.num_failed_pulls = 0
@@ -98,7 +99,7 @@ class DecodeServer:
 
     async def generate(self, req: GenerateRequest, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """`forward`: see AsyncLLMEngine (outputs it takes are not yielded; the first never is)."""
-        arrived = time.monotonic()
+        arrived = started = time.monotonic()
         self.num_arrived += 1
         try:
             async with aclosing(self._generate(req, forward, arrived)) as outs:
@@ -114,7 +115,8 @@ class DecodeServer:
                     yield out
         finally:
             self.placed.pop(req.request_id, None)
-            self.num_departed += 1
+            now = time.monotonic()
+            self.held.add(now, now - started)
 
     async def _generate(self, req: GenerateRequest, forward: Forward | None,
                         arrived: float) -> AsyncIterator[RequestOutput]:
@@ -318,9 +320,8 @@ class DecodeServer:
     def stats(self) -> dict:
         now = time.monotonic()
         self.arrived.add(now, self.num_arrived)
-        self.departed.add(now, self.num_departed)
         return {**self.engine.stats(), "num_remote_prefills": self.num_remote_prefills,
-                "requests_per_s": self.arrived.rate(now), "finished_requests_per_s": self.departed.rate(now),
+                "requests_per_s": self.arrived.rate(now), "residence_s": self.held.mean(now),
                 "num_local_prefills": self.num_local_prefills,
                 "num_local_prefills_for_target": self.num_local_prefills_for_target,
                 "num_early_first_tokens": self.num_early_first_tokens,

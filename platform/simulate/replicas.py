@@ -27,7 +27,7 @@ from pdserve.simulate.roofline import StepCost, prefill_pairs
 
 class Req:
     __slots__ = ("id", "arrival", "prompt", "output", "prefix_id", "prefix_tokens", "blocks", "decode",
-                 "uncached", "dispatched", "ahead", "first", "pull_bytes", "placed")
+                 "uncached", "dispatched", "ahead", "first", "pull_bytes", "placed", "routed")
 
     def __init__(self, rid: int, arrival: float, prompt: int, output: int, prefix_id, prefix_tokens: int,
                  blocks: int):
@@ -35,7 +35,7 @@ class Req:
         self.prefix_id, self.prefix_tokens, self.blocks = prefix_id, prefix_tokens, blocks
         self.decode = None
         self.uncached = prompt  # prompt tokens the decode replica's cache lacks
-        self.dispatched = self.ahead = self.first = self.pull_bytes = 0
+        self.dispatched = self.ahead = self.first = self.pull_bytes = self.routed = 0
         self.placed = None  # (path, mean predicted TTFT, when placed), as the real decode replica keeps it
 
 
@@ -105,7 +105,8 @@ class SimPrefill(_Replica):
 class SimDecode(_Replica):
     def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int, max_num_seqs: int):
         super().__init__(sim, name, cost, budget)
-        self.cm = CostModel(percentile=sim.config.slo.percentile)  # the priors a real replica starts from
+        # The priors a real replica starts from; its prediction errors dated in simulated time.
+        self.cm = CostModel(percentile=sim.config.slo.percentile, clock=lambda: sim.now)
         self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
         self.num_admitted = 0  # requests holding blocks here
         self.active_blocks = 0  # blocks of the requests whose KV is here (decoding or prefilling here)
@@ -134,7 +135,8 @@ class SimDecode(_Replica):
 
     def route(self, req: Req, now: float) -> None:
         """A request the decode router chose this replica for."""
-        req.decode = self
+        req.decode, req.routed = self, now
+        self.sim.window.num_routed += 1
         self.blocked.append(req)
         self._admit(now)
 

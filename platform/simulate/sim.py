@@ -184,7 +184,6 @@ class Simulation:
         req = Req(self.num_arrived, now, s.prompt_tokens, s.output_tokens, s.prefix_id, s.prefix_tokens,
                   -(-(s.prompt_tokens + s.output_tokens) // self.config.block_size))
         self.num_arrived += 1
-        self.window.num_arrived += 1
         self.finish_counts.append(0)
         self._next_arrival()
         self.pending.append(req)
@@ -283,6 +282,7 @@ class Simulation:
         self.finish_counts[req.id] += 1
         self.num_finished += 1
         self.window.num_finished += 1
+        self.window.held_s += now - req.routed
         self.end_s = now
         ttft_ok = req.first - req.arrival <= self.config.slo.ttft_s
         if req.output > 1:
@@ -361,12 +361,14 @@ class Simulation:
         capacity, slots = sum(r.num_blocks for r in serving), len(serving) * self.config.max_num_seqs
         # As the serving replicas report them: blocks and sequences of the requests whose KV they
         # hold (not those still with the prefill pool); the requests waiting for a replica; the
-        # requests that came and went.
+        # requests routed to the pool, how long those that ended were held, and those it holds.
         d_signal = DecodeSignal(len(decode), sum(r.active_blocks for r in serving) / capacity if capacity else 0.0,
                                 w.gap_weight_within / w.gap_weight if w.gap_weight else None,
                                 sum(r.num_running + len(r.local) for r in serving) / slots if slots else 0.0,
                                 len(self.pending), self.config.max_num_seqs, len(decode) - len(serving),
-                                w.num_arrived / spec.tick_s, w.num_finished / spec.tick_s)
+                                w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
+                                sum(r.num_admitted + len(r.blocked) for r in (*decode, *self.draining)
+                                    if r.pool == "decode"))
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
         for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):
             live = self.pools[pool]

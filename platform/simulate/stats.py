@@ -61,7 +61,7 @@ class Window:
     """What one autoscaling window saw: first tokens and inter-token gaps against the targets,
     the prefill pool's work, and the requests that reached and left the decode pool."""
     __slots__ = ("num_first", "num_first_within", "gap_weight", "gap_weight_within", "prompt_tokens",
-                 "prefill_tokens", "prefill_busy_s", "num_arrived", "num_finished")
+                 "prefill_tokens", "prefill_busy_s", "num_routed", "num_finished", "held_s")
 
     def __init__(self):
         self.num_first = self.num_first_within = 0
@@ -69,4 +69,5 @@ class Window:
         self.prompt_tokens = 0  # uncached prompt tokens sent to the prefill pool
         self.prefill_tokens = 0  # prompt tokens the prefill pool computed
         self.prefill_busy_s = 0.0  # seconds its replicas spent computing them
-        self.num_arrived = self.num_finished = 0  # requests (the decode pool's arrivals and departures)
+        self.num_routed = self.num_finished = 0  # requests routed to a decode replica, and ended there
+        self.held_s = 0.0  # the seconds the ended ones were held there, together

@@ -27,8 +27,9 @@ class Average:
 
 class Window:
     """What happened over the last `window_s` seconds: samples (time, value, weight), oldest dropped
-    as new ones come. Its figures: the share of weight whose value held (`share`), and the rate a
-    cumulative counter grew at (`rate`, its samples being the counter's readings). Thread-safe: an
+    as new ones come. Its figures: the share of weight whose value held (`share`), the values' mean
+    (`mean`), and the rate a cumulative counter grew at (`rate`, its samples being the counter's
+    readings). Thread-safe: an
     engine's thread adds while its replica's event loop reads."""
 
     def __init__(self, window_s: float):
@@ -53,6 +54,14 @@ class Window:
         total = sum(w for _, _, w in samples)
         return sum(w for _, v, w in samples if v) / total if total else None
 
+    def mean(self, now: float) -> float | None:
+        """Weighted mean of the samples' values (None: none in the window)."""
+        with self._lock:
+            self._drop(now)
+            samples = list(self.samples)
+        total = sum(w for _, _, w in samples)
+        return sum(v * w for _, v, w in samples) / total if total else None
+
     def rate(self, now: float) -> float | None:
         """Growth per second of the counter whose readings the samples are (None: under two)."""
         with self._lock:
@@ -64,22 +73,32 @@ class Window:
 
 
 class Tail:
-    """The last `size` samples of a quantity, kept in order for its percentiles: where a decision
-    must hold for a share of cases (a latency target's percentile), an average hides the tail."""
+    """The last `size` samples of a quantity within `horizon_s` seconds, kept in order for their
+    percentiles: where a decision must hold for a share of cases (a latency target's percentile),
+    an average hides the tail. Samples age out, so a tail measured under a past load does not
+    outlive it."""
 
-    def __init__(self, size: int):
-        self.recent: deque[float] = deque()
+    def __init__(self, size: int, horizon_s: float):
+        self.size, self.horizon_s = size, horizon_s
+        self.recent: deque[tuple[float, float]] = deque()  # (time, sample), oldest first
         self.ordered: list[float] = []
-        self.size = size
 
     def __len__(self) -> int:
         return len(self.recent)
 
-    def add(self, sample: float) -> None:
+    def add(self, now: float, sample: float) -> None:
         if len(self.recent) == self.size:
-            del self.ordered[bisect_left(self.ordered, self.recent.popleft())]
-        self.recent.append(sample)
+            self._remove_oldest()
+        self.recent.append((now, sample))
         insort(self.ordered, sample)
+
+    def expire(self, now: float) -> None:
+        """Forget the samples older than the horizon."""
+        while self.recent and self.recent[0][0] < now - self.horizon_s:
+            self._remove_oldest()
+
+    def _remove_oldest(self) -> None:
+        del self.ordered[bisect_left(self.ordered, self.recent.popleft()[1])]
 
     def percentile(self, percent: float) -> float:
         """The smallest sample at least `percent` percent of the samples do not exceed (the

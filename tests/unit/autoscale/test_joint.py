@@ -44,17 +44,23 @@ def test_first_tokens_late_behind_an_empty_prefill_queue_are_decodes_to_fix():
         == (1, 5)
 
 
-def test_arrivals_outpacing_departures_size_decode_for_the_occupancy_to_come():
-    """Little's law: the pool will hold arrivals x residence time, and residence time is today's
-    occupancy over today's departures. A 4x step of arrivals shows a tick after it happens, while
-    the occupancy (full at most) cannot show it."""
-    # 2 replicas at 80% (1.6 replicas' worth) whose arrivals went from 50/s to 200/s: 6.4 -> 8 at 80%.
-    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=200, departures_per_s=50), SLO)[1] == 8
-    # Balanced, or draining (fewer arriving than leaving): the occupancy as it is.
-    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=50, departures_per_s=50), SLO)[1] == 2
-    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=10, departures_per_s=50), SLO)[1] == 2
-    # Nothing has left yet (no residence time measured): the occupancy as it is.
-    assert wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=100, departures_per_s=0), SLO)[1] == 2
+def test_arrivals_outpacing_the_pool_size_decode_for_the_occupancy_to_come():
+    """Little's law: the pool will hold arrival rate x residence time requests. A 4x step of
+    arrivals shows a tick after it happens, while the occupancy (full at most) cannot show it."""
+    def want(arrivals, held, residence=2.0):
+        return wanted(prefill(1, 0), DecodeSignal(2, 0.8, arrivals_per_s=arrivals, residence_s=residence,
+                                                  num_held=held), SLO)[1]
+
+    # 2 replicas at 80% (1.6 replicas' worth) holding 100 requests held 2 s each: 50/s balances them.
+    assert want(arrivals=50, held=100) == 2
+    # Arrivals step to 200/s: 400 requests to hold, 4x the occupancy: 6.4 -> 8 at 80%.
+    assert want(arrivals=200, held=100) == 8
+    # Mid-step, 250 held already (and the occupancy with them): the growth still to come, 1.6x.
+    assert wanted(prefill(1, 0), DecodeSignal(2, 1.0, arrivals_per_s=200, residence_s=2.0, num_held=250),
+                  SLO)[1] == 4
+    # Fewer arriving than it holds (a drop): the occupancy as it is; nothing measured: the same.
+    assert want(arrivals=10, held=100) == 2
+    assert want(arrivals=200, held=0) == want(arrivals=200, held=100, residence=None) == 2
 
 
 def test_no_latency_step_while_the_pools_last_growth_is_starting():
@@ -142,12 +148,12 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     idle = pool("Prefill", 3, queued_prefill_tokens=[0]), pool("Decode", 3, kv_usage=[0.0])
     assert policy({"p": idle[0], "d": idle[1]})[0] == {"p": 3, "d": 3}
     assert policy({"p": prefill})[0] == {"p": 2}
-    # Decode requests arriving at 3x the rate they leave: 2 x 0.5 x 3 / 0.8 = 3.75 -> 4. Prefill
+    # Decode: 60 requests/s held 1 s each, 20 held now: 3x the occupancy, 2 x 0.5 x 3 / 0.8 = 3.75 -> 4. Prefill
     # (0.5 + 3,000 queued / 5,000 -> 2) misses TTFT with 0.3 s queued on the replica serving, but its
     # second replica is still starting: no step to 3 while it starts.
     policy = JointSloPolicy(ttft_ms=1000, itl_ms=50, percentile=99, max_total_replicas=12, downscale_delay_s=60)
-    growing = pool("Decode", 2, kv_usage=[0.5, 0.5], requests_per_s=[30, 30], finished_requests_per_s=[10, 10],
-                   ttft_attainment=[0.5, 0.5], num_running=[10, 10])
+    growing = pool("Decode", 2, kv_usage=[0.5, 0.5], requests_per_s=[30, 30], residence_s=[1.0, 1.0],
+                   num_in_flight_requests=[10, 10], ttft_attainment=[0.5, 0.5], num_running=[10, 10])
     starting = pool("Prefill", 1, target=2, queued_prefill_tokens=[3_000], prefill_tokens_per_s=[10_000],
                     prompt_tokens_per_s=[4_000])
     assert policy({"p": starting, "d": growing})[0] == {"p": 2, "d": 4}

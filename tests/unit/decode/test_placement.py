@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.decode.placement import MIN_ERROR_SAMPLES, CostModel, Load, Rates, Target, local_chunk_tokens, place
+from pdserve.decode.placement import (ERROR_HORIZON_S, MIN_ERROR_SAMPLES, CostModel, Load, Rates, Target,
+                                      local_chunk_tokens, place)
 
 # 20 ms a decode step, 1 ms a prompt token here, the prefill pool at 1,000 tokens/s and 10 ms of
 # hops, 1 GB/s.
@@ -122,7 +123,8 @@ def test_margins_move_each_paths_prediction_to_the_targets_percentile():
 
 
 def test_margins_are_the_percentile_of_recent_errors_once_there_are_enough():
-    costs = CostModel(percentile=90)
+    now = [0.0]
+    costs = CostModel(percentile=90, clock=lambda: now[0])
     for i in range(MIN_ERROR_SAMPLES - 1):
         costs.first_token("remote", predicted_s=1.0, seconds=1.0 + i / 100)
     assert costs.rates().remote_margin_s == 0.0  # too few to say anything of a tail
@@ -133,3 +135,7 @@ def test_margins_are_the_percentile_of_recent_errors_once_there_are_enough():
     for _ in range(MIN_ERROR_SAMPLES):
         costs.first_token("local", 2.0, 1.5)  # predictions that were pessimistic: a negative margin
     assert costs.rates().local_margin_s == pytest.approx(-0.5)
+    # A minute later the errors are forgotten: a path a past load made look slow is tried again at
+    # its mean (else, left unused, it would never measure anything to correct the margin).
+    now[0] = ERROR_HORIZON_S + 1
+    assert (costs.rates().remote_margin_s, costs.rates().local_margin_s) == (0.0, 0.0)

@@ -73,9 +73,10 @@ def test_each_first_token_measures_its_paths_prediction_error(pools):
     # Enough first tokens: the margin is the 99th percentile of their errors (the largest of 20).
     assert decode.stats()["placement_remote_margin_s"] == errors["remote"].ordered[-1] != 0.0
     assert decode.placed == {}  # nothing kept past a first token
-    # The requests that came and went, as rates between two readings (the joint policy's Little's law).
+    # The requests taken (a rate between two readings), how long they were held, how many are held
+    # now: the joint policy's Little's law.
     stats = decode.stats()
-    assert stats["requests_per_s"] > 0 and stats["finished_requests_per_s"] == stats["requests_per_s"]
+    assert stats["requests_per_s"] > 0 and stats["residence_s"] > 0 and stats["num_in_flight_requests"] == 0
 
 
 def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):
