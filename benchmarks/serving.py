@@ -194,6 +194,9 @@ def main() -> None:
     ap.add_argument("--part", type=int, choices=(1, 2), help="run only part 1 (hops) or part 2 (interference)")
     ap.add_argument("--rates", help="part 2's Poisson arrival rates in requests/s, comma-separated (default "
                                     "1.5,3,4.5; 1 with --quick): where disaggregation pays depends on the load")
+    ap.add_argument("--mix-workload", choices=("long-prompt-mix", "shared-prefix"), default="long-prompt-mix",
+                    help="part 2's requests: the long-prompt mix, or 8 tenants' 1,000-token system prompts (Zipf) "
+                         "with 32-96-token questions (the simulator's calibration runs both)")
     ap.add_argument("--seeds", default="1", help="part 2: draws of the long-prompt mix, comma-separated seeds "
                                                  "(how many long prompts come, and how close, varies a lot)")
     ap.add_argument("--requests", type=int, help="part 2: requests per draw (default 60; 24 with --quick): the "
@@ -251,7 +254,7 @@ def main() -> None:
     import ray
 
     from pdserve.bench.report import max_goodput
-    from pdserve.bench.workloads import PromptBuilder, long_prompt_mix_workload, random_workload
+    from pdserve.bench.workloads import PromptBuilder, random_workload
     from pdserve.config import ServeConfig
     from pdserve.engine.checkpoint import default_model
 
@@ -310,8 +313,9 @@ def main() -> None:
         setups_2 = {"disaggregated": disagg, "ucx": over_ucx, "slo": by_slo, "colocated": colocated}
         setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:
-            mix = long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
-            draws = [f"{rate} req/s, mix seed {seed}" for rate in rates]
+            mix = part2_requests(builder, n, seed, args.mix_workload)
+            draws = [f"{rate} req/s, {'mix' if args.mix_workload == 'long-prompt-mix' else 'shared'} seed {seed}"
+                     for rate in rates]
             for rate, draw in zip(rates, draws):
                 report["interference"][draw] = {name: served_runs(cfg, {0: mix}, builder, warmup, rate, MIX_SLO)[0]
                                                  for name, cfg in setups_2.items()}
@@ -328,6 +332,15 @@ def main() -> None:
     finally:
         ray.shutdown()
         _print(report)
+
+
+def part2_requests(builder, n: int, seed: int, workload: str) -> list:
+    """Part 2's draw: the long-prompt mix (20% of prompts 1,024-1,536 tokens), or shared prefixes."""
+    from pdserve.bench.workloads import long_prompt_mix_workload, shared_prefix_workload
+
+    if workload == "shared-prefix":
+        return shared_prefix_workload(builder, n, 8, 1000, "32:96", "48", seed=seed)
+    return long_prompt_mix_workload(builder, n, "64:128", "1024:1536", "48", 0.2, "16", seed=seed)
 
 
 def _start_ray(model: str, ingress: str) -> None:
@@ -393,12 +406,12 @@ def _child_run(spec: dict) -> None:
     """--child-run: one draw of the long-prompt mix against `spec["config"]`, printed as a JSON line."""
     import pdserve
     import ray
-    from pdserve.bench.workloads import PromptBuilder, long_prompt_mix_workload, random_workload
+    from pdserve.bench.workloads import PromptBuilder, random_workload
     from pdserve.config import ServeConfig
 
     config = ServeConfig.model_validate(spec["config"])
     builder = PromptBuilder(config.model)
-    mix = long_prompt_mix_workload(builder, spec["requests"], "64:128", "1024:1536", "48", 0.2, "16", seed=spec["seed"])
+    mix = part2_requests(builder, spec["requests"], spec["seed"], "long-prompt-mix")
     warmup = random_workload(builder, 1, "128", "32", seed=1000)[0]
     _start_ray(config.model, spec["ingress"])
     try:
