@@ -140,11 +140,10 @@ class JointSloPolicy:
     replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
     waiting in callers' handles (`total_num_requests` beyond those running), the requests they
     take a second (`requests_per_s`), hold (`num_in_flight_requests`) and how long they held
-    those that ended (`residence_s`); the decode replicas'
-    `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
-    asked for and not running yet (the last target beyond `current_num_replicas`) count as
-    starting. A figure no
-    replica reports counts as no signal: no load, or no attainment to react to. Before the prefill
+    those that ended (`residence_s`); the decode replicas' `ttft_attainment` / `itl_attainment`
+    (the share within target over the window). Replicas asked for and not running yet (the last
+    target beyond `current_num_replicas`) count as starting. A figure no replica reports counts
+    as no signal: no load, or no attainment to react to. Before the prefill
     pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
     engine's; `replica_start_s` how long a new replica takes to serve (a backlog is cleared within
     it). Ray Serve applies each pool's min/max and delays to the result."""
