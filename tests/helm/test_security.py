@@ -153,6 +153,13 @@ def test_the_policies_let_in_exactly_what_serving_needs(render, case):
     # Prometheus on the metrics port only.
     assert all(admits(policies, PROMETHEUS, pod, 8080) for pod in [head, *workers])
     assert not admits(policies, PROMETHEUS, head, 8000)
+    # UCX's listener and TCP interfaces take ephemeral ports, and any peer that reaches one can write
+    # into the process (docs/security.md, "UCX's TCP transport"): Ray pods reach each other's, no one
+    # else reaches any.
+    ucx_ports, outsiders = (32768, 47167, 60999), (NEIGHBOUR, STRANGER, PROMETHEUS, OPERATOR, INGRESS_CONTROLLER)
+    assert all(admits(policies, src, dst, port) for src in workers for dst in [head, *workers] for port in ucx_ports)
+    assert not any(admits(policies, outsider, dst, port)
+                   for outsider in outsiders for dst in [head, *workers] for port in ucx_ports)
     # Redis from the Ray pods only.
     assert admits(policies, workers[0], redis, 6379) and admits(policies, head, redis, 6379)
     assert not admits(policies, NEIGHBOUR, redis, 6379) and not admits(policies, OPERATOR, redis, 6379)
