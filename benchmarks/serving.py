@@ -314,8 +314,8 @@ def main() -> None:
         setups_2 = {MIX_SETUPS[name]: cfg for name, cfg in setups_2.items() if name in mix_setups}
         for seed in seeds:
             mix = part2_requests(builder, n, seed, args.mix_workload)
-            draws = [f"{rate} req/s, {'mix' if args.mix_workload == 'long-prompt-mix' else 'shared'} seed {seed}"
-                     for rate in rates]
+            kind = "mix" if args.mix_workload == "long-prompt-mix" else "shared prefixes"
+            draws = [f"{rate} req/s, {kind} seed {seed}" for rate in rates]
             for rate, draw in zip(rates, draws):
                 report["interference"][draw] = {name: served_runs(cfg, {0: mix}, builder, warmup, rate, MIX_SLO)[0]
                                                  for name, cfg in setups_2.items()}
@@ -326,7 +326,7 @@ def main() -> None:
                                              "within SLO" for name, m in report["interference"][draw].items()),
                       flush=True)  # a long sweep's progress
             if len(rates) > 1:  # DistServe's goodput: the highest of these rates each setup sustains
-                report["max_goodput"][f"mix seed {seed}"] = {
+                report["max_goodput"][f"{kind} seed {seed}"] = {
                     name: max_goodput([report["interference"][d][name] for d in draws], args.attainment)
                     for name in report["interference"][draws[0]]}
     finally:
@@ -439,7 +439,7 @@ def _print(report: dict) -> None:
             ratio = by_c[c]["median_itl_ms"] / offline[c]["median_itl_ms"]
             print(f"{setup} median ITL / offline at concurrency {c}: {ratio:.3f}")
     for load, by_setup in report["interference"].items():
-        print(f"\nlong-prompt mix at {load}:\n")
+        print(f"\n{load}:\n")
         print("| setup | p50 ITL ms | p99 ITL ms | median TTFT ms | p99 TTFT ms | goodput req/s | within SLO "
               "| completed |")
         print("|---|---|---|---|---|---|---|---|")
