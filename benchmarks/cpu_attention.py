@@ -49,7 +49,12 @@ def reads_bf16(source: str) -> bool:
     return "const void *v_cache, int kv_bf16" in source
 
 
-def earlier_kernel(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
+def takes_window(source: str) -> bool:
+    """Whether a revision's attention entry point takes a sliding window (#44, after 5cb2f9f)."""
+    return "int64_t block_size, int64_t window, float scale" in source
+
+
+def earlier_kernel(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool, bool]:
     """The kernel library built from `rev`'s sources (`cpu_kernels.c`, or since the split by kernel
     `cpu_*.c` and `cpu_*.h`), with the flags this tree builds with, and whether its attention entry
     point takes the cache's dtype."""
@@ -68,15 +73,17 @@ def earlier_kernel(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
         raise SystemExit("no C compiler (cc, gcc or clang) found: install gcc to build the kernels")
     sources = [str(out_dir / n) for n in names if n.endswith(".c")]
     subprocess.run([compiler, *cpu_kernels._FLAGS, *sources, "-o", str(lib), "-lm"], check=True)
-    dll, bf16 = ctypes.CDLL(str(lib)), reads_bf16("".join((out_dir / n).read_text() for n in names))
+    source = "".join((out_dir / n).read_text() for n in names)
+    dll, bf16, window = ctypes.CDLL(str(lib)), reads_bf16(source), takes_window(source)
     restype, argtypes = cpu_kernels._SIGNATURES["pdserve_paged_decode_attention_f32"]
+    argtypes = argtypes if window else argtypes[:15] + argtypes[16:]
     dll.pdserve_paged_decode_attention_f32.restype = restype
     dll.pdserve_paged_decode_attention_f32.argtypes = argtypes if bf16 else argtypes[:5] + argtypes[6:]
-    return dll, bf16
+    return dll, bf16, window
 
 
-def attention_call(lib: ctypes.CDLL, lib_reads_bf16: bool, k: torch.Tensor, v: torch.Tensor, batch: int,
-                   context: int):
+def attention_call(lib: ctypes.CDLL, lib_reads_bf16: bool, lib_takes_window: bool, k: torch.Tensor,
+                   v: torch.Tensor, batch: int, context: int):
     """One call's closure over fresh inputs: q, random block tables, every sequence `context` long."""
     width = -(-context // BLOCK)
     tables = torch.randperm(BLOCKS)[:batch * width].view(batch, width).contiguous()
@@ -85,11 +92,13 @@ def attention_call(lib: ctypes.CDLL, lib_reads_bf16: bool, k: torch.Tensor, v: t
     out = torch.empty_like(q)
 
     dtype_arg = (k.dtype == torch.bfloat16,) if lib_reads_bf16 else ()
+    window_arg = (0,) if lib_takes_window else ()  # no window: the whole context
 
     def call():
         lib.pdserve_paged_decode_attention_f32(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), *dtype_arg, tables.data_ptr(),
-            width, lens.data_ptr(), out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, 1)
+            width, lens.data_ptr(), out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, *window_arg,
+            HEAD_DIM ** -0.5, 1)
     return call
 
 
@@ -109,7 +118,7 @@ def main() -> None:
               "4k bf16": torch.zeros(small, dtype=torch.bfloat16).normal_()}
     flush = torch.zeros(64 << 20)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"this tree": (cpu_kernels.load(), True), args.against: earlier_kernel(args.against, Path(tmp))}
+        libs = {"this tree": (cpu_kernels.load(), True, True), args.against: earlier_kernel(args.against, Path(tmp))}
         variants = [(name, pages) for name in libs for pages in caches if libs[name][1] or "bf16" not in pages]
         rows = []
         for context in map(int, args.contexts.split(",")):

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.kernels import ops
-from pdserve.engine.kernels.paged_attention import (GatherWorkspace, decode_mask, paged_decode_attention,
-                                                    paged_prefill_attention, window_decode_tables, write_kv)
+from pdserve.engine.kernels.paged_attention import GatherWorkspace, decode_mask, window_decode_tables
 from pdserve.engine.kv_cache import KVCache
 
 
@@ -54,7 +53,8 @@ class AttentionMetadata:
 
     def window_decode(self, block_size: int, dtype: torch.dtype, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sliding-window layer's decode block tables cut to the window, and their mask
-        (`window_decode_tables`), built on first use and shared by the step's layers of that window."""
+        (`window_decode_tables`), for the torch path: built on first use and shared by the step's
+        layers of that window."""
         if window not in self._window_masks:
             self._window_masks[window] = window_decode_tables(self.decode_block_tables, self.decode_seq_lens,
                                                               block_size, window, dtype)
@@ -120,7 +120,8 @@ class Attention(nn.Module):
     """Paged attention over this layer's slice of the KV cache (no weights of its own).
 
     A sliding-window layer (`sliding_window` W: each query sees its last W positions, itself
-    included) runs the torch path on every device: the C and Triton kernels take no window yet."""
+    included, as transformers' `kv_idx > q_idx - sliding_window`) passes W to the kernels, which
+    read only the blocks its window reaches (its group's table may hold placeholders before them)."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None):
@@ -142,8 +143,6 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
         nd = meta.num_decode_tokens
-        if self.sliding_window is not None:
-            return self._forward_window(q, k, v, k_cache, v_cache, meta, ctx.workspace).view(num_tokens, -1)
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if nd == num_tokens:  # a pure decode step, the common case: the kernel's output, no staging copy
             return self._decode(q, k_cache, v_cache, meta, ctx.workspace).reshape(num_tokens,
@@ -152,28 +151,20 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, ctx.workspace)
         # the prefill chunks follow the decode tokens; on a GPU one launch takes them all
-        ops.paged_prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, meta.prefill_batch, self.scale, out)
+        ops.paged_prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, meta.prefill_batch, self.scale, out,
+                                    self.sliding_window)
         return out.view(num_tokens, self.num_heads * self.head_dim)
-
-    def _forward_window(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata, workspace: GatherWorkspace) -> torch.Tensor:
-        """A sliding-window layer's step on the torch path (any device)."""
-        window = self.sliding_window
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decode_tokens
-        out = q.new_empty(q.shape)
-        if nd:
-            tables, mask = meta.window_decode(k_cache.shape[1], q.dtype, window)
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, tables, meta.decode_seq_lens, self.scale,
-                                              workspace, mask)
-        for p in meta.prefills:
-            s, e = p.query_start, p.query_start + p.query_len
-            out[s:e] = paged_prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, p.block_table,
-                                               p.context_len, self.scale, window)
-        return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 workspace: GatherWorkspace) -> torch.Tensor:
-        """The decode tokens' attention, on the kernel `ops` picks (the torch path's mask built once a step)."""
+        """The decode tokens' attention, on the kernel `ops` picks (the torch path's tables and mask
+        built once a step)."""
+        block_size, window = k_cache.shape[1], self.sliding_window
+
+        def torch_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+            if window is not None:
+                return meta.window_decode(block_size, q.dtype, window)
+            return meta.decode_block_tables, meta.decode_mask(block_size, q.dtype)
+
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                          self.scale, workspace, lambda: meta.decode_mask(k_cache.shape[1], q.dtype))
+                                          self.scale, workspace, torch_inputs, window)

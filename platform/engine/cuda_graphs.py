@@ -7,15 +7,18 @@ call.
 
 What that takes:
 - Static inputs. One int64 buffer on the device holds every step's integers, as views that each
-  captured graph reads: `[ids | positions | slots | lengths]` of `max_batch` rows each, then the
-  block tables, `[max_batch, max_blocks]`. A step writes its values into a pinned host copy of the
-  buffer and sends it in one copy. Table columns past a row's blocks keep stale block ids: the
-  kernels stop at the row's length, so they are never read.
+  captured graph reads: `[ids | positions | lengths | slots of each layer group]` of `max_batch`
+  rows each, then the block tables, `[max_batch, groups, max_blocks]` (a model of one kind of
+  layer has one group; Gemma 3's sliding and global layers have several, kv_groups.py). A step
+  writes its values into a pinned host copy of the buffer and sends it in one copy. Table columns
+  past a row's blocks keep stale block ids: the kernels stop at the row's length (and a sliding
+  layer's start at its window's first block), so they are never read.
 - Fixed batch sizes (1, 2, 4, 8, then every 8 up to `max_batch`). A batch of n runs the graph of
   the next size up; the extra rows repeat row 0 (same token, position and cache slot), so they
   write row 0's own K/V to row 0's slot and their logits are dropped.
 - A forward pass without host syncs or data-dependent shapes: the dense models on the Triton
-  attention path, and MoE models on one rank with the fused Triton experts (`triton_moe`: routing
+  attention path (sliding-window layers included: the kernels take the window and size their
+  launch by it), and MoE models on one rank with the fused Triton experts (`triton_moe`: routing
   and grouping stay on the device). Expert parallelism routes on the host (all-to-all sizes), so
   those models run eagerly (`supports_cuda_graphs`).
 
@@ -54,12 +57,15 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.device = torch.device(device)
-        n = 4 * max_batch + max_batch * max_blocks
+        self.num_groups = 1 if kv_cache.layer_groups is None else max(kv_cache.layer_groups) + 1
+        self._num_rows = 3 + self.num_groups  # ids, positions, lengths, then each group's slots
+        rows = self._num_rows * max_batch
+        n = rows + max_batch * self.num_groups * max_blocks
         self._ints = torch.zeros(n, dtype=torch.long, device=self.device)
         self._host = torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        self._host_rows = self._host.numpy()[:4 * max_batch].reshape(4, max_batch)
-        self._host_tables = self._host.numpy()[4 * max_batch:].reshape(max_batch, max_blocks)
-        self._host_rows[3] = 1  # a length of 1 while capturing: a real key for the warm-up passes
+        self._host_rows = self._host.numpy()[:rows].reshape(self._num_rows, max_batch)
+        self._host_tables = self._host.numpy()[rows:].reshape(max_batch, self.num_groups, max_blocks)
+        self._host_rows[2] = 1  # a length of 1 while capturing: a real key for the warm-up passes
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._workspace = GatherWorkspace()
@@ -67,9 +73,12 @@ class DecodeGraphs:
     def _forward(self, batch: int) -> torch.Tensor:
         """The decode step of the first `batch` rows of the static buffer, to logits `[batch, vocab]`."""
         mb = self.max_batch
-        ids, positions, slots, lens = (self._ints[i * mb:i * mb + batch] for i in range(4))
-        tables = self._ints[4 * mb:].view(mb, self.max_blocks)[:batch]
-        meta = AttentionMetadata(slots, batch, tables, lens, [])
+        ids, positions, lens, *slots = (self._ints[i * mb:i * mb + batch] for i in range(self._num_rows))
+        tables = self._ints[self._num_rows * mb:].view(mb, self.num_groups, self.max_blocks)[:batch]
+        groups = [AttentionMetadata(slots[g], batch, tables[:, g], lens, []) for g in range(self.num_groups)]
+        meta = groups[0]
+        if self.num_groups > 1:
+            meta.groups = groups
         with forward_context(meta, self.kv_cache, self._workspace):
             return self.model.compute_logits(self.model(ids, positions))
 
@@ -97,19 +106,21 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.sizes, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def run(self, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        """Logits `[len(ids), vocab]` of one decode step; they stay valid until the next `run`."""
+    def run(self, ids: list[int], positions: list[int], lens: list[int], slots: list[list[int]],
+            tables: list[list[list[int]]]) -> torch.Tensor:
+        """Logits `[len(ids), vocab]` of one decode step; they stay valid until the next `run`.
+        `slots` and `tables` hold each layer group's (`[group][row]`, `[group][row][block]`)."""
         n = len(ids)
         batch = next(b for b in self.sizes if b >= n)
         rows, host_tables = self._host_rows, self._host_tables
-        for i, values in enumerate((ids, positions, slots, lens)):
+        for i, values in enumerate((ids, positions, lens, *slots)):
             rows[i, :n] = values
             rows[i, n:batch] = values[0]  # padding rows repeat row 0
-        for i, table in enumerate(tables):
-            host_tables[i, :len(table)] = table
-        host_tables[n:batch, :len(tables[0])] = tables[0]
-        used = 4 * self.max_batch + batch * self.max_blocks
+        for g, group_tables in enumerate(tables):
+            for i, table in enumerate(group_tables):
+                host_tables[i, g, :len(table)] = table
+            host_tables[n:batch, g, :len(group_tables[0])] = group_tables[0]
+        used = self._num_rows * self.max_batch + batch * self.num_groups * self.max_blocks
         self._ints[:used].copy_(self._host[:used], non_blocking=True)
         if batch in self._graphs:
             self._graphs[batch].replay()

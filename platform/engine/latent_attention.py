@@ -19,7 +19,7 @@ In: the step's forward context (attention.py) and, per call, the rotated queries
 vectors and kv_b_proj. Out: `[tokens, heads * v_head_dim]`. Under tensor parallelism a rank holds
 its heads' rows of kv_b_proj (so of W_UK and W_UV) and the whole latent: every rank computes and
 caches the same vectors. Torch only, on every device: the C and Triton paged kernels take the K/V
-layout, so MLA layers do not run on them (as Gemma 3's sliding layers do not).
+layout, so MLA layers do not run on them.
 """
 
 from __future__ import annotations

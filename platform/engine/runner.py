@@ -77,7 +77,7 @@ class ModelRunner:
             decoded = self._decode_in_one_call(chunks, requests)
             if decoded is None and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
                 with torch.inference_mode():
-                    decoded = self._sample(self.decode_graphs.run(*self._decode_rows(chunks)), requests)
+                    decoded = self._sample(self.decode_graphs.run(*self._graph_rows(chunks)), requests)
             if decoded is not None:
                 return decoded
         return self._execute(chunks, prompt_rows, sample_rows, requests)
@@ -152,6 +152,21 @@ class ModelRunner:
         return ([c.request.all_token_ids[c.start] for c in chunks], [c.start for c in chunks],
                 [t[c.start // bs] * bs + c.start % bs for c, t in zip(chunks, tables)], [c.end for c in chunks],
                 tables)
+
+    def _graph_rows(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], list[int], list[list[int]],
+                                                                  list[list[list[int]]]]:
+        """A decode-only step's token ids, positions and sequence lengths, then each layer group's
+        cache slots and block tables (`DecodeGraphs.run`'s arguments; one group where the model
+        has one kind of layer)."""
+        bs = self.block_size
+        ids = [c.request.all_token_ids[c.start] for c in chunks]
+        if self.kv_cache.layer_groups is None:
+            groups = [[self.kv_manager.get_block_table(c.request.request_id) for c in chunks]]
+        else:  # [request][group] -> [group][request]
+            groups = [list(g) for g in zip(*(self.kv_manager.get_block_tables(c.request.request_id)
+                                             for c in chunks))]
+        slots = [[t[c.start // bs] * bs + c.start % bs for c, t in zip(chunks, tables)] for tables in groups]
+        return ids, [c.start for c in chunks], [c.end for c in chunks], slots, groups
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:

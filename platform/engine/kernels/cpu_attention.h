@@ -21,14 +21,16 @@ static inline const char *row(const char *cache, const int64_t *table, int64_t t
     return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
-/* One sequence's KV heads [h0, h1) against its `len` tokens; each KV head serves `group` query
+/* One sequence's KV heads [h0, h1) against its `len` tokens, of which the first `skip` (fewer than
+ * a block: a sliding window's start inside its first block) get no weight; each KV head serves `group` query
  * heads (q row h * group + g, stride q_head_stride; out rows likewise, dense). Rows of all the
  * heads of a token are adjacent in the cache, so reading them together streams whole blocks.
  * token_stride: elements from one token's row to the next (fp32, or bf16 with kv_bf16).
  * scores: scratch of (h1 - h0) * group * len floats; acc: (h1 - h0) * group * head_dim floats;
  * out: the rows of heads [h0, h1)' query heads, from h0 * group's on, dense. */
 PDSERVE_INTERNAL void attend(const float *q, int64_t q_head_stride, const void *k_cache, const void *v_cache,
-                             int kv_bf16, const int64_t *table, int64_t len, int64_t h0, int64_t h1, int64_t group,
+                             int kv_bf16, const int64_t *table, int64_t len, int64_t skip, int64_t h0, int64_t h1,
+                             int64_t group,
                              int64_t head_dim, int64_t block_size, int64_t token_stride, float scale, float *scores,
                              float *acc, float *out);
 

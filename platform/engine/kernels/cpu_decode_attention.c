@@ -152,9 +152,9 @@ static inline __attribute__((always_inline)) void block_values_z(
 
 /* `attend` (cpu_attention.h). */
 PDSERVE_INTERNAL void attend(const float *q, int64_t q_head_stride, const void *k_cache, const void *v_cache,
-                             int kv_bf16, const int64_t *table, int64_t len, int64_t h0, int64_t h1, int64_t group,
-                             int64_t head_dim, int64_t block_size, int64_t token_stride, float scale, float *scores,
-                             float *acc, float *out) {
+                             int kv_bf16, const int64_t *table, int64_t len, int64_t skip, int64_t h0, int64_t h1,
+                             int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
+                             float *scores, float *acc, float *out) {
     const int64_t es = kv_bf16 ? 2 : 4;  /* bytes per cache element */
     const int64_t token_bytes = token_stride * es, block_stride = block_size * token_bytes;
     const int64_t rows = (h1 - h0) * group;
@@ -224,17 +224,20 @@ PDSERVE_INTERNAL void attend(const float *q, int64_t q_head_stride, const void *
                     kv_dot(q + (h * group + g) * q_head_stride, k + h * head_dim * es, head_dim, kv_bf16) * scale;
     }
 
-    /* Softmax per query head; the normaliser is applied to the output at the end. */
+    /* Softmax per query head over tokens [skip, len) (the skipped ones weigh 0 in pass 2); the
+     * normaliser is applied to the output at the end. */
     float inv_sum[rows];
+    const int64_t n = len - skip;
     for (int64_t r = 0; r < rows; ++r) {
-        float *s = scores + r * len;
+        memset(scores + r * len, 0, sizeof(float) * skip);
+        float *s = scores + r * len + skip;
         float m = s[0];
-        for (int64_t i = 1; i < len; ++i) m = s[i] > m ? s[i] : m;
+        for (int64_t i = 1; i < n; ++i) m = s[i] > m ? s[i] : m;
         float sum = 0.0f;
         int64_t i = 0;
 #ifdef HAVE_AVX2
         __m256 mv = _mm256_set1_ps(m), sv = _mm256_setzero_ps();
-        for (; i + 8 <= len; i += 8) {
+        for (; i + 8 <= n; i += 8) {
             __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
             _mm256_storeu_ps(s + i, e);
             sv = _mm256_add_ps(sv, e);
@@ -243,7 +246,7 @@ PDSERVE_INTERNAL void attend(const float *q, int64_t q_head_stride, const void *
         _mm256_storeu_ps(lanes, sv);
         for (int j = 0; j < 8; ++j) sum += lanes[j];
 #endif
-        for (; i < len; ++i) {
+        for (; i < n; ++i) {
             s[i] = expf(s[i] - m);
             sum += s[i];
         }
@@ -308,11 +311,12 @@ PDSERVE_INTERNAL void attend(const float *q, int64_t q_head_stride, const void *
 static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head_stride, const void *k_cache,
                           const void *v_cache, int kv_bf16, const int64_t *block_tables, int64_t table_width,
                           const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     int64_t max_len = 0;
     for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    if (window > 0 && max_len > window + block_size) max_len = window + block_size;  /* the most one reads */
     const int64_t heads_per_item = attention_heads_per_item(batch, omp_get_num_threads(), num_kv_heads);
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t rows = heads_per_item * group;
@@ -322,25 +326,32 @@ static int attention_part(const float *q, int64_t q_batch_stride, int64_t q_head
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < batch * items_per_seq; ++item) {
         const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
-        if (scores == NULL || acc == NULL || seq_lens[b] <= 0) continue;
-        attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16, block_tables + b * table_width,
-               seq_lens[b],
+        const int64_t len = seq_lens[b];
+        if (scores == NULL || acc == NULL || len <= 0) continue;
+        /* A window reads from the block of its first position (len - window) on: earlier entries
+         * of a sliding layer's table may be placeholders. */
+        const int64_t first = window > 0 && len > window ? len - window : 0, skipped = first / block_size * block_size;
+        attend(q + b * q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16,
+               block_tables + b * table_width + first / block_size, len - skipped, first - skipped,
                h0, h0 + heads_per_item, group, head_dim, block_size, token_stride, scale, scores, acc,
                out + b * num_heads * head_dim + h0 * group * head_dim);
     }
     return scores == NULL || acc == NULL;
 }
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated. */
+/* `window` > 0: each sequence's query (position len - 1) sees its last `window` positions only (a
+ * sliding-window layer: keys at positions > len - 1 - window), and its table is read from that
+ * window's first block on; 0: all `len`. Returns 0 on success, 1 when scratch memory could not be
+ * allocated. */
 int pdserve_paged_decode_attention_f32(const float *q, int64_t q_batch_stride, int64_t q_head_stride,
                                        const void *k_cache, const void *v_cache, int kv_bf16,
                                        const int64_t *block_tables,
                                        int64_t table_width, const int64_t *seq_lens, float *out, int64_t batch,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                       int64_t block_size, float scale, int num_threads) {
+                                       int64_t block_size, int64_t window, float scale, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     failed = attention_part(q, q_batch_stride, q_head_stride, k_cache, v_cache, kv_bf16, block_tables, table_width,
-                            seq_lens, out, batch, num_heads, num_kv_heads, head_dim, block_size, scale);
+                            seq_lens, out, batch, num_heads, num_kv_heads, head_dim, block_size, window, scale);
     return failed;
 }

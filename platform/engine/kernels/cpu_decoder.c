@@ -109,7 +109,7 @@ PDSERVE_INTERNAL void compute_item(const pdserve_decoder *d, worker *w, const st
         int64_t r, g, heads;
         attention_item(d, p, i, &r, &g, &heads);
         attend(b->qkv + r * d->qkv_size, s->head_dim, l->k_cache, l->v_cache, (int)s->kv_bf16, b->tables + r * b->w_cap,
-               b->lens[r],
+               b->lens[r], 0,
                g, g + heads, d->group, s->head_dim, s->block_size, d->kv_size, s->scale, t->scores, t->acc, t->row_a);
         break;
     }

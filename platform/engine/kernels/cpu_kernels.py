@@ -4,6 +4,7 @@ them): built into one library on first use, called through ctypes.
 - `paged_decode_attention`: one pass over each sequence's KV blocks (no gather, no padding).
 - `paged_prefill_attention`: a sequence's chunk of queries, causal over its cached prefix and
   itself, on the matmul's tiles (torch's CPU flash attention wastes much of a causal product).
+  Both take a sliding window (a layer's last W positions), and then read only the blocks it reaches.
 - `pack_linear` / `linear`: the linear layers' matmul over weights packed in column panels; at
   decode batch sizes it streams the weights faster than oneDNN's or MKL's matmul on these shapes.
   Panels hold fp32, or bf16 (weight-only bf16: rounded once when packed, widened exactly in
@@ -155,10 +156,12 @@ def usable_cache(cache: torch.Tensor) -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
     """Same contract as `paged_attention.paged_decode_attention` (check `usable(q)` and `usable_cache`):
     q `[batch, num_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`,
-    block_tables `[batch, width]` int64, seq_lens `[batch]` int64 -> `[batch, num_heads, head_dim]`."""
+    block_tables `[batch, width]` int64, seq_lens `[batch]` int64 -> `[batch, num_heads, head_dim]`.
+    With a `window`, the tables are read from each window's first block on."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     tables = block_tables.contiguous()
@@ -167,7 +170,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     failed = load().pdserve_paged_decode_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.dtype == torch.bfloat16, tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), batch,
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        num_heads, num_kv_heads, head_dim, block_size, window or 0, scale, torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
@@ -175,11 +178,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, context_len: int, scale: float,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """One sequence's chunk, as `paged_attention.paged_prefill_attention` computes it, with the
     chunk's K/V read from the cache (written there first). Check `usable(q)` and `usable_cache`.
     q `[q_len, num_heads, head_dim]` (heads dense within a token), block_table `[num_blocks]`
-    int64 -> `out`, `[q_len, num_heads, head_dim]` with dense tokens (given, or new)."""
+    int64 -> `out`, `[q_len, num_heads, head_dim]` with dense tokens (given, or new). With a
+    `window`, the table is read from the first query's window's first block on."""
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     table = block_table.contiguous()
@@ -188,7 +192,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     failed = load().pdserve_paged_prefill_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.dtype == torch.bfloat16, table.data_ptr(), context_len, q_len, out.data_ptr(), out.stride(0),
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        num_heads, num_kv_heads, head_dim, block_size, window or 0, scale, torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
     return out
@@ -296,9 +300,9 @@ PANEL = 16  # columns per panel of a packed weight (cpu_linear.h)
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "pdserve_paged_decode_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _T, _P, _I, _P, _P, _I, _I, _I, _I,
-                                                          _I, _F, _T]),
+                                                          _I, _I, _F, _T]),
     "pdserve_paged_prefill_attention_f32": (ctypes.c_int, [_P, _I, _I, _P, _P, _T, _P, _I, _I, _P, _I, _I, _I, _I,
-                                                           _I, _F, _T]),
+                                                           _I, _I, _F, _T]),
     "pdserve_rms_norm_f32": (None, [_P, _P, _P, _P, _I, _I, _F, _T]),
     "pdserve_silu_mul_f32": (None, [_P, _P, _I, _I, _T]),
     "pdserve_rotary_f32": (None, [_P, _I, _I, _I, _I, _P, _T]),

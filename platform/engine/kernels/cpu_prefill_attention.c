@@ -8,7 +8,10 @@
  * block's last position, an exact softmax per row (a row holds at most context_len scores, so no
  * running rescale is needed), and scores @ V. Masked keys cost at most a block's width per row;
  * torch's CPU flash attention skips them only in 256 x 512 tiles (on a Zen 3 core it ran a causal
- * 1,280-token prefill at 45 GFLOP/s against 70 for the same shapes unmasked). */
+ * 1,280-token prefill at 45 GFLOP/s against 70 for the same shapes unmasked).
+ * With a sliding window W, the query at position p sees keys (p - W, p]: only the blocks from the
+ * chunk's first query's window on are packed (a sliding layer's table may hold placeholders before
+ * them), and a block of queries scores only the panels its windows reach. */
 #include "cpu_attention.h"
 #include "cpu_linear.h"
 
@@ -38,9 +41,12 @@ static void pack_values(const char *v_cache, int kv_bf16, const int64_t *table, 
     }
 }
 
-/* Softmax of s[0, n) in place (s[n, width) zeroed); returns 1 / the sum of the exponentials. */
-static float softmax_row(float *s, int64_t n, int64_t width) {
+/* Softmax of s[lo, n) in place (s[0, lo) and s[n, width) zeroed); returns 1 / the sum of the
+ * exponentials. */
+static float softmax_row(float *s, int64_t lo, int64_t n, int64_t width) {
     float max = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+    s += lo, n -= lo, width -= lo;
     int64_t j = 0;
 #ifdef HAVE_AVX2
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -67,27 +73,35 @@ static float softmax_row(float *s, int64_t n, int64_t width) {
     return 1.0f / sum;
 }
 
-/* One KV head's share of the chunk (its panels packed in kp, vp): out rows of the group's query heads. */
+/* One KV head's share of the chunk (its panels packed in kp, vp, from the context's token 0, which
+ * `context_len` counts from): out rows of the group's query heads. `window` > 0: each query sees its
+ * last `window` positions only. */
 static void prefill_head(const float *q, int64_t q_token_stride, int64_t q_head_stride, int64_t q_len,
-                         int64_t context_len, int64_t kv_head, int64_t group, int64_t head_dim, float scale,
-                         const float *kp, const float *vp, int64_t len_pad, float *qs, float *scores, float *acc,
-                         float *out, int64_t out_token_stride) {
+                         int64_t context_len, int64_t window, int64_t kv_head, int64_t group, int64_t head_dim,
+                         float scale, const float *kp, const float *vp, int64_t len_pad, float *qs, float *scores,
+                         float *acc, float *out, int64_t out_token_stride) {
     const int64_t first_pos = context_len - q_len, dims = (head_dim + PANEL - 1) / PANEL * PANEL;
     float *inv = acc + PREFILL_Q_TOKENS * group * dims;
     for (int64_t i0 = 0; i0 < q_len; i0 += PREFILL_Q_TOKENS) {
         const int64_t i1 = i0 + PREFILL_Q_TOKENS < q_len ? i0 + PREFILL_Q_TOKENS : q_len, rows = (i1 - i0) * group;
         const int64_t keys = (first_pos + i1 + PANEL - 1) / PANEL * PANEL;  /* the block's last query sees fewer */
+        /* Keys [k0, keys) are scored: the panels from the block's first query's window on. */
+        const int64_t seen = window > 0 ? first_pos + i0 - window + 1 : 0;
+        const int64_t k0 = seen > 0 ? seen / PANEL * PANEL : 0, width = keys - k0;
         /* Row r: query token i0 + r / group, head kv_head * group + r % group, scaled. */
         for (int64_t r = 0; r < rows; ++r) {
             const float *src = q + (i0 + r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
             for (int64_t d = 0; d < head_dim; ++d) qs[r * head_dim + d] = src[d] * scale;
         }
-        panels_product(qs, rows, rows, head_dim, kp, 0, 0, keys / PANEL, keys, NULL, scores, keys);
-        for (int64_t r = 0; r < rows; ++r)
-            inv[r] = softmax_row(scores + r * keys, first_pos + i0 + r / group + 1, keys);
+        panels_product(qs, rows, rows, head_dim, kp, 0, k0 / PANEL, keys / PANEL, keys, NULL, scores, width);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t pos = first_pos + i0 + r / group;
+            const int64_t lo = window > 0 && pos - window + 1 > k0 ? pos - window + 1 : k0;
+            inv[r] = softmax_row(scores + r * width, lo - k0, pos + 1 - k0, width);
+        }
         for (int64_t p = 0; p < dims / PANEL; ++p) {
             const int64_t cols = head_dim - p * PANEL < PANEL ? head_dim - p * PANEL : PANEL;
-            linear_tiles(scores, rows, keys, vp + p * len_pad * PANEL, 0, acc + p * PANEL, dims, cols, NULL);
+            linear_tiles(scores, rows, width, vp + (p * len_pad + k0) * PANEL, 0, acc + p * PANEL, dims, cols, NULL);
         }
         for (int64_t r = 0; r < rows; ++r) {
             float *dst = out + (i0 + r / group) * out_token_stride + (kv_head * group + r % group) * head_dim;
@@ -96,14 +110,19 @@ static void prefill_head(const float *q, int64_t q_token_stride, int64_t q_head_
     }
 }
 
-/* out [q_len, num_heads, head_dim] (token stride out_token_stride): see the section's comment. The
- * KV heads are shared among the threads (a thread packs its own). Returns 0 on success, 1 when
- * scratch memory could not be allocated. */
+/* out [q_len, num_heads, head_dim] (token stride out_token_stride): see the section's comment;
+ * `window` 0 for none. The KV heads are shared among the threads (a thread packs its own). Returns
+ * 0 on success, 1 when scratch memory could not be allocated. */
 int pdserve_paged_prefill_attention_f32(const float *q, int64_t q_token_stride, int64_t q_head_stride,
                                         const void *k_cache, const void *v_cache, int kv_bf16, const int64_t *table,
                                         int64_t context_len, int64_t q_len, float *out, int64_t out_token_stride,
                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                        int64_t block_size, float scale, int num_threads) {
+                                        int64_t block_size, int64_t window, float scale, int num_threads) {
+    /* With a window, the context starts at the block of the first query's first key. */
+    const int64_t seen = window > 0 ? context_len - q_len - window + 1 : 0;
+    const int64_t skipped_blocks = seen > 0 ? seen / block_size : 0;
+    table += skipped_blocks;
+    context_len -= skipped_blocks * block_size;
     const int64_t group = num_heads / num_kv_heads, es = kv_bf16 ? 2 : 4;
     const int64_t token_bytes = num_kv_heads * head_dim * es, block_stride = block_size * token_bytes;
     const int64_t len_pad = (context_len + PANEL - 1) / PANEL * PANEL;
@@ -122,8 +141,8 @@ int pdserve_paged_prefill_attention_f32(const float *q, int64_t q_token_stride, 
                       h * head_dim * es, head_dim, kp);
             pack_values(v_cache, kv_bf16, table, context_len, len_pad, block_size, block_stride, token_bytes,
                         h * head_dim * es, head_dim, vp);
-            prefill_head(q, q_token_stride, q_head_stride, q_len, context_len, h, group, head_dim, scale, kp, vp,
-                         len_pad, qs, scores, qs + max_rows * head_dim, out, out_token_stride);
+            prefill_head(q, q_token_stride, q_head_stride, q_len, context_len, window, h, group, head_dim, scale, kp,
+                         vp, len_pad, qs, scores, qs + max_rows * head_dim, out, out_token_stride);
         }
     }
     return failed;

@@ -9,11 +9,16 @@ tests). Same semantics and layouts as the torch path in `paged_attention.py` and
   tensor-core product per tile: the group is padded to 16 rows) with an online softmax in fp32;
   a second kernel merges the partitions. The partition count follows the block table's width,
   not the batch's longest sequence, so the launch is the same every step (CUDA graphs) and no
-  device sync is needed; partitions past a sequence's end return at once.
+  device sync is needed; partitions past a sequence's end return at once. With a sliding `window`
+  W (the query sees keys at positions > len - 1 - W), the partitions cover the blocks from the
+  window's first one on: at most `cdiv(W - 1, block_size) + 1` of them, a shape still.
 - `paged_prefill_attention(q, k_cache, v_cache, cu_query_lens, context_lens, block_tables, scale)`:
   a varlen batch of prefill chunks in one launch; each chunk attends causally to its cached prefix
   and itself (its K/V already written). One program per (sequence, query head, 64 queries), keys
-  `_TILE_BLOCKS` blocks at a time (64 x 64 tensor-core tiles with 16-token blocks).
+  `_TILE_BLOCKS` blocks at a time (64 x 64 tensor-core tiles with 16-token blocks); with a `window`,
+  from the block of its first query's first visible key on.
+  Under a window, table entries before the blocks read may be anything (a sliding layer's table
+  holds placeholders there).
 - `write_kv(k, v, k_cache, v_cache, slot_mapping)`: a step's new K and V into their cache slots,
   one launch for both.
 - `gather_blocks(kv, block_ids, heads)` / `scatter_blocks(kv, block_ids, data)`: a request's blocks
@@ -53,7 +58,7 @@ def _kernels() -> SimpleNamespace:
                                  stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb,
                                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                  HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
-                                 TILE_BLOCKS: tl.constexpr):
+                                 TILE_BLOCKS: tl.constexpr, WINDOW: tl.constexpr):
         # int64 program ids: offsets into a large cache overflow 32 bits.
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1).to(tl.int64)
@@ -66,6 +71,10 @@ def _kernels() -> SimpleNamespace:
         g_ok = g < GROUP
         seq_len = tl.load(lens_ptr + seq)
         first = part * PARTITION_BLOCKS
+        lowest = seq_len * 0  # the first visible position
+        if WINDOW > 0:  # partitions start at the window's first block
+            lowest = tl.maximum(seq_len - WINDOW, 0)
+            first += lowest // BLOCK_SIZE
         # This partition's blocks. (No tl.cdiv: a Triton imported before TRITON_INTERPRET was set
         # cannot run its library's jit functions in the interpreter.)
         end = tl.minimum(first + PARTITION_BLOCKS, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
@@ -78,7 +87,8 @@ def _kernels() -> SimpleNamespace:
             for it in range(0, PARTITION_BLOCKS, TILE_BLOCKS):
                 b = first + it + t // BLOCK_SIZE
                 block = tl.load(tables_ptr + seq * stride_tb + b, mask=b < end, other=0)
-                valid = (b < end) & (b * BLOCK_SIZE + t % BLOCK_SIZE < seq_len)
+                pos = b * BLOCK_SIZE + t % BLOCK_SIZE
+                valid = (b < end) & (pos < seq_len) & (pos >= lowest)
                 offs = block[:, None] * stride_cb + (t % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
                     + d[None, :]
                 k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(q.dtype)
@@ -120,7 +130,7 @@ def _kernels() -> SimpleNamespace:
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, cu_ptr, ctx_ptr, out_ptr, scale,
                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, TILE_BLOCKS: tl.constexpr, WINDOW: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         tile = tl.program_id(2)
@@ -141,7 +151,10 @@ def _kernels() -> SimpleNamespace:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)  # causal: no key past it
         num_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
-        for tile_start in range(0, num_blocks, TILE_BLOCKS):
+        first_block = num_blocks * 0
+        if WINDOW > 0:  # from the block of the tile's first query's first visible key
+            first_block = tl.maximum(context_len - q_len + tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_SIZE
+        for tile_start in range(first_block, num_blocks, TILE_BLOCKS):
             b = tile_start + t // BLOCK_SIZE
             block = tl.load(tables_ptr + seq * stride_tb + b, mask=b < num_blocks, other=0)
             keys = b * BLOCK_SIZE + t % BLOCK_SIZE
@@ -152,6 +165,8 @@ def _kernels() -> SimpleNamespace:
             # "ieee": fp32 inputs must not drop to TF32 on a GPU (bf16/fp16 are unaffected).
             scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < context_len)
+            if WINDOW > 0:
+                visible &= keys[None, :] > pos[:, None] - WINDOW
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -239,15 +254,17 @@ def decode_partition_blocks(max_blocks_per_seq: int, seq_heads: int = 1 << 30, n
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           partition_blocks: int | None = None) -> torch.Tensor:
+                           partition_blocks: int | None = None, window: int | None = None) -> torch.Tensor:
     """q `[batch, num_heads, head_dim]` -> `[batch, num_heads, head_dim]` (see the module docstring).
     `partition_blocks` overrides the partition size (tests)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    partition = partition_blocks or decode_partition_blocks(block_tables.shape[1], batch * num_kv_heads,
-                                                            _num_sms(q.device))
-    num_parts = -(-block_tables.shape[1] // partition)
+    width = block_tables.shape[1]  # the blocks one sequence may read
+    if window:
+        width = min(width, -(-(window - 1) // block_size) + 1)
+    partition = partition_blocks or decode_partition_blocks(width, batch * num_kv_heads, _num_sms(q.device))
+    num_parts = -(-width // partition)
     # Each partition's running max, sum and weighted values per (sequence, query head), merged below.
     m = torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -260,7 +277,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, _pow2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        PARTITION_BLOCKS=partition, TILE_BLOCKS=min(_TILE_BLOCKS, partition))
+        PARTITION_BLOCKS=partition, TILE_BLOCKS=min(_TILE_BLOCKS, partition), WINDOW=window or 0)
     k.decode_merge[(batch, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), num_parts,
                                        BLOCK_P=_pow2(num_parts), HEAD_DIM=head_dim)
     return out
@@ -283,7 +300,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, block_m: int = 64, max_query_len: int | None = None) -> torch.Tensor:
+                            scale: float, block_m: int = 64, max_query_len: int | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """q `[total_query_tokens, num_heads, head_dim]` -> same shape (see the module docstring).
     `max_query_len`, when the caller knows it, spares a device sync."""
     _, num_heads, head_dim = q.shape
@@ -297,7 +315,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        TILE_BLOCKS=_TILE_BLOCKS)
+        TILE_BLOCKS=_TILE_BLOCKS, WINDOW=window or 0)
     return out
 
 

@@ -14,8 +14,9 @@ What differs from the Llama block (llama.py), each as transformers' modeling_gem
   the compute dtype; the final logits may be soft-capped; the LM head is tied by default.
 
 Which KV blocks a sliding layer keeps is the KV cache's business (kv_cache.py, layer groups); here
-the window is a mask (attention.py). The decode step does not run as one C call and is not
-captured as a CUDA graph: sliding layers run the torch attention path.
+the window is the attention layer's (attention.py), which every paged attention kernel takes. The
+decode step is captured as a CUDA graph on a GPU; on a CPU it does not run as one C call (the C
+decode step is the Llama block's: no windows, extra norms or gelu).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False  # the sliding layers' torch path builds its masks each step
+    supports_cuda_graphs = True  # the sliding layers' window is the Triton kernels' (no host syncs)
     runs_in_c_decoder = False  # kernels/cpu_decoder.py: the C decode step has no windows or extra norms
 
     def __init__(self, arch: ModelArch, max_position: int, parallel: ParallelState = SINGLE):

@@ -75,3 +75,37 @@ def test_captured_graphs_give_the_eager_engines_tokens(checkpoints, monkeypatch)
     moe = LLM(checkpoints["tiny-mixtral"], device="cuda:0", max_num_seqs=8)
     assert moe.engine.runner.decode_graphs is not None
     assert [tokens for tokens, _ in _outputs(moe)] == [tokens for tokens, _ in _outputs(moe_eager)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_of_a_sliding_window_model_give_the_eager_engines_tokens(tmp_path):
+    """Gemma 3's sliding layers on the Triton kernels' window: captured, the same tokens."""
+    from pdserve.engine.checkpoint import make_checkpoint
+
+    path = str(make_checkpoint("tiny-gemma3", tmp_path / "gemma3"))
+    eager = LLM(path, device="cuda:0", max_num_seqs=8, enforce_eager=True)
+    graphed = LLM(path, device="cuda:0", max_num_seqs=8)
+    assert graphed.engine.runner.decode_graphs is not None
+    assert [tokens for tokens, _ in _outputs(graphed)] == [tokens for tokens, _ in _outputs(eager)]
+
+
+def test_static_buffers_of_several_layer_groups_give_the_engines_tokens(tmp_path, monkeypatch):
+    """Gemma 3: each layer group's slots and block tables in the static buffers (its sliding
+    groups' tables hold placeholders once blocks leave the 40-token window: the prompts and
+    outputs here run past it), run eagerly on the CPU as above."""
+    from pdserve.engine.checkpoint import make_checkpoint
+
+    path = str(make_checkpoint("tiny-gemma3", tmp_path / "gemma3"))
+    reference, graphed = (LLM(path, max_num_seqs=8) for _ in range(2))
+    engine = graphed.engine
+    assert engine.model.supports_cuda_graphs
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, 8, -(-engine.max_model_len // engine.kv_cache.block_size),
+                          "cpu")
+    assert graphs.num_groups == 3  # the global layer's group, and one per sliding layer (one slot each)
+    engine.runner.decode_graphs = graphs
+    batches = _count_runs(graphs, monkeypatch)
+
+    assert _outputs(graphed) == _outputs(reference)
+    assert {3, 5, 6, 7} <= set(batches)
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
