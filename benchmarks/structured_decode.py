@@ -2,6 +2,7 @@
 under a JSON schema, at batch 1 and 64, on the offline engine, in one run.
 
     python benchmarks/structured_decode.py [--batches 1,64] [--tokens 64] [--rounds 3]
+    python benchmarks/structured_decode.py --pairs 6 --tokens 32 --batches 64   # on a loaded machine
 
 Model: the `bench-llama-56m` preset (random weights, 32,000-token vocabulary) with the byte-level
 BPE of 32,000 tokens that `grammar_mask.py` trains in place of its 1,024-token tokenizer, so the
@@ -12,7 +13,9 @@ that cannot end sooner, so both runs produce the same number of tokens, most of 
 strings (the grammar's costliest masks). A third setup fills the masks after the forward pass
 instead of during it (what overlapping them buys). Rounds alternate the setups; the figure is
 each one's median output tokens/s and the ratio of the medians to unconstrained. Prints a
-markdown table and one JSON line.
+markdown table and one JSON line. With `--pairs N`, instead: N short unconstrained and constrained
+runs back to back (their order alternating), each pair's ratio and the median of those (on a
+shared machine, load changes less within a pair than across rounds).
 """
 
 from __future__ import annotations
@@ -65,11 +68,19 @@ def run(llm: LLM, batch: int, tokens: int, constrained: bool, round_: int, overl
     return n / elapsed
 
 
+def paired(llm: LLM, batch: int, tokens: int, round_: int) -> tuple[float, float]:
+    """One pair of runs back to back, unconstrained first on even rounds: (free, constrained) tok/s."""
+    order = (False, True) if round_ % 2 == 0 else (True, False)
+    tok_s = {constrained: run(llm, batch, tokens, constrained, round_) for constrained in order}
+    return tok_s[False], tok_s[True]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pairs", type=int, help="report N back-to-back pairs' ratios instead of the rounds' medians")
     args = ap.parse_args()
     print(machine_line(), file=sys.stderr)
     rows = []
@@ -79,6 +90,14 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             run(llm, batch, 8, False, -1)  # warm-up
             run(llm, batch, 8, True, -1)
+            if args.pairs:
+                pairs = [paired(llm, batch, args.tokens, r) for r in range(args.pairs)]
+                ratios = [c / f for f, c in pairs]
+                print(json.dumps({"bench": "structured_decode", "batch": batch, "tokens": args.tokens,
+                                  "pairs": pairs, "median_ratio": statistics.median(ratios),
+                                  "min_ratio": min(ratios), "max_ratio": max(ratios),
+                                  "loadavg": open("/proc/loadavg").read().split()[:3]}))
+                continue
             free, constrained, serial = [], [], []
             for r in range(args.rounds):
                 free.append(run(llm, batch, args.tokens, False, r))
@@ -90,6 +109,8 @@ def main() -> None:
                          "ratio": statistics.median(constrained) / statistics.median(free),
                          "ratio_serial": statistics.median(serial) / statistics.median(free),
                          "rounds": {"unconstrained": free, "constrained": constrained, "serial": serial}})
+    if not rows:
+        return
     print("| batch | unconstrained (tok/s) | JSON schema (tok/s) | ratio "
           "| masks after the forward pass (tok/s) | ratio |")
     print("|---|---|---|---|---|---|")
