@@ -32,7 +32,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-import math
 import random
 import time
 from dataclasses import dataclass
