@@ -1,4 +1,5 @@
-"""KV transfer benchmark: pdserve's UCX pull against raw ucxx send/recv and a plain TCP socket,
+"""KV transfer benchmark: pdserve's pulls (the tcp backend, the default, and the ucx backend) against
+raw ucxx send/recv and a plain TCP socket,
 and pdserve's local pull (the exporter's cache in shared memory, copied out by the importer)
 against one memcpy of the same bytes, between the same two processes, in one run, timed in turns.
 
@@ -86,12 +87,15 @@ def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.
 
     from pdserve.engine.kv_cache import BlockPool
     from pdserve.kvtransfer.protocol import KVLayout
+    from pdserve.kvtransfer.tcp_backend import TCPExporter
     from pdserve.kvtransfer.ucx_backend import UCXExporter, ucx_loop
     from pdserve.engine.shared_memory import shared_zeros
 
     kv = torch.randn(8, 2, NUM_BLOCKS, 16, 4, 64)
     pool = BlockPool(NUM_BLOCKS, 16)
-    exporters = {"ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600, host=host),
+    exporters = {"tcp": TCPExporter("bench-tcp", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600,
+                                    host=host, shared_memory=False),
+                 "ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600, host=host),
                  "local": UCXExporter("bench-shared", shared_zeros(kv.shape, kv.dtype).copy_(kv), KVLayout(**LAYOUT),
                                       pool.incref, pool.free, lease_s=600),
                  "ucx_tokenless": UCXExporter("bench-tokenless", kv, KVLayout(**LAYOUT), pool.incref, pool.free,
@@ -300,6 +304,7 @@ def main() -> None:
     import ucxx
 
     from pdserve.kvtransfer.protocol import KVHandle, KVLayout
+    from pdserve.kvtransfer.tcp_backend import TCPImporter
     from pdserve.kvtransfer.ucx_backend import UCXImporter, ucx_loop
 
     ctx = mp.get_context("spawn")
@@ -311,6 +316,7 @@ def main() -> None:
     handles, ucx_port, tcp_port = replies.get(timeout=120)
     kv = torch.zeros(8, 2, NUM_BLOCKS, 16, 4, 64)
     importer = UCXImporter(kv, KVLayout(**LAYOUT))
+    tcp_importer = TCPImporter(kv, KVLayout(**LAYOUT))
 
     # The baselines receive into one reused buffer, as the importer receives into its cache (or a
     # reused staging buffer): a fresh one would cost them page faults on every transfer.
@@ -338,7 +344,8 @@ def main() -> None:
         nbytes = tokens * 8 * 2 * 4 * 64 * 4
         queues = {path: [KVHandle.from_dict(h) for h in hs] for path, hs in handles[name].items()}
         dst = _block_ids(tokens, stride)
-        paths = {"pdserve_ucx": lambda: importer.pull(queues["ucx"].pop(), dst),
+        paths = {"pdserve_tcp": lambda: tcp_importer.pull(queues["tcp"].pop(), dst),
+                 "pdserve_ucx": lambda: importer.pull(queues["ucx"].pop(), dst),
                  "pdserve_ucx_tokenless": lambda: importer.pull(queues["ucx_tokenless"].pop(), dst),
                  "raw_ucxx": lambda: raw_ucxx(nbytes), "plain_tcp": lambda: plain_tcp(nbytes)}
         if not lab:
@@ -346,7 +353,7 @@ def main() -> None:
                           "memcpy": lambda: np.copyto(raw_out[:nbytes], copy_src[:nbytes])})
         timed = _measure(paths, nbytes, args.repeats)
         record[name] = {"bytes": nbytes, **timed}
-        for label, key in (("pdserve UCX pull", "pdserve_ucx"),
+        for label, key in (("pdserve tcp pull", "pdserve_tcp"), ("pdserve UCX pull", "pdserve_ucx"),
                            ("pdserve UCX pull, no lease tokens", "pdserve_ucx_tokenless"),
                            ("raw ucxx send/recv", "raw_ucxx"),
                            ("plain TCP socket", "plain_tcp"), ("pdserve local pull", "pdserve_local"),
@@ -356,7 +363,7 @@ def main() -> None:
             r = timed[key]
             rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['cpu_p50_ms']:.1f} |")
-        for ours, base in (("pdserve_ucx", "pdserve_ucx_tokenless"), ("pdserve_ucx", "raw_ucxx"),
+        for ours, base in (("pdserve_tcp", "plain_tcp"), ("pdserve_ucx", "pdserve_ucx_tokenless"), ("pdserve_ucx", "raw_ucxx"),
                            ("pdserve_ucx", "plain_tcp"), ("pdserve_local", "memcpy")):
             if ours not in timed:
                 continue
@@ -364,6 +371,7 @@ def main() -> None:
     expected_local = 0 if lab else len(PAYLOADS) * (args.repeats + 1)
     assert importer.num_shared_memory_pulls == expected_local, "a pull took the wrong path"
     importer.close()
+    tcp_importer.close()
     server.kill()
     if lab:
         lab.close()

@@ -188,17 +188,20 @@ class TransferConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["ucx"] = Field(
-        "ucx", description="ucx: ucxx over TCP/shared memory (CPU) or CUDA transports, the one backend pools on "
-                           "Ray Serve use (tests move KV within one process through kvtransfer.local_backend).")
+    backend: Literal["tcp", "ucx"] = Field(
+        "tcp", description="tcp: plain TCP sockets, authenticated by each lease's token and bound to `host` (CPU "
+                           "pools, and GPU pools whose links have no RDMA: GPU blocks go through host memory). "
+                           "ucx: ucxx, for RDMA and CUDA-aware transports between GPU nodes; UCX also opens "
+                           "unauthenticated TCP ports on every interface (docs/security.md). Both copy out of the "
+                           "prefill replica's cache directly on the same host (shared_memory).")
     host: str = Field("auto", description="Address a prefill replica's KV listener advertises; "
                                           "'auto' takes the node's IP as Ray sees it.")
     lease_s: float = Field(30.0, gt=0, description="How long a prefill replica holds exported blocks for a pull.")
     timeout_s: float = Field(10.0, gt=0, description="A decode replica's deadline for one pull.")
     shared_memory: bool = Field(
         True, description="A decode replica on the prefill replica's host (CPU caches: shared memory) or GPU (CUDA "
-                          "IPC) copies the blocks straight out of its cache; UCX carries only the request and the "
-                          "ack. false: the blocks go through UCX everywhere.")
+                          "IPC) copies the blocks straight out of its cache; the backend carries only the request and "
+                          "the ack. false: the blocks go over the backend's connection everywhere.")
 
 
 class RouterConfig(BaseModel):
@@ -461,9 +464,6 @@ class ServeConfig(BaseModel):
                 problems.append(f"prefill tensor_parallel_size {p} with decode tensor_parallel_size {d}: each decode "
                                 "rank pulls its KV heads from one prefill rank, so the decode degree must be a "
                                 "multiple of the prefill degree (equal, or k times it)")
-            if d > 1 and self.transfer.backend != "ucx":
-                problems.append("tensor-parallel pools in disaggregated mode move KV rank to rank: "
-                                "transfer.backend must be ucx")
         if self.joint_autoscaling:
             if self.pool_ratio is not None:
                 problems.append("with slo and both pools autoscaling, one policy sizes the two pools together "

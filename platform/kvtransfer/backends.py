@@ -10,6 +10,12 @@ from pdserve.kvtransfer.local_backend import LocalImporter
 from pdserve.kvtransfer.protocol import KVLayout
 
 
+def _tcp():
+    from pdserve.kvtransfer.tcp_backend import TCPExporter, TCPImporter
+
+    return TCPExporter, TCPImporter
+
+
 def _ucx():
     from pdserve.kvtransfer.ucx_backend import UCXExporter, UCXImporter
 
@@ -21,13 +27,13 @@ def _local():
 
 
 # backend name -> () -> (exporter class, importer class); ucxx is imported only when chosen.
-BACKENDS = {"ucx": _ucx, "local": _local}
+BACKENDS = {"tcp": _tcp, "ucx": _ucx, "local": _local}
 
 
 def exporter_options(backend: str, host: str, shared_memory: bool) -> dict:
-    """What only the UCX exporter takes: the address it listens on, and whether importers on this
-    host may copy straight out of its cache."""
-    return {"host": host, "shared_memory": shared_memory} if backend == "ucx" else {}
+    """What only the network exporters take: the address they listen on, and whether importers on
+    this host may copy straight out of their cache."""
+    return {"host": host, "shared_memory": shared_memory} if backend != "local" else {}
 
 
 def layout_of(kv: torch.Tensor, model_id: str, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:

@@ -9,27 +9,42 @@ whose importer never came. `KVImporter` (decode side) checks the layout before a
 fetches through its backend, scatters into its own blocks, and on any failure calls
 `on_failure(dst_block_ids)` and raises a typed error.
 
-Backends (`ucx`, `local`) only move bytes. `pin`/`unpin` are the engine pool's incref/free and must
+The network backends (`tcp`, `ucx`) speak the same frames (protocol.py) and share what is not
+about moving bytes: `open_wire_read` (an exporter's answer to a READ frame), `mapped_cache` (an
+exporter's cache this importer can copy out of on the same host) and `chunk_targets` (where
+each chunk lands). Backends (`tcp`, `ucx`, `local`) only move bytes. `pin`/`unpin` are the engine pool's incref/free and must
 be safe to call from the exporter's threads (take the engine's lock).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, gather_blocks, scatter_blocks,
-                                       slab_view)
+from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, cache_bits, gather_blocks,
+                                       scatter_blocks, slab_view)
+from pdserve.engine import cuda_ipc
 from pdserve.engine.cuda_ipc import CudaRegion
-from pdserve.engine.shared_memory import SharedRegion
+from pdserve.engine.shared_memory import SharedRegion, locate, map_region
 
 log = logging.getLogger(__name__)
+
+_MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
+
+
+def share_cache(kv: torch.Tensor) -> SharedRegion | CudaRegion | None:
+    """Where importers on this host (or GPU) may copy out of `kv`: its shared-memory region, or
+    its CUDA IPC handle; None when it is in neither."""
+    return cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
 
 
 class KVExporter:
@@ -74,6 +89,22 @@ class KVExporter:
             self.leases.unhold(lease)
             raise p.ProtocolError(f"first_block {first_block!r} outside the lease's {len(lease.block_ids)} blocks")
         return BlockRead(self, lease, lease.block_ids[first_block:], heads)
+
+    def open_wire_read(self, req: dict, budget_s: float) -> tuple["BlockRead", float, bool]:
+        """A READ frame's read: (the read, how long its sends may take, whether the importer copies
+        the blocks out of this host's cache itself). The importer's deadline is held to
+        `budget_s` or the lease's length: no READ pins blocks longer than a lease would anyway."""
+        try:
+            importer = p.KVLayout(**req["layout"])
+            send_s = float(req.get("timeout_s", budget_s))
+        except (TypeError, KeyError, ValueError) as e:
+            raise p.ProtocolError(f"malformed READ: {e!r}") from e
+        send_s = min(send_s, max(self.leases.lease_s, budget_s)) if math.isfinite(send_s) and send_s > 0 else 0.0
+        is_local = bool(req.get("local"))
+        if is_local and self.cache_region is None:
+            raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
+        read = self.open_read(req.get("request_id"), req.get("lease_token"), importer, req.get("first_block", 0))
+        return read, send_s, is_local
 
     def read(self, request_id: str, token: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
         """All of `open_read`'s blocks gathered into a staging buffer: hand it back with `release_buffer`."""
@@ -151,6 +182,8 @@ class KVImporter(ABC):
     def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
         self.kv, self.layout = kv, layout
         self.buffers = BufferPool()
+        # Exporters' caches mapped from shared memory (None: not mappable from here).
+        self._sources: OrderedDict[SharedRegion | CudaRegion, np.ndarray | torch.Tensor | None] = OrderedDict()
 
     def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
              on_failure: Callable[[list[int]], None] | None = None, first_block: int = 0, ack: bool = True) -> None:
@@ -181,6 +214,63 @@ class KVImporter(ABC):
 
     def store(self, dst: list[int], data: torch.Tensor) -> None:
         scatter_blocks(self.kv, dst, data)
+
+    def mapped_cache(self, handle: p.KVHandle) -> np.ndarray | torch.Tensor | None:
+        """The exporter's whole cache, read-only, `[layers, planes, blocks, block_size, heads, head_dim]`,
+        when this process can map it: its bits from shared memory on this host (CPU caches), or a
+        tensor over CUDA IPC on this GPU (GPU caches). Call from one thread at a time."""
+        region = handle.cache_region
+        if region is None or isinstance(region, CudaRegion) != self.kv.is_cuda:
+            return None
+        if region in self._sources:
+            self._sources.move_to_end(region)
+            return self._sources[region]
+        layout, source = handle.layout, None
+        block_shape = (layout.num_layers, layout.block_size, layout.local_heads[1] - layout.local_heads[0],
+                       layout.head_dim)
+        if isinstance(region, CudaRegion):
+            per_block = layout.num_planes * math.prod(block_shape) * self.kv.element_size()
+            if region.nbytes % per_block == 0:
+                layers, block_size, heads, head_dim = block_shape
+                source = cuda_ipc.open_region(region, self.kv.dtype, (layers, layout.num_planes,
+                                                                      region.nbytes // per_block,
+                                                                      block_size, heads, head_dim), self.kv.device)
+        else:
+            mapping = map_region(region)
+            if mapping is not None:
+                source = cache_bits(mapping, self.kv.element_size(), block_shape, layout.num_planes)
+        self._sources[region] = source
+        while len(self._sources) > _MAX_SOURCES:
+            self._sources.popitem(last=False)
+        return source
+
+    def forget_cache(self, handle: p.KVHandle) -> None:
+        """Unmap the exporter's cache (it may be gone)."""
+        self._sources.pop(handle.cache_region, None)
+
+    def finish_copy(self) -> None:
+        """Wait for a `copy_blocks` out of a mapped GPU cache."""
+        torch.cuda.current_stream(self.kv.device).synchronize()
+
+    def chunk_targets(self, dst: list[int], heads: tuple[int, int]
+                      ) -> tuple[tuple[int, ...], list[tuple[int, int]], list[tuple[torch.Tensor, bool]], torch.Tensor | None]:
+        """Where a pull's chunks land: (the transfer's shape, the chunks' slab bounds, per chunk
+        (its target, whether it is staged to be scattered into `dst` after), the staging buffer
+        or None). A chunk lands in the cache itself when `dst` is one run of blocks and it is one
+        slab; give the staging buffer back with `self.buffers.give` once nothing writes into it."""
+        shape = self.expected_shape(len(dst), heads)
+        slab_bytes = len(dst) * shape[3] * shape[4] * shape[5] * self.kv.element_size()
+        chunks = p.chunk_bounds(shape[0] * shape[1], slab_bytes)
+        run = block_run(dst)
+        slabs, staging, targets = slab_view(self.kv), None, []
+        for s0, s1 in chunks:
+            if run is not None and s1 - s0 == 1:
+                targets.append((slabs[s0, 0, run:run + len(dst)], False))
+            else:
+                if staging is None:
+                    staging = self.buffers.take(shape, self.kv.dtype, self.kv.device)
+                targets.append((slab_view(staging)[s0:s1], True))
+        return shape, chunks, targets, staging
 
     def release(self, handle: p.KVHandle, timeout_s: float = 5.0) -> None:
         """Tell the exporter to drop the lease without reading (the request ended before its pull).

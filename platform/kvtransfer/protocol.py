@@ -170,6 +170,20 @@ def head_slice(exporter: KVLayout, importer: KVLayout) -> tuple[int, int]:
     return is_ - es, ie - es
 
 
+# What an ERROR frame's `code` says, both ways.
+ERROR_CODES = {"unknown": UnknownRequestError, "expired": LeaseExpiredError, "layout": LayoutMismatchError,
+               "protocol": ProtocolError}
+
+
+def error_frame(e: KVTransferError) -> dict:
+    return {"code": next((c for c, cls in ERROR_CODES.items() if type(e) is cls), "protocol"), "message": str(e)}
+
+
+def error_of(reply: dict) -> KVTransferError:
+    """The exporter's ERROR frame as the error it raised there."""
+    return ERROR_CODES.get(reply.get("code"), ProtocolError)(str(reply.get("message", "exporter error")))
+
+
 def encode_frame(kind: int, payload: dict) -> bytes:
     body = msgpack.packb(payload, use_bin_type=True)
     return HEADER.pack(MAGIC, VERSION, kind, len(body)) + body

@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import asdict
 from typing import Callable
 
@@ -57,16 +55,11 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter
-from pdserve.kvtransfer.blocks import block_run, cache_bits, copy_blocks, scatter_blocks, slab_view
-from pdserve.engine import cuda_ipc
-from pdserve.engine.shared_memory import SharedRegion, locate, map_region
+from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter, share_cache
+from pdserve.kvtransfer.blocks import copy_blocks, scatter_blocks, slab_view
 
 log = logging.getLogger(__name__)
 
-_ERRORS = {"unknown": p.UnknownRequestError, "expired": p.LeaseExpiredError, "layout": p.LayoutMismatchError,
-           "protocol": p.ProtocolError}
-_MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
 _PROGRESS_WAIT_MS = 100  # the longest UCX's progress thread sleeps with nothing to do (_start_progress_thread)
 
 
@@ -187,7 +180,7 @@ class UCXExporter(KVExporter):
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
         if shared_memory:
-            self.cache_region = cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
+            self.cache_region = share_cache(kv)
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
         self.max_connections = max_connections
@@ -260,18 +253,7 @@ class UCXExporter(KVExporter):
                 return False
             if kind != p.READ:
                 raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
-            try:
-                importer = p.KVLayout(**req["layout"])
-                # The importer's deadline, held to the exporter's budget: no READ pins blocks longer
-                # than a lease would have held them anyway.
-                send_s = min(max(float(req.get("timeout_s", self.ack_timeout_s)), 0.0),
-                             max(self.leases.lease_s, self.ack_timeout_s))
-            except (TypeError, KeyError, ValueError) as e:
-                raise p.ProtocolError(f"malformed READ: {e!r}") from e
-            is_local = bool(req.get("local"))
-            if is_local and self.cache_region is None:
-                raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
-            read = self.open_read(rid, token, importer, req.get("first_block", 0))
+            read, send_s, is_local = self.open_wire_read(req, self.ack_timeout_s)
             if is_local:
                 # The importer copies the blocks out of the cache itself: they stay held until its
                 # ACK/DONE, or until its own deadline has passed (it then discards what it copied).
@@ -289,9 +271,8 @@ class UCXExporter(KVExporter):
                 self.ack(rid, token)
             is_reusable = kind in (p.ACK, p.DONE)
         except p.KVTransferError as e:
-            code = next((c for c, cls in _ERRORS.items() if type(e) is cls), "protocol")
             try:
-                await asyncio.wait_for(_send_frame(ep, p.ERROR, {"code": code, "message": str(e)}), 5)
+                await asyncio.wait_for(_send_frame(ep, p.ERROR, p.error_frame(e)), 5)
             except Exception:  # noqa: BLE001 - the importer may be gone already
                 pass
         except Exception as e:  # noqa: BLE001 - one bad peer must not take the listener down
@@ -333,9 +314,6 @@ class UCXImporter(KVImporter):
         super().__init__(kv, layout)
         self.idle_s, self.max_idle_per_exporter = idle_s, max_idle_per_exporter
         self._idle: dict[str, list[tuple[object, float]]] = {}  # address -> [(endpoint, idle since)]; loop thread only
-        # Exporters' caches mapped from shared memory (None: not mappable from here); loop thread only.
-        self._sources: OrderedDict[SharedRegion | cuda_ipc.CudaRegion, np.ndarray | torch.Tensor | None] = \
-            OrderedDict()
         self.num_endpoints_created = 0
         self._loop = ucx_loop()
 
@@ -384,47 +362,15 @@ class UCXImporter(KVImporter):
                 ep, is_kept = await self._endpoint(handle.address, left, kept=False)
                 await self._read(ep, is_kept, handle, dst, heads, first_block, ack, left)
         except asyncio.TimeoutError:
-            self._sources.pop(handle.cache_region, None)  # the exporter may be gone: unmap its cache
+            self.forget_cache(handle)  # the exporter may be gone: unmap its cache
             raise p.ExporterUnreachableError(
                 f"KV pull of {handle.request_id} from {handle.address}: no answer within {timeout_s:.1f}s") from None
         except p.KVTransferError:
             raise
         except Exception as e:  # UCX errors: connection refused or reset
-            self._sources.pop(handle.cache_region, None)
+            self.forget_cache(handle)
             raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
         self._keep(handle.address, ep)
-
-    def _source(self, handle: p.KVHandle) -> np.ndarray | torch.Tensor | None:
-        """The exporter's whole cache, read-only, `[layers, planes, blocks, block_size, heads, head_dim]`,
-        when this process can map it: its bits from shared memory on this host (CPU caches), or a
-        tensor over CUDA IPC on this GPU (GPU caches)."""
-        region = handle.cache_region
-        if region is None or isinstance(region, cuda_ipc.CudaRegion) != self.kv.is_cuda:
-            return None
-        if region in self._sources:
-            self._sources.move_to_end(region)
-            return self._sources[region]
-        layout, source = handle.layout, None
-        block_shape = (layout.num_layers, layout.block_size, layout.local_heads[1] - layout.local_heads[0],
-                       layout.head_dim)
-        if isinstance(region, cuda_ipc.CudaRegion):
-            per_block = layout.num_planes * math.prod(block_shape) * self.kv.element_size()
-            if region.nbytes % per_block == 0:
-                layers, block_size, heads, head_dim = block_shape
-                source = cuda_ipc.open_region(region, self.kv.dtype, (layers, layout.num_planes,
-                                                                      region.nbytes // per_block,
-                                                                      block_size, heads, head_dim), self.kv.device)
-        else:
-            mapping = map_region(region)
-            if mapping is not None:
-                source = cache_bits(mapping, self.kv.element_size(), block_shape, layout.num_planes)
-        self._sources[region] = source
-        while len(self._sources) > _MAX_SOURCES:
-            self._sources.popitem(last=False)
-        return source
-
-    def _finish_copy(self) -> None:
-        torch.cuda.current_stream(self.kv.device).synchronize()
 
     async def _endpoint(self, address: str, left: Callable[[], float], kept: bool = True) -> tuple[object, bool]:
         """An endpoint to `address`: a kept one (True) when `kept` and one is fresh enough, else a new one."""
@@ -453,19 +399,12 @@ class UCXImporter(KVImporter):
         """One READ on `ep`, the blocks scattered into `dst`, then ACK/DONE; `ep` stays open on
         success and is aborted on any failure. On a kept endpoint, a UCX error before the
         exporter's reply raises `_StaleEndpoint` (nothing was written into `dst`)."""
-        source = self._source(handle)
-        shape = self.expected_shape(len(dst), heads)
-        slab_bytes = len(dst) * shape[3] * shape[4] * shape[5] * self.kv.element_size()
-        chunks = p.chunk_bounds(shape[0] * shape[1], slab_bytes) if source is None else []  # local: no chunks
-        run = block_run(dst)
-        slabs, staging, targets = slab_view(self.kv), None, []
-        for s0, s1 in chunks:  # where each chunk lands: in place, or staging to scatter from
-            if run is not None and s1 - s0 == 1:
-                targets.append((slabs[s0, 0, run:run + len(dst)], False))
-            else:
-                if staging is None:
-                    staging = self.buffers.take(shape, self.kv.dtype, self.kv.device)
-                targets.append((slab_view(staging)[s0:s1], True))
+        source = self.mapped_cache(handle)
+        if source is None:
+            shape, chunks, targets, staging = self.chunk_targets(dst, heads)
+        else:  # local: no chunks
+            shape, chunks, targets, staging = self.expected_shape(len(dst), heads), [], [], None
+        slabs = slab_view(self.kv)
 
         tasks, is_done, is_copying = [], False, False
         try:
@@ -492,7 +431,7 @@ class UCXImporter(KVImporter):
                     raise _StaleEndpoint() from e
                 raise
             if kind == p.ERROR:
-                raise _ERRORS.get(reply.get("code"), p.ProtocolError)(reply.get("message", "exporter error"))
+                raise p.error_of(reply)
             if kind != p.DATA:
                 raise p.ProtocolError(f"expected a DATA frame, got kind {kind}")
             if (tuple(reply.get("shape", ())) != shape or reply.get("num_chunks") != len(chunks)
@@ -501,7 +440,7 @@ class UCXImporter(KVImporter):
                                       f"{reply.get('num_chunks')} chunks, expected {shape} in {len(chunks)}")
             if source is not None:  # the exporter holds the blocks until our ACK/DONE, or our deadline
                 if is_copying:
-                    self._finish_copy()
+                    self.finish_copy()
                     is_copying = False
                 else:
                     copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
@@ -526,7 +465,7 @@ class UCXImporter(KVImporter):
             is_done = True
         finally:
             if is_copying:  # a failed pull's blocks go back to the pool: not while the copy writes them
-                self._finish_copy()
+                self.finish_copy()
             if not is_done:  # cancels the receives still posted, before their buffers go back
                 try:
                     ep.abort()

@@ -138,4 +138,4 @@ def test_only_the_backend_pools_can_use_is_accepted():
     for backend in ("local", "ray"):
         config, problems = check({"transfer": {"backend": backend}})
         assert config is None and [p.path for p in problems] == ["transfer.backend"]
-    assert check({"transfer": {"backend": "ucx"}})[0] is not None
+    assert all(check({"transfer": {"backend": b}})[0] is not None for b in ("tcp", "ucx"))

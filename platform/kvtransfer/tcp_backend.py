@@ -1,0 +1,423 @@
+"""KV transfer over plain TCP sockets: the backend for links UCX would cross over TCP anyway (CPU
+pools, pods without RDMA), and the default.
+
+Why not UCX there: on a TCP link UCX moves fewer bytes a second than a socket does (its
+per-message completion path: RESULTS.md, #42), and every process that starts UCX opens TCP
+ports on every interface whose PUT messages write wherever a peer says, with no key
+(docs/security.md). Here the only listener is the exporter's, bound to the one address it
+advertises, and nothing it reads is trusted: frames are bounded (`protocol.CONTROL_FRAME_BYTES`),
+a READ moves blocks only with its lease's token (which travels only inside Ray calls), and no
+byte from the network ever lands anywhere but the importer's own buffers.
+
+The frames, the chunks and the same-host local read are the UCX backend's (protocol.py,
+ucx_backend.py); on a stream a frame is its 16-byte header then its payload, and a chunk is its
+bytes, sent with `sendall` from the cache (or a staging buffer) and received with `recv_into`
+the cache (or a staging buffer), with no copy in between. Where blocks must be gathered (or
+scattered), chunk i+1 is gathered (chunk i scattered) on a copy thread while chunk i (i+1) is on
+the wire. Threads, not an event loop: a blocking `sendall`/`recv_into` moves a whole chunk in one
+call with the GIL released, where an event loop pays a wake-up per socket-buffer's worth.
+
+    exporter: one accept thread; one thread per connection (at most `max_connections`), which
+              waits `ack_timeout_s` for the first frame, then `idle_timeout_s` between reads
+    importer: the pulling thread itself, each wait bounded by the pull's deadline; connections
+              kept per exporter (one pull at a time on each), as the UCX backend keeps endpoints
+
+A GPU cache goes through host memory chunk by chunk (on GPUs, links with RDMA are UCX's).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+
+from pdserve.kvtransfer import protocol as p
+from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter, share_cache
+from pdserve.kvtransfer.blocks import copy_blocks, scatter_blocks, slab_view
+
+log = logging.getLogger(__name__)
+
+# Open importer connections one exporter serves at once (each is a thread): each decode rank keeps
+# a few idle ones, so room for dozens of decode replicas, and a bound on a flood of connections.
+MAX_CONNECTIONS = 256
+ERROR_SEND_S = 5.0  # how long an ERROR frame may take to leave before the connection is dropped
+
+# Gathers and scatters overlapped with the wire, for every exporter and importer of the process.
+_copies = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-copy")
+
+
+def _settled(job: Future | None) -> None:
+    """Wait for a copy still running (its buffer must not be reused or given back meanwhile);
+    its error, if any, is the caller's failure's, not a new one."""
+    if job is not None:
+        job.exception()
+
+
+class _Deadline:
+    """What is left of a pull's (or a send's) time; `socket.timeout` once it has passed."""
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        remaining = self.at - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("deadline passed")
+        return remaining
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's own memory, as bytes (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _send(conn: socket.socket, data, deadline: _Deadline) -> None:
+    conn.settimeout(deadline.left())
+    conn.sendall(data)  # the timeout bounds the whole call (Python >= 3.5)
+
+
+def _recv_into(conn: socket.socket, view: memoryview, deadline: _Deadline) -> None:
+    got = 0
+    while got < len(view):
+        conn.settimeout(deadline.left())
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError("the peer closed the connection")
+        got += n
+
+
+def _send_frame(conn: socket.socket, kind: int, payload: dict, deadline: _Deadline) -> None:
+    _send(conn, p.encode_frame(kind, payload), deadline)
+
+
+def _recv_frame(conn: socket.socket, deadline: _Deadline) -> tuple[int, dict]:
+    header = bytearray(p.HEADER_SIZE)
+    _recv_into(conn, memoryview(header), deadline)
+    kind, length = p.decode_header(bytes(header))  # bounded before the payload is read
+    body = bytearray(length)
+    _recv_into(conn, memoryview(body), deadline)
+    return kind, p.decode_payload(bytes(body))
+
+
+def _send_tensor(conn: socket.socket, t: torch.Tensor, deadline: _Deadline) -> None:
+    _send(conn, _bytes(t.cpu() if t.is_cuda else t), deadline)
+
+
+def _recv_tensor(conn: socket.socket, t: torch.Tensor, deadline: _Deadline) -> None:
+    if not t.is_cuda:
+        return _recv_into(conn, _bytes(t), deadline)
+    host = torch.empty(t.shape, dtype=t.dtype)
+    _recv_into(conn, _bytes(host), deadline)
+    t.copy_(host)
+
+
+def _abort(conn: socket.socket) -> None:
+    """Close at once, unsent bytes dropped (a reset, not an orderly close the peer could mistake
+    for a complete reply)."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+    except OSError:
+        pass
+    conn.close()
+
+
+class TCPExporter(KVExporter):
+    def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
+                 pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
+                 lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 300.0, shared_memory: bool = True,
+                 max_connections: int = MAX_CONNECTIONS):
+        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
+        self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
+        if shared_memory:
+            self.cache_region = share_cache(kv)
+        self.max_connections = max_connections
+        self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
+        self.num_open_connections = 0
+        self._count_lock = threading.Lock()
+        self._open: set[socket.socket] = set()  # shut down at `close`, which their threads then see
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._listener.settimeout(0.5)  # the accept loop sees `close` within this
+        self.port = self._listener.getsockname()[1]
+        self._accepting = threading.Thread(target=self._accept_loop, name=f"kv-accept-{exporter_id}", daemon=True)
+        self._accepting.start()
+        log.info("KV exporter %s listening on %s (tcp)", exporter_id, self.address)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def is_healthy(self) -> bool:
+        return super().is_healthy and self._accepting.is_alive()
+
+    def close(self) -> None:
+        super().close()  # sets _closed: the accept loop ends within its wait
+        with self._count_lock:
+            for conn in self._open:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes its thread out of recv/send
+                except OSError:
+                    pass
+        self._accepting.join(5)
+        self._listener.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if not self._closed.is_set():
+                    log.warning("KV exporter %s: accept failed: %r", self.exporter_id, e)
+                    time.sleep(0.1)
+                continue
+            with self._count_lock:
+                if self.num_open_connections >= self.max_connections:
+                    log.warning("KV connection refused: %d open already", self.num_open_connections)
+                    _abort(conn)
+                    continue
+                self.num_connections += 1
+                self.num_open_connections += 1
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name=f"kv-conn-{self.exporter_id}",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One connection: reads, one after another, until the importer closes it, a read fails,
+        it stays idle for `idle_timeout_s`, or the exporter closes."""
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wait_s = self.ack_timeout_s  # for the first frame: a peer that says nothing is dropped soon
+            while not self._closed.is_set():
+                try:
+                    kind, req = _recv_frame(conn, _Deadline(wait_s))
+                except p.ProtocolError as e:
+                    kind, req = None, e
+                except (OSError, EOFError):  # closed by the importer, reset, or idle too long
+                    return
+                wait_s = self.idle_timeout_s
+                if not self._serve_one(conn, kind, req):
+                    return
+        finally:
+            with self._count_lock:
+                self.num_open_connections -= 1
+                self._open.discard(conn)
+            _abort(conn)
+
+    def _serve_one(self, conn: socket.socket, kind: int | None, req) -> bool:
+        """One frame from the importer and what follows it; True when the connection may carry
+        another read (this one ended in ACK or DONE)."""
+        rid, read = None, None
+        try:
+            if isinstance(req, p.ProtocolError):
+                raise req
+            rid, token = req.get("request_id"), req.get("lease_token")
+            if kind == p.ACK:  # an importer dropping a lease it will not read
+                self.ack(rid, token)
+                return False
+            if kind != p.READ:
+                raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
+            read, send_s, is_local = self.open_wire_read(req, self.ack_timeout_s)
+            deadline = _Deadline(send_s)
+            if is_local:
+                # The importer copies the blocks out of the cache itself: they stay held until its
+                # ACK/DONE, or until its own deadline has passed (it then discards what it copied).
+                _send_frame(conn, p.DATA, {"shape": list(read.shape), "num_chunks": 0, "local": True}, deadline)
+                kind, _ = _recv_frame(conn, deadline)
+            else:
+                self._send_blocks(conn, read, deadline)
+                read.close()  # the kernel holds its own copy of whatever is still unsent
+                read = None
+                kind, _ = _recv_frame(conn, _Deadline(self.ack_timeout_s))
+            if kind == p.ACK:
+                self.ack(rid, token)
+            return kind in (p.ACK, p.DONE)
+        except p.KVTransferError as e:
+            try:
+                _send_frame(conn, p.ERROR, p.error_frame(e), _Deadline(ERROR_SEND_S))
+            except OSError:  # the importer may be gone already
+                pass
+        except Exception as e:  # noqa: BLE001 - one bad peer must not take the listener down
+            log.warning("KV read for %s failed: %r (the lease stays until ack or expiry)", rid, e)
+        finally:
+            if read is not None:
+                read.close()
+        return False
+
+    @staticmethod
+    def _send_blocks(conn: socket.socket, read: BlockRead, deadline: _Deadline) -> None:
+        """DATA, then every chunk; a chunk to gather is gathered while the one before is on the wire."""
+        _send_frame(conn, p.DATA, {"shape": list(read.shape), "num_chunks": len(read.chunks)}, deadline)
+        n = len(read.chunks)
+        if all(read.is_in_place(i) for i in range(n)):
+            for i in range(n):
+                _send_tensor(conn, read.chunk(i), deadline)
+            return
+        gather = _copies.submit(read.chunk, 0)
+        try:
+            for i in range(n):
+                chunk = gather.result()
+                gather = _copies.submit(read.chunk, i + 1) if i + 1 < n else None
+                _send_tensor(conn, chunk, deadline)
+        finally:
+            _settled(gather)  # before the read's staging buffer can go back
+
+
+class _StaleConnection(Exception):
+    """A kept connection failed before the pull's first reply: the exporter had dropped it."""
+
+
+class TCPImporter(KVImporter):
+    def __init__(self, kv: torch.Tensor, layout: p.KVLayout, idle_s: float = 60.0, max_idle_per_exporter: int = 8):
+        # idle_s: how long a kept connection stays usable (under the exporter's idle_timeout_s);
+        # max_idle_per_exporter: connections kept per exporter address (one pull at a time on each).
+        super().__init__(kv, layout)
+        self.idle_s, self.max_idle_per_exporter = idle_s, max_idle_per_exporter
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # address -> [(connection, idle since)]
+        self._lock = threading.Lock()  # pulls run on several threads: the kept connections and mapped caches
+        self.num_connections_created = 0
+
+    def close(self) -> None:
+        with self._lock:
+            for conns in self._idle.values():
+                for conn, _ in conns:
+                    _abort(conn)
+            self._idle.clear()
+            self._sources.clear()
+
+    def _fetch(self, handle: p.KVHandle, dst: list[int], heads: tuple[int, int], timeout_s: float,
+               first_block: int, ack: bool) -> None:
+        deadline = _Deadline(timeout_s)
+        with self._lock:
+            source = self.mapped_cache(handle)
+        try:
+            conn, is_kept = self._connection(handle.address, deadline)
+            try:
+                self._read(conn, is_kept, source, handle, dst, heads, first_block, ack, deadline)
+            except _StaleConnection:
+                conn, _ = self._connection(handle.address, deadline, kept=False)
+                self._read(conn, False, source, handle, dst, heads, first_block, ack, deadline)
+        except socket.timeout:
+            self._forget(handle)
+            raise p.ExporterUnreachableError(
+                f"KV pull of {handle.request_id} from {handle.address}: no answer within {timeout_s:.1f}s") from None
+        except p.KVTransferError:
+            raise
+        except (OSError, EOFError) as e:  # refused, reset, unreachable
+            self._forget(handle)
+            raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
+        self._keep(handle.address, conn)
+
+    def _release(self, handle: p.KVHandle, timeout_s: float) -> None:
+        deadline = _Deadline(timeout_s)
+        conn = self._connect(handle.address, deadline)
+        try:
+            _send_frame(conn, p.ACK, {"request_id": handle.request_id, "lease_token": handle.lease_token}, deadline)
+        finally:
+            conn.close()
+
+    def _forget(self, handle: p.KVHandle) -> None:
+        with self._lock:
+            self.forget_cache(handle)
+
+    def _connect(self, address: str, deadline: _Deadline) -> socket.socket:
+        host, port = address.rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)), timeout=deadline.left())
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _connection(self, address: str, deadline: _Deadline, kept: bool = True) -> tuple[socket.socket, bool]:
+        """A connection to `address`: a kept one (True) when `kept` and one is fresh enough, else a new one."""
+        with self._lock:
+            idle = self._idle.get(address, [])
+            while kept and idle:
+                conn, since = idle.pop()
+                if time.monotonic() - since < self.idle_s:
+                    return conn, True
+                _abort(conn)
+        conn = self._connect(address, deadline)
+        self.num_connections_created += 1
+        return conn, False
+
+    def _keep(self, address: str, conn: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.max_idle_per_exporter:
+                idle.append((conn, time.monotonic()))
+                return
+        _abort(conn)
+
+    def _read(self, conn: socket.socket, is_kept: bool, source, handle: p.KVHandle, dst: list[int],
+              heads: tuple[int, int], first_block: int, ack: bool, deadline: _Deadline) -> None:
+        """One READ on `conn`, the blocks in `dst`, then ACK/DONE; `conn` stays open on success and
+        is aborted on any failure. On a kept connection, a failure before the exporter's reply
+        raises `_StaleConnection` (nothing was written into `dst`)."""
+        if source is None:
+            shape, chunks, targets, staging = self.chunk_targets(dst, heads)
+        else:  # local: no chunks
+            shape, chunks, targets, staging = self.expected_shape(len(dst), heads), [], [], None
+        is_done, is_copying, scatter = False, False, None
+        src_ids = list(handle.block_ids[first_block:])
+        try:
+            try:
+                _send_frame(conn, p.READ, {
+                    "request_id": handle.request_id, "lease_token": handle.lease_token,
+                    "layout": asdict(self.layout), "first_block": first_block, "timeout_s": deadline.left(),
+                    "local": source is not None}, deadline)
+                if isinstance(source, torch.Tensor):
+                    # On a GPU the copy runs while the exporter answers: the lease has pinned the
+                    # blocks since the export, so when DATA confirms it was live at the READ, they
+                    # were held all along (and stay held until our ACK/DONE). On an ERROR it is void.
+                    copy_blocks(source, src_ids, heads, self.kv, dst)
+                    is_copying = True
+                kind, reply = _recv_frame(conn, deadline)
+            except (socket.timeout, p.KVTransferError):
+                raise
+            except (OSError, EOFError) as e:
+                if is_kept:
+                    raise _StaleConnection() from e
+                raise
+            if kind == p.ERROR:
+                raise p.error_of(reply)
+            if kind != p.DATA:
+                raise p.ProtocolError(f"expected a DATA frame, got kind {kind}")
+            if (tuple(reply.get("shape", ())) != shape or reply.get("num_chunks") != len(chunks)
+                    or bool(reply.get("local")) != (source is not None)):
+                raise p.ProtocolError(f"exporter sends blocks of shape {reply.get('shape')} in "
+                                      f"{reply.get('num_chunks')} chunks, expected {shape} in {len(chunks)}")
+            if source is not None:  # the exporter holds the blocks until our ACK/DONE, or our deadline
+                if is_copying:
+                    self.finish_copy()
+                    is_copying = False
+                else:
+                    copy_blocks(source, src_ids, heads, self.kv, dst)
+                deadline.left()  # past it, they may have gone back to its pool meanwhile: the copy is void
+                self.num_shared_memory_pulls += 1
+            slabs = slab_view(self.kv)
+            for (s0, s1), (target, is_staged) in zip(chunks, targets):
+                _recv_tensor(conn, target, deadline)
+                if is_staged:  # scattered while the next chunk arrives
+                    if scatter is not None:
+                        scatter.result()
+                    scatter = _copies.submit(scatter_blocks, slabs[s0:s1], dst, target)
+            if scatter is not None:
+                scatter.result()
+            _send_frame(conn, p.ACK if ack else p.DONE,
+                        {"request_id": handle.request_id, "lease_token": handle.lease_token}, deadline)
+            is_done = True
+        finally:
+            if is_copying:  # a failed pull's blocks go back to the pool: not while the copy writes them
+                self.finish_copy()
+            _settled(scatter)  # likewise
+            if not is_done:
+                _abort(conn)
+            if staging is not None:  # nothing writes into it once the scatters and this thread's recv_into ended
+                self.buffers.give(staging)
