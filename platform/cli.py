@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="Disaggregated LLM serving on Ray: prefill and decode pools, prefix-aware routing, "
-                    "UCX KV transfer.")
+                    "KV transfer over TCP or UCX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from pdserve.engine import cli as engine_cli
     engine_cli.register(sub)
