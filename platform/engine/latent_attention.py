@@ -18,8 +18,10 @@ W_UV,h `[v_head_dim, kv_lora_rank]`. Two ways to compute it, equal in exact arit
 In: the step's forward context (attention.py) and, per call, the rotated queries, the step's latent
 vectors and kv_b_proj. Out: `[tokens, heads * v_head_dim]`. Under tensor parallelism a rank holds
 its heads' rows of kv_b_proj (so of W_UK and W_UV) and the whole latent: every rank computes and
-caches the same vectors. Torch only, on every device: the C and Triton paged kernels take the K/V
-layout, so MLA layers do not run on them.
+caches the same vectors. The decode path's attention over the cache runs on `ops.latent_decode_attention`:
+on a GPU the Triton kernel (kernels/triton_mla.py: reads each sequence's blocks up to its length, no
+host sync, so CUDA graphs capture it), elsewhere torch; the prefill path and the cache write are torch
+on every device (the C kernels take the K/V layout only).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, get_forward_context
+from pdserve.engine.kernels import ops
 
 
 class LatentAttention(nn.Module):
@@ -75,18 +78,12 @@ class LatentAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The weight-absorbed path: `[decodes, heads, v_head_dim]`."""
-        nope, rank = self.qk_nope_head_dim, self.kv_lora_rank
+        nope = self.qk_nope_head_dim
         # q_lat[t, h] = W_UK,h^T q_nope[t, h]: [heads, tokens, nope] @ [heads, nope, rank]
         q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk).transpose(0, 1)
-        query = torch.cat((q_lat, q[:, :, nope:]), dim=-1).unsqueeze(2)  # [batch, heads, 1, rank + rope]
-        tables = meta.decode_block_tables
-        batch, width = tables.shape
-        block_size, dim = cache.shape[1:]
-        ctx = cache.index_select(0, tables.reshape(-1)).view(batch, 1, width * block_size, dim).to(q.dtype)
-        mask = meta.decode_mask(block_size, q.dtype)
-        # One key "head" (the cached vectors) for every query head; the values are the latents.
-        out_lat = F.scaled_dot_product_attention(query, ctx, ctx[..., :rank], attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=True).squeeze(2)  # [batch, heads, rank]
+        out_lat = ops.latent_decode_attention(q_lat, q[:, :, nope:], cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, self.scale,
+                                              lambda: meta.decode_mask(cache.shape[1], q.dtype))
         return torch.bmm(out_lat.transpose(0, 1), self.w_uv).transpose(0, 1)  # W_UV after attention
 
     def _prefill(self, q: torch.Tensor, cache: torch.Tensor, p: PrefillChunkMeta,

@@ -15,7 +15,8 @@ Elementwise (the model files'):
 Linear layers: `pack_linear(weight)` once at load, then `linear(x, ...)` on what it packed for.
 Experts: `fuses_moe(w13, ...)` once at load (it fixes the weights' layout), then `moe(...)`.
 Paged attention: `write_kv`, `paged_decode_attention`, `paged_prefill_attention` (with a
-sliding window or without, on every kernel).
+sliding window or without, on every kernel); `latent_decode_attention` (MLA's absorbed decode over
+the latent cache: Triton on a GPU, torch elsewhere).
 Sampling: `argmax(logits)`, `token_bitmask(logits, bitmask)` (a grammar's packed mask).
 
 It knows nothing of layers or models: tensors in, tensors out.
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_kernels, paged_attention, triton_fused, triton_moe, triton_paged
+from pdserve.engine.kernels import cpu_kernels, paged_attention, triton_fused, triton_mla, triton_moe, triton_paged
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -231,6 +232,24 @@ def _prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out[start:] = triton_paged.paged_prefill_attention(q[start:], k_cache, v_cache, b.cu_query_lens, b.context_lens,
                                                        b.block_tables, scale, max_query_len=b.max_query_len,
                                                        window=window)
+
+
+def latent_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            torch_mask: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """MLA's weight-absorbed decode: q_lat `[batch, heads, kv_lora_rank]`, q_rope `[batch, heads,
+    qk_rope_head_dim]` against one layer's latent cache `[num_blocks, block_size, kv_lora_rank +
+    qk_rope_head_dim]` -> the probability-weighted latents `[batch, heads, kv_lora_rank]`.
+    `torch_mask()` gives the torch path's `decode_mask`, called only where that path runs."""
+    if _triton_attention(q_lat):
+        return triton_mla.latent_decode_attention(q_lat, q_rope, cache, block_tables, seq_lens, scale)
+    return paged_attention.latent_decode_attention(q_lat, q_rope, cache, block_tables, seq_lens, scale,
+                                                   torch_mask())
+
+
+def runs_latent_attention_on_triton(device: torch.device | str) -> bool:
+    """Whether `latent_decode_attention` takes the Triton kernel for tensors on `device`."""
+    return torch.device(device).type == "cuda" and triton_mla.HAS_TRITON
 
 
 # -- sampling ------------------------------------------------------------------------------------

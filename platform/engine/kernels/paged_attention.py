@@ -12,6 +12,9 @@ cache holds them, fresh ones included, so a token's output does not depend on wh
   sequences' blocks into a reusable workspace (fresh large allocations cost page faults on CPU).
 - `paged_prefill_attention`: a chunk of queries per sequence attending to a cached prefix plus
   itself, causal.
+- `latent_decode_attention`: multi-head latent attention's weight-absorbed decode over one layer's
+  latent cache `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` (latent_attention.py):
+  every query head against the cached vectors as one key head, the latents as values.
 
 With a `window` W (a sliding-window layer, Gemma 3's), the query at position p attends only the
 keys at positions p - W + 1 .. p (transformers' `kv_idx > q_idx - sliding_window`); the blocks
@@ -73,6 +76,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if mask is None:
         mask = decode_mask(seq_lens, max_len, q.dtype, window)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def latent_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q_lat `[batch, heads, kv_lora_rank]`, q_rope `[batch, heads, qk_rope_head_dim]`, block_tables
+    `[batch, max_blocks]` (padding entries may be any valid block id), seq_lens `[batch]` -> the
+    probability-weighted latents `[batch, heads, kv_lora_rank]`. It reads the table's whole width
+    (`max_blocks * block_size` vectors a sequence, masked by `mask`, `decode_mask(seq_lens, ...)`)."""
+    rank = q_lat.shape[2]
+    batch, width = block_tables.shape
+    block_size, dim = cache.shape[1:]
+    query = torch.cat((q_lat, q_rope), dim=-1).unsqueeze(2)  # [batch, heads, 1, rank + rope]
+    ctx = cache.index_select(0, block_tables.reshape(-1)).view(batch, 1, width * block_size, dim).to(q_lat.dtype)
+    if mask is None:
+        mask = decode_mask(seq_lens, width * block_size, q_lat.dtype)
+    # One key "head" (the cached vectors) for every query head; the values are the latents.
+    out = F.scaled_dot_product_attention(query, ctx, ctx[..., :rank], attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 

@@ -19,8 +19,9 @@ What differs from the Llama block (llama.py), each as transformers' modeling_dee
 
 Tensor parallelism splits the heads: q_b_proj and kv_b_proj by heads, o_proj by its input; the
 down-projections to the latent (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated, so
-every rank computes and caches the whole latent. The decode step does not run as one C call and is
-not captured as a CUDA graph (the attention runs the torch path).
+every rank computes and caches the whole latent. The decode step does not run as one C call. On one
+GPU it is captured as a CUDA graph (`supports_cuda_graphs`): MLA's absorbed decode runs the Triton
+kernel (kernels/triton_mla.py) and the experts the fused ones, both without host syncs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.kernels import ops
 from pdserve.engine.latent_attention import LatentAttention
 from pdserve.engine.models.arch import ModelArch
 from pdserve.engine.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
@@ -103,14 +105,15 @@ class DeepseekV3MoE(MixtralMoE):
                                if arch.num_shared_experts else None)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """In fp32, as transformers' DeepseekV3TopkRouter."""
+        """In fp32, as transformers' DeepseekV3TopkRouter. Every op has a shape fixed by x's and reads
+        nothing back to the host (CUDA graphs capture it with the fused experts)."""
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
         best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
-        choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
+        choice = groups.masked_fill(~keep[:, :, None], float("-inf")).view(-1, self.num_experts)
         top_i = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         top_w = scores.gather(1, top_i)
         if self.renormalize:
@@ -160,8 +163,15 @@ def check_deepseek_parallel(arch: ModelArch, parallel: ParallelState) -> None:
 
 
 class DeepseekV3ForCausalLM(MixtralForCausalLM):
-    supports_cuda_graphs = False  # MLA runs the torch path (latent_attention.py)
     runs_in_c_decoder = False  # kernels/cpu_decoder.py: the C decode step is the Llama block's
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Mixtral's condition (one rank, every MoE layer on the fused Triton experts, the
+        group-limited routing on the device) and MLA's decode on the Triton kernel (the torch path
+        would gather the block table's whole width every step)."""
+        return (MixtralForCausalLM.supports_cuda_graphs.fget(self)
+                and ops.runs_latent_attention_on_triton(self.model.embed_tokens.weight.device))
 
     def __init__(self, arch: ModelArch, max_position: int, parallel: ParallelState = SINGLE):
         nn.Module.__init__(self)

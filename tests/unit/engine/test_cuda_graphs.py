@@ -109,3 +109,47 @@ def test_static_buffers_of_several_layer_groups_give_the_engines_tokens(tmp_path
     assert _outputs(graphed) == _outputs(reference)
     assert {3, 5, 6, 7} <= set(batches)
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_static_buffers_of_a_latent_cache_give_the_engines_tokens(tmp_path, monkeypatch):
+    """DeepSeek-V3 (MLA over the latent cache, DeepSeekMoE): the static buffers and padding, run
+    eagerly on the CPU as above (the torch paths of MLA's absorbed decode and the experts;
+    test_triton_mla.py runs the same through the Triton kernels a graph captures)."""
+    from pdserve.engine.checkpoint import make_checkpoint
+
+    path = str(make_checkpoint("tiny-deepseek-v3", tmp_path / "deepseek"))
+    reference, graphed = (LLM(path, max_num_seqs=8) for _ in range(2))
+    engine = graphed.engine
+    assert engine.kv_cache.is_latent and not engine.model.supports_cuda_graphs  # no GPU, no Triton path
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, 8, -(-engine.max_model_len // engine.kv_cache.block_size),
+                          "cpu")
+    engine.runner.decode_graphs = graphs
+    batches = _count_runs(graphs, monkeypatch)
+
+    # The same tokens; log-probabilities to rounding: the padded batch reads the table's whole
+    # width (softmax over more masked positions) and sends more rows through each expert's matmul.
+    expected, got = _outputs(reference), _outputs(graphed)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, lp_got), (_, lp_expected) in zip(got, expected):
+        torch.testing.assert_close(lp_got, lp_expected, atol=1e-5, rtol=1e-5)
+    assert {3, 5, 6, 7} <= set(batches)
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_of_a_latent_attention_model_give_the_eager_engines_tokens(tmp_path):
+    """DeepSeek-V3 on one GPU: MLA's absorbed decode on the Triton kernel and the fused experts
+    (group-limited routing on the device): captured, the same tokens as the eager engine."""
+    from pdserve.engine.checkpoint import make_checkpoint
+
+    path = str(make_checkpoint("tiny-deepseek-v3", tmp_path / "deepseek"))
+    eager = LLM(path, device="cuda:0", max_num_seqs=8, enforce_eager=True)
+    graphed = LLM(path, device="cuda:0", max_num_seqs=8)
+    assert graphed.engine.model.supports_cuda_graphs
+    graphs = graphed.engine.runner.decode_graphs
+    assert graphs is not None and sorted(graphs._graphs) == [1, 2, 4, 8]
+    expected, got = _outputs(eager), _outputs(graphed)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, lp_got), (_, lp_expected) in zip(got, expected):
+        torch.testing.assert_close(lp_got, lp_expected, atol=1e-4, rtol=1e-4)
