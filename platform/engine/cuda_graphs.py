@@ -19,8 +19,10 @@ What that takes:
 - A forward pass without host syncs or data-dependent shapes: the dense models on the Triton
   attention path (sliding-window layers included: the kernels take the window and size their
   launch by it), and MoE models on one rank with the fused Triton experts (`triton_moe`: routing
-  and grouping stay on the device). Expert parallelism routes on the host (all-to-all sizes), so
-  those models run eagerly (`supports_cuda_graphs`).
+  and grouping stay on the device, DeepSeek's group-limited routing too). DeepSeek-V3's latent
+  cache is one group read by MLA's absorbed-decode kernel (`triton_mla`), which takes the same
+  slots, table and lengths. Expert parallelism routes on the host (all-to-all sizes), so those
+  models run eagerly (`supports_cuda_graphs`).
 
 On a CPU (the unit tests), `DecodeGraphs` without `capture()` runs the same static buffers and
 padding eagerly, which checks everything but the capture itself.
