@@ -252,6 +252,10 @@ class KVImporter(ABC):
         """Wait for a `copy_blocks` out of a mapped GPU cache."""
         torch.cuda.current_stream(self.kv.device).synchronize()
 
+    def wire_chunks(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """The chunks a transfer of `shape` travels in (`protocol.chunk_bounds`)."""
+        return p.chunk_bounds(shape[0] * shape[1], math.prod(shape[2:]) * self.kv.element_size())
+
     def chunk_targets(self, dst: list[int], heads: tuple[int, int]
                       ) -> tuple[tuple[int, ...], list[tuple[int, int]], list[tuple[torch.Tensor, bool]], torch.Tensor | None]:
         """Where a pull's chunks land: (the transfer's shape, the chunks' slab bounds, per chunk
@@ -259,8 +263,7 @@ class KVImporter(ABC):
         or None). A chunk lands in the cache itself when `dst` is one run of blocks and it is one
         slab; give the staging buffer back with `self.buffers.give` once nothing writes into it."""
         shape = self.expected_shape(len(dst), heads)
-        slab_bytes = len(dst) * shape[3] * shape[4] * shape[5] * self.kv.element_size()
-        chunks = p.chunk_bounds(shape[0] * shape[1], slab_bytes)
+        chunks = self.wire_chunks(shape)
         run = block_run(dst)
         slabs, staging, targets = slab_view(self.kv), None, []
         for s0, s1 in chunks:

@@ -12,6 +12,7 @@ sending them (`hold`/`unhold`). Pure torch, no sockets.
 from __future__ import annotations
 
 import hmac
+import math
 import secrets
 import threading
 import time
@@ -115,6 +116,20 @@ def copy_blocks(src: np.ndarray | torch.Tensor, src_ids: list[int], heads: tuple
     for start, end in zip(np.r_[0, breaks], np.r_[breaks, len(src_index)]):
         s, d, n = int(src_index[start]), int(dst_index[start]), int(end - start)
         dst[:, :, d:d + n] = src[:, :, s:s + n, :, heads[0]:heads[1]]
+
+
+def block_pieces(kv: torch.Tensor, block_ids: list[int]) -> list[memoryview]:
+    """The bytes of blocks `block_ids` (all heads) of every slab of a contiguous CPU cache, in the
+    wire's order (slab by slab, each in the ids' order), as the fewest pieces: one per run of
+    consecutive ids per slab. What a socket sends from, or receives into, with no copy."""
+    num_slabs, num_blocks = kv.shape[0] * kv.shape[1], kv.shape[2]
+    block_bytes = math.prod(kv.shape[3:]) * kv.element_size()
+    idx = _block_index(block_ids, num_blocks)
+    starts = np.r_[0, np.flatnonzero(np.diff(idx) != 1) + 1]
+    runs = [(int(idx[a]) * block_bytes, int(n) * block_bytes) for a, n in zip(starts, np.diff(np.r_[starts, len(idx)]))]
+    whole = memoryview(kv.reshape(-1).view(torch.uint8).numpy())
+    slab_bytes = num_blocks * block_bytes
+    return [whole[s * slab_bytes + b:s * slab_bytes + b + n] for s in range(num_slabs) for b, n in runs]
 
 
 def slab_view(kv: torch.Tensor) -> torch.Tensor:
