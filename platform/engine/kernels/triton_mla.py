@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
+# HAS_TRITON: callers read it here, as from triton_moe.
 from pdserve.engine.kernels.triton_paged import HAS_TRITON, _num_sms, _pow2, decode_partition_blocks  # noqa: F401
 
 _BLOCK_H = 16  # query heads per program: the tensor-core minimum of a product's rows
@@ -107,7 +108,7 @@ def _kernels() -> SimpleNamespace:
         m_max = tl.max(tl.load(m_ptr + base + parts, mask=parts < num_parts, other=float("-inf")), axis=0)
         num = tl.zeros([BLOCK_RANK], tl.float32)
         den = m_max * 0.0  # a float32 scalar, as the loop carries it
-        for i in range(0, num_parts):
+        for i in range(num_parts):
             w = tl.exp(tl.load(m_ptr + base + i) - m_max)
             den += w * tl.load(l_ptr + base + i)
             num += w * tl.load(acc_ptr + (base + i) * RANK + dr, mask=r_ok, other=0.0)
