@@ -63,7 +63,8 @@ class EngineConfig(BaseModel):
                                "without compiling (~1-20 ms a schema).")
     enforce_eager: bool = Field(
         False, description="On CUDA, run decode steps op by op instead of replaying CUDA graphs captured at "
-                           "startup (one per batch size up to max_num_seqs; dense models on one rank). "
+                           "startup (one per batch size up to max_num_seqs; models on one rank on the Triton "
+                           "kernels: dense, sliding-window, MoE with fused experts, latent attention). "
                            "Graphs take the step's kernel launches off the host; eager spares the capture's "
                            "seconds and memory. vLLM's enforce_eager.")
     seed: int = Field(0, description="Seed of the sampling RNG for requests without a seed of their own.")
