@@ -1,7 +1,10 @@
-"""KV blocks between two real processes over UCX (TCP on loopback): exact bytes, head slicing,
-concurrency, and every failure path freeing what it holds; each against an exporter whose cache is
-private (the blocks go through UCX) and one whose cache is in shared memory (the importer copies
-them out of it: the local path)."""
+"""KV blocks between two real processes over each network backend, `tcp` (plain sockets, the
+default) and `ucx` (UCX's TCP transport on loopback): exact bytes, head slicing, concurrency, and
+every failure path freeing what it holds; each against an exporter whose cache is private (the
+blocks go over the backend's connection) and one whose cache is in shared memory (the importer
+copies them out of it: the local path). A peer that speaks the wire itself (`_raw_peer`) uses
+what an attacker would: a plain socket for tcp, a UCX endpoint for ucx.
+tests/integration/kvtransfer/test_tcp_hostile_peers.py goes further against the tcp listener."""
 
 import asyncio
 import multiprocessing as mp
@@ -15,21 +18,38 @@ import pytest
 import torch
 
 os.environ.setdefault("UCX_TLS", "tcp")
-ucxx = pytest.importorskip("ucxx")
+try:
+    import ucxx
+except ImportError:  # the tcp backend needs no UCX
+    ucxx = None
 
 from pdserve.kvtransfer import protocol as p  # noqa: E402
+from pdserve.kvtransfer.backends import BACKENDS  # noqa: E402
 from pdserve.kvtransfer.blocks import block_run, gather_blocks, scatter_blocks  # noqa: E402
-from pdserve.kvtransfer.ucx_backend import UCXImporter  # noqa: E402
+from tests.fakes import kv_peer  # noqa: E402
 from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, stall  # noqa: E402
+
+NETWORK_BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(ucxx is None, reason="ucxx is not installed"))]
+
+
+def _importer(backend: str, kv: torch.Tensor, layout: p.KVLayout, **options):
+    _, importer_cls = BACKENDS[backend]()
+    return importer_cls(kv, layout, **options)
+
+
+def _connections_created(importer) -> int:
+    """Connections (UCX endpoints) the importer opened so far."""
+    return importer.num_endpoints_created if hasattr(importer, "num_endpoints_created") \
+        else importer.num_connections_created
 
 
 class Exporter:
-    def __init__(self, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False,
+    def __init__(self, backend: str, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False,
                  max_connections: int | None = None):
         ctx = mp.get_context("spawn")
-        self.commands, self.replies, self.shared = ctx.Queue(), ctx.Queue(), shared
+        self.backend, self.commands, self.replies, self.shared = backend, ctx.Queue(), ctx.Queue(), shared
         self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s, shared,
-                                                    max_connections), daemon=True)
+                                                    max_connections, backend), daemon=True)
         self.proc.start()
         kind, self.address = self.replies.get(timeout=60)
         assert kind == "ready"
@@ -51,6 +71,9 @@ class Exporter:
         """Connections the exporter accepted so far, and how many are open now."""
         return tuple(self.call("connections"))
 
+    def open_reads(self) -> int:
+        return self.call("open_reads")[0]
+
     def stop(self):
         if self.proc.is_alive():
             self.commands.put(("stop",))
@@ -59,9 +82,14 @@ class Exporter:
             self.proc.kill()
 
 
-@pytest.fixture(scope="module", params=["ucx", "shared-memory"])
-def exporter(request):
-    e = Exporter(lease_s=2.0, shared=request.param == "shared-memory")
+@pytest.fixture(scope="module", params=NETWORK_BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["wire", "shared-memory"])
+def exporter(request, backend):
+    e = Exporter(backend, lease_s=2.0, shared=request.param == "shared-memory")
     yield e
     e.stop()
 
@@ -72,9 +100,9 @@ def src():
 
 
 @pytest.fixture
-def importer():
+def importer(backend):
     kv = torch.zeros(LAYOUT["num_layers"], 2, 2048, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
-    imp = UCXImporter(kv, p.KVLayout(**LAYOUT))
+    imp = _importer(backend, kv, p.KVLayout(**LAYOUT))
     yield imp
     imp.close()
 
@@ -102,17 +130,16 @@ def test_blocks_arrive_bit_identical(exporter, src, importer, num_tokens):
     assert _wait_all_free(exporter, 5) == NUM_BLOCKS  # the ack released the lease
 
 
-def test_bf16_blocks_arrive_bit_identical():
+def test_bf16_blocks_arrive_bit_identical(backend):
     """A bf16 cache (`kv_cache_dtype: bfloat16`, or a bf16 model) moves as its bytes, in place and
     gathered (both ends in this process)."""
     from pdserve.engine.kv_cache import BlockPool
-    from pdserve.kvtransfer.ucx_backend import UCXExporter
 
     layout = p.KVLayout(**{**LAYOUT, "dtype": "bfloat16"})
     src_bf16 = make_cache(64).bfloat16()
     pool = BlockPool(64, LAYOUT["block_size"])
-    exporter = UCXExporter("prefill-bf16", src_bf16, layout, pool.incref, pool.free, lease_s=5.0)
-    importer = UCXImporter(torch.zeros_like(src_bf16), layout)
+    exporter = BACKENDS[backend]()[0]("prefill-bf16", src_bf16, layout, pool.incref, pool.free, lease_s=5.0)
+    importer = _importer(backend, torch.zeros_like(src_bf16), layout)
     try:
         for blocks in (pool.allocate(3), pool.allocate(6)[::2]):  # one run; every other block
             handle = exporter.export(f"r{blocks[0]}", blocks, 40)
@@ -147,12 +174,12 @@ def test_sixteen_concurrent_transfers_do_not_mix(exporter, src, importer):
         assert torch.equal(gather_blocks(importer.kv, d), gather_blocks(src, list(h.block_ids)))
 
 
-def test_tp1_to_tp2_each_rank_gets_its_heads(exporter, src):
+def test_tp1_to_tp2_each_rank_gets_its_heads(exporter, src, backend):
     for rank in (0, 1):
         handle = exporter.export(f"tp-rank{rank}", 100)  # one lease per pull: the ack releases it
         n = len(handle.block_ids)
         kv = torch.zeros(LAYOUT["num_layers"], 2, 64, 16, 2, LAYOUT["head_dim"])
-        imp = UCXImporter(kv, p.KVLayout(**LAYOUT, tp_size=2, tp_rank=rank))
+        imp = _importer(backend, kv, p.KVLayout(**LAYOUT, tp_size=2, tp_rank=rank))
         try:
             imp.pull(handle, list(range(n)))
         finally:
@@ -162,7 +189,7 @@ def test_tp1_to_tp2_each_rank_gets_its_heads(exporter, src):
 
 
 @pytest.mark.parametrize("num_tokens", [17, 1000])  # one chunk of all slabs; one chunk per layer's K or V
-def test_pipelined_pulls_of_scattered_blocks_land_exact_bytes(exporter, src, num_tokens):
+def test_pipelined_pulls_of_scattered_blocks_land_exact_bytes(exporter, src, backend, num_tokens):
     """The exporter gathers chunk by chunk (its blocks are not one run), the importer scatters chunk
     by chunk or receives in place; with and without KV-head slicing."""
     for tp_size, rank in ((1, 0), (2, 0), (2, 1)):
@@ -171,7 +198,7 @@ def test_pipelined_pulls_of_scattered_blocks_land_exact_bytes(exporter, src, num
         assert n == 1 or block_run(list(handle.block_ids)) is None
         heads = LAYOUT["num_kv_heads"] // tp_size
         kv = torch.zeros(LAYOUT["num_layers"], 2, 256, 16, heads, LAYOUT["head_dim"])
-        imp = UCXImporter(kv, p.KVLayout(**LAYOUT, tp_size=tp_size, tp_rank=rank))
+        imp = _importer(backend, kv, p.KVLayout(**LAYOUT, tp_size=tp_size, tp_rank=rank))
         dst = list(range(n)) if rank == 1 else _dst(n)  # in place, or scattered on this side too
         try:
             imp.pull(handle, dst)
@@ -182,14 +209,14 @@ def test_pipelined_pulls_of_scattered_blocks_land_exact_bytes(exporter, src, num
     assert _wait_all_free(exporter, 5) == NUM_BLOCKS
 
 
-def test_two_ranks_read_one_lease_then_release_it(exporter, src):
+def test_two_ranks_read_one_lease_then_release_it(exporter, src, backend):
     """Decode TP 2 from prefill TP 1: both ranks read the same lease without acking; the
     release after the last read frees the blocks."""
     handle = exporter.export("shared-lease", 100)
     n = len(handle.block_ids)
     for rank in (0, 1):
         kv = torch.zeros(LAYOUT["num_layers"], 2, 64, 16, 2, LAYOUT["head_dim"])
-        imp = UCXImporter(kv, p.KVLayout(**LAYOUT, tp_size=2, tp_rank=rank))
+        imp = _importer(backend, kv, p.KVLayout(**LAYOUT, tp_size=2, tp_rank=rank))
         try:
             imp.pull(handle, list(range(n)), ack=False)
             expected = gather_blocks(src, list(handle.block_ids))[:, :, :, :, 2 * rank:2 * rank + 2]
@@ -228,10 +255,10 @@ def test_a_request_id_without_its_lease_token_reads_and_releases_nothing(exporte
     assert _wait_all_free(exporter, 5) == NUM_BLOCKS
 
 
-def test_layout_mismatch_is_rejected_before_any_byte_moves(exporter, importer):
+def test_layout_mismatch_is_rejected_before_any_byte_moves(exporter, importer, backend):
     handle = exporter.export("mismatch", 32)
     other = dict(LAYOUT, block_size=32)
-    imp = UCXImporter(torch.zeros(2, 2, 8, 32, 4, 64), p.KVLayout(**other))
+    imp = _importer(backend, torch.zeros(2, 2, 8, 32, 4, 64), p.KVLayout(**other))
     try:
         with pytest.raises(p.LayoutMismatchError, match="block_size"):
             imp.pull(handle, [0])
@@ -241,12 +268,28 @@ def test_layout_mismatch_is_rejected_before_any_byte_moves(exporter, importer):
         p.check_compatible(p.KVLayout(**LAYOUT, tp_size=2), p.KVLayout(**LAYOUT, tp_size=1))
 
 
+def _kill_once_bytes_land(victim: Exporter, kv: torch.Tensor) -> threading.Thread:
+    """Kill the exporter's process as soon as the first bytes of a pull land in block 0 of `kv`
+    (received in place): a plain socket moves the 125 MiB below in a few tens of milliseconds on
+    an idle loopback, too fast to kill at a fixed time."""
+    first = kv[:, :, 0]
+
+    def watch():
+        deadline = time.monotonic() + 30
+        while not first.any() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+
+    return threading.Thread(target=watch, daemon=True)
+
+
 @pytest.mark.slow
-def test_exporter_killed_mid_transfer(importer):
-    victim = Exporter()
+def test_exporter_killed_mid_transfer(importer, backend):
+    victim = Exporter(backend)
     try:
         handle = victim.export("big", 2000 * 16)  # ~125 MiB of KV: a transfer that takes a while
         freed, outcome = [], {}
+        importer.kv[:, :, 0] = 0
 
         def pull():
             t = time.monotonic()
@@ -258,9 +301,15 @@ def test_exporter_killed_mid_transfer(importer):
             outcome["elapsed"] = time.monotonic() - t
 
         thread = threading.Thread(target=pull)
-        thread.start()
-        time.sleep(0.05)
-        os.kill(victim.proc.pid, signal.SIGKILL)
+        if backend == "tcp":
+            killer = _kill_once_bytes_land(victim, importer.kv)
+            killer.start()
+            thread.start()
+            killer.join(30)
+        else:
+            thread.start()
+            time.sleep(0.05)
+            os.kill(victim.proc.pid, signal.SIGKILL)
         thread.join(30)
     finally:
         victim.stop()
@@ -268,7 +317,7 @@ def test_exporter_killed_mid_transfer(importer):
     assert outcome["error"].retryable and outcome["elapsed"] < 8
     assert freed == list(range(2000))
     # The importer process is healthy: a fresh exporter works.
-    other = Exporter()
+    other = Exporter(backend)
     try:
         h = other.export("after", 16)
         importer.pull(h, [0])
@@ -276,8 +325,12 @@ def test_exporter_killed_mid_transfer(importer):
         other.stop()
 
 
-def _raw_peer(address: str, *frames: bytes, read_reply: bool = True):
-    """Connect to the exporter like an importer would, send raw bytes, return the reply frame (or None)."""
+def _raw_peer(backend: str, address: str, *frames: bytes, read_reply: bool = True):
+    """Connect to the exporter like an importer would, send raw bytes (over tcp, one `sendall` per
+    frame, a moment apart), return the reply frame (or None)."""
+    if backend == "tcp":
+        return kv_peer.talk(address, *frames, read_reply=read_reply)
+
     import numpy as np
 
     from pdserve.kvtransfer.ucx_backend import _recv_frame, ucx_loop
@@ -295,24 +348,31 @@ def _raw_peer(address: str, *frames: bytes, read_reply: bool = True):
     return ucx_loop().run(talk(), 15)  # the importer's loop: one UCX loop per process
 
 
-def test_the_connection_cap_refuses_the_next_peer_and_keeps_serving(src, importer):
-    """Two peers hold connections open and silent: a third is closed at once; once they go, a pull works."""
+def _hold_connection(backend: str, address: str):
+    """A connection to the exporter that says nothing; returns what closes it."""
+    if backend == "tcp":
+        return kv_peer.connect(address).close
     from pdserve.kvtransfer.ucx_backend import ucx_loop
 
-    capped = Exporter(max_connections=2)
+    host, port = address.rsplit(":", 1)
+    return ucx_loop().run(ucxx.create_endpoint(host, int(port)), 15).abort
+
+
+def test_the_connection_cap_refuses_the_next_peer_and_keeps_serving(src, importer, backend):
+    """Two peers hold connections open and silent: a third is closed at once; once they go, a pull works."""
+    capped = Exporter(backend, max_connections=2)
     try:
-        host, port = capped.address.rsplit(":", 1)
-        held = [ucx_loop().run(ucxx.create_endpoint(host, int(port)), 15) for _ in range(2)]
+        held = [_hold_connection(backend, capped.address) for _ in range(2)]
         deadline = time.monotonic() + 10
         while capped.connections()[1] < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         read = p.encode_frame(p.READ, {"request_id": "x", "lease_token": "t", "layout": LAYOUT})
         with pytest.raises(Exception):  # closed before any answer
-            _raw_peer(capped.address, read)
+            _raw_peer(backend, capped.address, read)
         assert capped.connections()[1] == 2
-        for ep in held:
-            ep.abort()
+        for close in held:
+            close()
         deadline = time.monotonic() + 10
         while capped.connections()[1] > 0:
             assert time.monotonic() < deadline
@@ -324,35 +384,46 @@ def test_the_connection_cap_refuses_the_next_peer_and_keeps_serving(src, importe
         capped.stop()
 
 
-def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src, importer):
+def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src, importer, backend):
     wrong_version = p.HEADER.pack(p.MAGIC, p.VERSION + 1, p.READ, 4)
     corrupt = p.HEADER.pack(b"JUNK", p.VERSION, p.READ, 4)
     for header in (wrong_version, corrupt):
-        kind, reply = _raw_peer(exporter.address, header)
+        kind, reply = _raw_peer(backend, exporter.address, header)
         assert kind == p.ERROR and reply["code"] == "protocol"
     # A READ whose payload is not a map of the right fields.
     body = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte: corrupt
-    kind, reply = _raw_peer(exporter.address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, len(body)) + body)
+    kind, reply = _raw_peer(backend, exporter.address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, len(body)) + body)
     assert kind == p.ERROR and reply["code"] == "protocol"
-    # A frame split over two messages (protocol version 1's way): the first message, a header
-    # alone, lacks its payload. (Only it is sent: the exporter answers it and closes, so a second
-    # message could meet a reset connection before the reply is read.)
     split = p.encode_frame(p.READ, {"request_id": "split", "layout": LAYOUT})
-    kind, reply = _raw_peer(exporter.address, split[:p.HEADER_SIZE])
-    assert kind == p.ERROR and reply["code"] == "protocol"
-    # A control frame larger than any control frame may be.
-    kind, reply = _raw_peer(exporter.address, bytes(p.CONTROL_FRAME_BYTES + 1))
-    assert kind == p.ERROR and reply["code"] == "protocol"
+    if backend == "ucx":
+        # A frame split over two messages (protocol version 1's way): the first message, a header
+        # alone, lacks its payload. (Only it is sent: the exporter answers it and closes, so a second
+        # message could meet a reset connection before the reply is read.)
+        kind, reply = _raw_peer(backend, exporter.address, split[:p.HEADER_SIZE])
+        assert kind == p.ERROR and reply["code"] == "protocol"
+        # A control frame larger than any control frame may be.
+        kind, reply = _raw_peer(backend, exporter.address, bytes(p.CONTROL_FRAME_BYTES + 1))
+        assert kind == p.ERROR and reply["code"] == "protocol"
+    else:
+        # On a stream a frame may come in pieces: the header, then its payload, is one frame (a
+        # header whose payload never comes is a silent peer: test_tcp_hostile_peers.py).
+        kind, reply = _raw_peer(backend, exporter.address, split[:p.HEADER_SIZE], split[p.HEADER_SIZE:])
+        assert kind == p.ERROR and reply["code"] == "unknown"
+        # A header that says its payload is larger than any control frame may be: refused on the
+        # header alone, its payload unread.
+        too_long = p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, p.MAX_PAYLOAD_BYTES + 1)
+        kind, reply = _raw_peer(backend, exporter.address, too_long + bytes(p.MAX_PAYLOAD_BYTES + 1))
+        assert kind == p.ERROR and reply["code"] == "protocol"
     if not exporter.shared:  # a local read where the cache is private
         exporter.export("local-refused", 16)
-        kind, reply = _raw_peer(exporter.address, p.encode_frame(p.READ, {
+        kind, reply = _raw_peer(backend, exporter.address, p.encode_frame(p.READ, {
             "request_id": "local-refused", "layout": LAYOUT, "local": True}))
         assert kind == p.ERROR and reply["code"] == "protocol" and "shared memory" in reply["message"]
     # An importer that asks for blocks and vanishes before reading them: the lease stays until it
     # expires (2 s here), then the blocks go back to the pool.
     handle = exporter.export("vanishing", 64)
     read = p.encode_frame(p.READ, {"request_id": "vanishing", "lease_token": handle.lease_token, "layout": LAYOUT})
-    assert _raw_peer(exporter.address, read, read_reply=False) is None
+    assert _raw_peer(backend, exporter.address, read, read_reply=False) is None
     assert _wait_all_free(exporter, 6) == NUM_BLOCKS
     with pytest.raises(p.LeaseExpiredError):
         importer.pull(handle, _dst(4))
@@ -360,15 +431,16 @@ def test_bad_peers_get_typed_errors_and_the_exporter_keeps_serving(exporter, src
     h = exporter.export("after-bad-peers", 40)
     importer.pull(h, _dst(3))
     assert torch.equal(gather_blocks(importer.kv, _dst(3)), gather_blocks(src, list(h.block_ids)))
+    assert exporter.open_reads() == 0
 
 
-def test_importer_gone_mid_pipeline_the_blocks_return_at_lease_expiry(exporter, src, importer):
+def test_importer_gone_mid_pipeline_the_blocks_return_at_lease_expiry(exporter, src, importer, backend):
     """A peer asks for 32 MiB, takes the DATA frame and vanishes: the exporter's sends fail or run
     out of the peer's time, it lets go of the read, and the lease's expiry frees the blocks."""
     handle = exporter.export_scattered("abandoned", 500 * 16)
     read = p.encode_frame(p.READ, {"request_id": "abandoned", "lease_token": handle.lease_token, "layout": LAYOUT,
                                    "timeout_s": 1.0})
-    kind, reply = _raw_peer(exporter.address, read)
+    kind, reply = _raw_peer(backend, exporter.address, read)
     assert kind == p.DATA and reply["num_chunks"] == 2 * LAYOUT["num_layers"]
     assert _wait_all_free(exporter, 10) == NUM_BLOCKS
     with pytest.raises(p.LeaseExpiredError):
@@ -378,12 +450,12 @@ def test_importer_gone_mid_pipeline_the_blocks_return_at_lease_expiry(exporter, 
     assert torch.equal(gather_blocks(importer.kv, _dst(63)), gather_blocks(src, list(h.block_ids)))
 
 
-def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(exporter, src, importer):
+def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(exporter, src, importer, backend):
     """DATA and 2 of 4 chunks, then silence: the pull raises the retryable error at its deadline,
     hands its blocks back, and the next pull (through the same staging path) is exact."""
     ctx = mp.get_context("spawn")
     replies = ctx.Queue()
-    proc = ctx.Process(target=stall, args=(replies, 63, 2), daemon=True)
+    proc = ctx.Process(target=stall, args=(replies, 63, 2, None, backend), daemon=True)
     proc.start()
     try:
         kind, address = replies.get(timeout=60)
@@ -401,13 +473,13 @@ def test_exporter_stalling_mid_pipeline_fails_the_pull_and_frees_its_blocks(expo
 
 
 @pytest.mark.parametrize("dst", [list(range(100, 163)), _dst(63)], ids=["in place", "staged"])
-def test_a_timed_out_pull_never_writes_into_blocks_it_gave_back(importer, dst):
+def test_a_timed_out_pull_never_writes_into_blocks_it_gave_back(importer, backend, dst):
     """The exporter sends the rest of the blocks after the importer's deadline: by then the pull
     has failed, cancelled its receives and handed its blocks back, and the caller reused them (a
     canary pattern here). The late bytes land nowhere: the canary survives."""
     ctx = mp.get_context("spawn")
     replies = ctx.Queue()
-    proc = ctx.Process(target=stall, args=(replies, 63, 1, 3.0), daemon=True)
+    proc = ctx.Process(target=stall, args=(replies, 63, 1, 3.0, backend), daemon=True)
     proc.start()
     try:
         kind, address = replies.get(timeout=60)
@@ -424,27 +496,27 @@ def test_a_timed_out_pull_never_writes_into_blocks_it_gave_back(importer, dst):
 
 
 @pytest.fixture(scope="module")
-def shared_exporter():
-    e = Exporter(lease_s=2.0, shared=True)
+def shared_exporter(backend):
+    e = Exporter(backend, lease_s=2.0, shared=True)
     yield e
     e.stop()
 
 
-def test_a_local_read_holds_its_blocks_until_the_importers_deadline(shared_exporter):
+def test_a_local_read_holds_its_blocks_until_the_importers_deadline(shared_exporter, backend):
     """A peer that asks for a local read and never acks: the exporter answers DATA with no chunks,
     holds the blocks for the peer's time, then lets go, and the lease's expiry frees them."""
     handle = shared_exporter.export("local-abandoned", 10 * 16)
     read = p.encode_frame(p.READ, {"request_id": "local-abandoned", "lease_token": handle.lease_token,
                                    "layout": LAYOUT, "timeout_s": 1.0, "local": True})
-    kind, reply = _raw_peer(shared_exporter.address, read)
+    kind, reply = _raw_peer(backend, shared_exporter.address, read)
     assert kind == p.DATA and reply["local"] and reply["num_chunks"] == 0
     assert shared_exporter.free_blocks() == NUM_BLOCKS - 10
     assert _wait_all_free(shared_exporter) == NUM_BLOCKS
 
 
-def test_a_region_this_process_cannot_map_goes_through_ucx(shared_exporter, src, importer):
+def test_a_region_this_process_cannot_map_goes_over_the_wire(shared_exporter, src, importer):
     """Another host's cache, or a file that is not the exporter's (its process gone, the fd number
-    reused): the blocks come over UCX instead, as exact."""
+    reused): the blocks come over the backend's connection instead, as exact."""
     for i, change in enumerate(({"file_id": (0, 0)}, {"host": "elsewhere/0"})):
         handle = shared_exporter.export(f"unmappable-{i}", 100)
         handle = replace(handle, cache_region=replace(handle.cache_region, **change))
@@ -454,16 +526,19 @@ def test_a_region_this_process_cannot_map_goes_through_ucx(shared_exporter, src,
     assert _wait_all_free(shared_exporter) == NUM_BLOCKS
 
 
-def test_a_local_copy_that_ends_past_the_deadline_is_void(shared_exporter, importer, monkeypatch):
+def test_a_local_copy_that_ends_past_the_deadline_is_void(shared_exporter, importer, backend, monkeypatch):
     """The exporter holds the blocks only until the importer's deadline: a copy that ends after it
     may hold blocks reused meanwhile, so the pull fails (retryable) and hands its blocks back."""
-    from pdserve.kvtransfer import ucx_backend
+    import importlib
+
+    module = importlib.import_module(f"pdserve.kvtransfer.{backend}_backend")
+    copy_blocks = module.copy_blocks
 
     def slow_copy(*args):
         time.sleep(1.2)
-        ucx_backend.copy_blocks(*args)
+        copy_blocks(*args)
 
-    monkeypatch.setattr(ucx_backend, "copy_blocks", slow_copy)
+    monkeypatch.setattr(module, "copy_blocks", slow_copy)
     handle, freed = shared_exporter.export("slow-copy", 100), []
     with pytest.raises(p.ExporterUnreachableError) as e:
         importer.pull(handle, _dst(7), timeout_s=1.0, on_failure=freed.extend)
@@ -471,10 +546,10 @@ def test_a_local_copy_that_ends_past_the_deadline_is_void(shared_exporter, impor
     assert _wait_all_free(shared_exporter) == NUM_BLOCKS
 
 
-def test_a_dead_exporters_cache_is_unmapped(importer):
+def test_a_dead_exporters_cache_is_unmapped(importer, backend):
     """Pulls map the exporter's cache once; when its process dies, the next pull from it fails
     (retryable) and the importer lets go of the mapping, so the dead replica's memory is freed."""
-    victim = Exporter(shared=True)
+    victim = Exporter(backend, shared=True)
     try:
         first, second = victim.export("before-death", 40), victim.export("after-death", 40)
         importer.pull(first, _dst(3))
@@ -489,27 +564,25 @@ def test_a_dead_exporters_cache_is_unmapped(importer):
         victim.stop()
 
 
-def test_ucx_exporter_reports_healthy_until_closed():
-    from pdserve.kvtransfer.ucx_backend import UCXExporter
-
-    exporter = UCXExporter("health", make_cache(), p.KVLayout(**LAYOUT), lambda ids: None, lambda ids: None)
+def test_exporter_reports_healthy_until_closed(backend):
+    exporter = BACKENDS[backend]()[0]("health", make_cache(), p.KVLayout(**LAYOUT), lambda ids: None, lambda ids: None)
     assert exporter.is_healthy
     exporter.close()
     assert not exporter.is_healthy
 
 
-def test_pulls_reuse_one_connection_and_replace_one_the_exporter_dropped(src):
+def test_pulls_reuse_one_connection_and_replace_one_the_exporter_dropped(src, backend):
     """Consecutive pulls from one exporter go over the connection the first one opened; once the
     exporter has dropped it (idle timeout), the next pull opens a fresh one and lands exact bytes."""
-    exporter = Exporter(lease_s=30.0, idle_timeout_s=0.5)
+    exporter = Exporter(backend, lease_s=30.0, idle_timeout_s=0.5)
     kv = torch.zeros(LAYOUT["num_layers"], 2, 2048, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
-    importer = UCXImporter(kv, p.KVLayout(**LAYOUT), idle_s=60.0)
+    importer = _importer(backend, kv, p.KVLayout(**LAYOUT), idle_s=60.0)
     try:
         for i in range(5):
             h = exporter.export_scattered(f"reuse-{i}", 100)
             importer.pull(h, _dst(7, offset=100 * i))
             assert torch.equal(gather_blocks(kv, _dst(7, offset=100 * i)), gather_blocks(src, list(h.block_ids)))
-        assert importer.num_endpoints_created == 1 and exporter.connections() == (1, 1)
+        assert _connections_created(importer) == 1 and exporter.connections() == (1, 1)
         # What the kept connection costs the exporter while it waits (CPU time, wakeups) is
         # benchmarks/kvtransfer_idle.py's to measure.
         deadline = time.time() + 10  # the exporter drops the idle connection after 0.5 s
@@ -519,7 +592,7 @@ def test_pulls_reuse_one_connection_and_replace_one_the_exporter_dropped(src):
         h = exporter.export("after-drop", 40)
         importer.pull(h, _dst(3))
         assert torch.equal(gather_blocks(kv, _dst(3)), gather_blocks(src, list(h.block_ids)))
-        assert importer.num_endpoints_created == 2 and exporter.connections() == (2, 1)
+        assert _connections_created(importer) == 2 and exporter.connections() == (2, 1)
         assert exporter.free_blocks() == NUM_BLOCKS  # every lease acked
     finally:
         importer.close()
