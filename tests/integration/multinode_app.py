@@ -18,7 +18,7 @@ from pdserve.config import ServeConfig
 from tests.harness.fixed_costs import REMOTE_PREFILL_SLO
 
 
-def main(model: str, port: int) -> None:
+def main(model: str, port: int, backend: str) -> None:
     env = {"env_vars": {"UCX_TLS": "tcp", "TOKENIZERS_PARALLELISM": "false"}}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     prefill_node = cluster.add_node(num_cpus=1, resources={"prefill_node": 1})
@@ -27,16 +27,16 @@ def main(model: str, port: int) -> None:
     try:
         engine = {"num_threads": 1, "num_kv_blocks": 64, "block_size": 8, "max_model_len": 256}
         config = ServeConfig(
-            # Blocks over UCX, as between hosts (these nodes share one, where the decode replica
-            # would otherwise copy them out of the prefill replica's shared memory).
+            # Blocks over the backend, as between hosts (these nodes share one, where the decode
+            # replica would otherwise copy them out of the prefill replica's shared memory).
             model=model, engine=engine, slo=REMOTE_PREFILL_SLO,
-            transfer={"host": "127.0.0.1", "shared_memory": False},
+            transfer={"backend": backend, "host": "127.0.0.1", "shared_memory": False},
             prefill={"ray_actor_options": {"num_cpus": 0.5, "resources": {"prefill_node": 0.5}}},
             decode={"ray_actor_options": {"num_cpus": 0.5, "resources": {"decode_node": 0.5}}},
             gateway={"port": port})
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(config), name="multinode", route_prefix="/")
-        prompt = "the decode node pulls these blocks from the prefill node over UCX " * 3
+        prompt = "the decode node pulls these blocks from the prefill node over the link " * 3
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         r.raise_for_status()
@@ -61,4 +61,4 @@ def main(model: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
