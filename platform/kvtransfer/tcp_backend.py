@@ -101,7 +101,7 @@ def _arm(conn: socket.socket, option: int, deadline: _Deadline) -> None:
 
 def _vectored(conn: socket.socket, buffers, option: int, deadline: _Deadline, move) -> None:
     """Move every byte of `buffers` with `move(pieces) -> bytes moved`, up to _IOV_MAX pieces a call."""
-    views, i = [memoryview(b).cast("B") for b in buffers], 0
+    views, i = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)], 0  # an empty one moves nothing
     while i < len(views):
         _arm(conn, option, deadline)
         try:

@@ -134,6 +134,7 @@ GARBAGE = {
     "an unknown frame kind": p.HEADER.pack(p.MAGIC, p.VERSION, 99, 8) + bytes(8),
     "a payload that is not msgpack": p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, 4) + b"\xc1" * 4,
     "a payload that is not a map": p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, 1) + b"\x07",
+    "an empty payload": p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, 0),
     "a READ without a layout": p.encode_frame(p.READ, {"request_id": "x", "lease_token": "t"}),
     "a READ with a garbage layout": p.encode_frame(p.READ, {"request_id": "x", "layout": {"evil": 1}}),
     "a DATA frame to the exporter": p.encode_frame(p.DATA, {"shape": [1], "num_chunks": 1}) + os.urandom(4096),
