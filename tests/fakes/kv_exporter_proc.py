@@ -5,10 +5,11 @@ Commands arrive on a queue: ("export", request_id, num_tokens) -> handle dict;
 ("export_scattered", request_id, num_tokens) -> the same over every other block (the exporter then
 gathers chunk by chunk); ("free",) -> the pool's free block count; ("connections",) -> connections
 accepted so far and open now; ("open_reads",) -> reads holding blocks now; ("listeners",) -> the
-TCP ports this process listens on, as [(ip, port)], and whether ucxx was imported; ("digest", block_ids)
--> a hash of those blocks' bytes and the address of the first one's memory; ("stop",). The cache is `make_cache(...)`, so the test process can
-rebuild the exact same bytes to compare against. With `shared`, the cache is in shared memory
-(`shared_zeros`), as an engine's is: importers on this host copy out of it (the local path).
+TCP ports this process listens on, as [(ip, port)], and whether ucxx was imported; ("digest",
+block_ids) -> a hash of those blocks' bytes and the address of the first one's memory; ("stop",).
+The cache is `make_cache(...)`, so the test process can rebuild the exact same bytes to compare
+against. With `shared`, the cache is in shared memory (`shared_zeros`), as an engine's is:
+importers on this host copy out of it (the local path).
 `stall` is an exporter that sends the DATA frame and a few chunks of a pull, then nothing (over UCX
 messages, or on a plain TCP stream as the tcp backend frames them).
 """
@@ -96,8 +97,8 @@ def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shar
         elif cmd[0] == "listeners":
             replies.put(("listeners", listening_ports(), "ucxx" in sys.modules))
         elif cmd[0] == "digest":
-            blocks = kv[:, :, cmd[1]].contiguous()
-            replies.put(("digest", hashlib.sha256(blocks.numpy().tobytes()).hexdigest(), kv[0, 0, cmd[1][0]].data_ptr()))
+            digest = hashlib.sha256(kv[:, :, cmd[1]].contiguous().numpy().tobytes()).hexdigest()
+            replies.put(("digest", digest, kv[0, 0, cmd[1][0]].data_ptr()))
         else:
             exporter.close()
             replies.put(("stopped",))
