@@ -1,7 +1,7 @@
 """What hostile peers cost a replica's internal listeners (#40): per attack, the victim process's
 memory growth and its event loop's longest stall, while honest traffic goes on beside it.
 
-    python benchmarks/hostile_peers.py [--listener output|kv|redis|all]
+    python benchmarks/hostile_peers.py [--listener output|kv|kv-tcp|redis|all]
 
 Each victim is a child process with a heartbeat task on the event loop that serves the listener
 (it wakes every 5 ms and records how late it woke: the loop's stall), set up, then frozen for the
@@ -19,6 +19,12 @@ pulls a leased 4-block KV every 10 ms and checks the bytes. Attacks: 500 READs o
 ids; 20 control messages of 16 MiB; 500 garbage frames; 500 READs naming the honest requests' ids with wrong lease tokens
 and a one-hour deadline; 500 ACKs of those ids with wrong tokens; 600 connections held silent
 (cap 512). Each peer opens a connection of its own.
+
+kv-tcp (the same replica with the tcp backend, the default: `TCPExporter`, a thread per connection
+and no event loop of its own; the heartbeat runs on a loop of its own thread, as Serve's does
+beside the exporter's threads): the same honest pulls and the same attacks over plain sockets
+(the 16 MiB control messages as a header claiming 16 MiB and the bytes after it; cap 256), and
+100 slowloris peers sending a READ one byte every half second for 3 s.
 
 redis (the KV-event stream, `KVEventIndex` in a router and `KVEventPublisher` in a replica): the
 replica publishes a new 4-block chain every 10 ms, the router's loop matches it every 5 ms; after
@@ -185,7 +191,7 @@ def output_attack(name: str, port: int, secret: str, gateway: str) -> None:
 OUTPUT_ATTACKS = ("bomb", "flood", "wrong secret", "connections", "duplicate")
 
 
-# ---- kv: the prefill replica's UCX KV exporter
+# ---- kv, kv-tcp: the prefill replica's KV exporter, UCX or tcp
 
 KV_LAYOUT = dict(model_id="bench", num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
 KV_BLOCKS, HONEST_BLOCKS, HONEST_PULLS = 64, [8, 9, 10, 11], 8000
@@ -198,16 +204,16 @@ def _kv_cache():
     return torch.randn(2, 2, KV_BLOCKS, 16, 4, 64, generator=g)
 
 
-def _kv_honest(conn, handles: list[dict]) -> None:
+def _kv_honest(conn, handles: list[dict], backend: str) -> None:
     """A decode replica: one leased pull every 10 ms, its bytes checked; answers "report"/"stop"."""
     import torch
 
+    from pdserve.kvtransfer.backends import BACKENDS
     from pdserve.kvtransfer.blocks import gather_blocks
     from pdserve.kvtransfer.protocol import KVHandle, KVLayout
-    from pdserve.kvtransfer.ucx_backend import UCXImporter
 
     expected = gather_blocks(_kv_cache(), HONEST_BLOCKS)
-    importer = UCXImporter(torch.zeros(2, 2, KV_BLOCKS, 16, 4, 64), KVLayout(**KV_LAYOUT))
+    importer = BACKENDS[backend]()[1](torch.zeros(2, 2, KV_BLOCKS, 16, 4, 64), KVLayout(**KV_LAYOUT))
     dst = [40, 41, 42, 43]
     done = {"ok": 0, "failed": 0, "slowest_ms": 0.0, "last_error": None}
     for h in handles:
@@ -229,19 +235,26 @@ def _kv_honest(conn, handles: list[dict]) -> None:
     importer.close()
 
 
-def _kv_replica(conn) -> None:
+def _kv_replica(conn, backend: str) -> None:
     from pdserve.engine.kv_cache import BlockPool
+    from pdserve.kvtransfer.backends import BACKENDS
     from pdserve.kvtransfer.protocol import KVLayout
-    from pdserve.kvtransfer.ucx_backend import UCXExporter, ucx_loop
 
     pool = BlockPool(KV_BLOCKS, 16)
-    exporter = UCXExporter("victim", _kv_cache(), KVLayout(**KV_LAYOUT), pool.incref, pool.free, lease_s=600,
-                           shared_memory=False)
+    exporter = BACKENDS[backend]()[0]("victim", _kv_cache(), KVLayout(**KV_LAYOUT), pool.incref, pool.free,
+                                      lease_s=600, shared_memory=False)
     handles = [exporter.export(f"honest-{i}", HONEST_BLOCKS, 64).to_dict() for i in range(HONEST_PULLS)]
     state = {"max_stall_ms": 0.0}
-    asyncio.run_coroutine_threadsafe(_heartbeat(state), ucx_loop().loop)  # the loop the listener serves on
+    if backend == "ucx":
+        from pdserve.kvtransfer.ucx_backend import ucx_loop
+
+        loop = ucx_loop().loop  # the loop the listener serves on
+    else:  # the exporter's threads beside a loop of the replica's own (Serve's)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(_heartbeat(state), loop)
     honest, theirs = mp.Pipe()
-    decode = mp.get_context("spawn").Process(target=_kv_honest, args=(theirs, handles), daemon=True)
+    decode = mp.get_context("spawn").Process(target=_kv_honest, args=(theirs, handles, backend), daemon=True)
     decode.start()
 
     def report():
@@ -313,6 +326,68 @@ def kv_attack(name: str, address: str, ids: list[str]) -> None:
 
 
 KV_ATTACKS = ("unknown ids", "bomb", "garbage", "wrong token", "ack wrong token", "connections")
+
+
+def _tcp_peer(address: str, *messages: bytes, reply: bool = True) -> None:
+    """One plain-socket connection: send `messages`, read the reply frame's header (or not), close."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            for m in messages:
+                s.sendall(m)
+            if reply:
+                s.recv(64 << 10)
+    except OSError:
+        pass  # refused or reset: what the listener should do
+
+
+def kv_tcp_attack(name: str, address: str, ids: list[str]) -> None:
+    """`kv_attack`'s attacks over plain sockets, and slowloris peers."""
+    from pdserve.kvtransfer import protocol as p
+
+    host, port = address.rsplit(":", 1)
+    if name == "unknown ids":
+        for i in range(500):
+            _tcp_peer(address, p.encode_frame(p.READ, {"request_id": f"unknown-{i}", "layout": dict(KV_LAYOUT)}))
+    elif name == "bomb":
+        for _ in range(20):
+            _tcp_peer(address, p.HEADER.pack(p.MAGIC, p.VERSION, p.READ, 16 << 20) + os.urandom(16 << 20))
+    elif name == "garbage":
+        for _ in range(500):
+            _tcp_peer(address, os.urandom(4096))
+    elif name == "wrong token":
+        for rid in ids[:500]:
+            _tcp_peer(address, p.encode_frame(p.READ, {"request_id": rid, "lease_token": os.urandom(16).hex(),
+                                                       "layout": dict(KV_LAYOUT), "timeout_s": 3600}))
+    elif name == "ack wrong token":
+        for rid in ids[:500]:
+            _tcp_peer(address, p.encode_frame(p.ACK, {"request_id": rid, "lease_token": os.urandom(16).hex()}),
+                      reply=False)
+    elif name == "connections":
+        held = []
+        for _ in range(600):
+            try:
+                held.append(socket.create_connection((host, int(port)), timeout=5))
+            except OSError:
+                break
+        time.sleep(2)
+        for s in held:
+            s.close()
+    elif name == "slowloris":
+        frame = p.encode_frame(p.READ, {"request_id": ids[0], "lease_token": "x", "layout": dict(KV_LAYOUT)})
+        peers = [socket.create_connection((host, int(port)), timeout=5) for _ in range(100)]
+        for i in range(6):  # a byte every half second, 3 s
+            for s in peers:
+                try:
+                    s.send(frame[i:i + 1])
+                except OSError:
+                    pass  # dropped
+            time.sleep(0.5)
+        for s in peers:
+            s.close()
+
+
+KV_TCP_ATTACKS = ("unknown ids", "bomb", "garbage", "wrong token", "ack wrong token", "connections", "slowloris")
 
 
 # ---- redis: the KV-event stream
@@ -438,9 +513,13 @@ def run_listener(listener: str) -> list[dict]:
         attacks = OUTPUT_ATTACKS
         def hit(name, w): output_attack(name, w["port"], w["secret"], w["gateway"])
     elif listener == "kv":
-        proc = ctx.Process(target=_kv_replica, args=(child,))
+        proc = ctx.Process(target=_kv_replica, args=(child, "ucx"))
         attacks = KV_ATTACKS
         def hit(name, w): kv_attack(name, w["address"], w["ids"])
+    elif listener == "kv-tcp":
+        proc = ctx.Process(target=_kv_replica, args=(child, "tcp"))
+        attacks = KV_TCP_ATTACKS
+        def hit(name, w): kv_tcp_attack(name, w["address"], w["ids"])
     else:
         from pdserve.router.redis_server import LocalRedis
 
@@ -481,9 +560,9 @@ def run_listener(listener: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--listener", choices=("output", "kv", "redis", "all"), default="all")
+    ap.add_argument("--listener", choices=("output", "kv", "kv-tcp", "redis", "all"), default="all")
     args = ap.parse_args()
-    listeners = ("output", "kv", "redis") if args.listener == "all" else (args.listener,)
+    listeners = ("output", "kv", "kv-tcp", "redis") if args.listener == "all" else (args.listener,)
     rows = [row for listener in listeners for row in run_listener(listener)]
     print(f"\n{machine_line()}\n`python benchmarks/hostile_peers.py --listener {args.listener}`\n")
     print("| listener | attack | seconds | victim RSS growth (MiB) | longest loop stall (ms) | longest GC (ms) "
