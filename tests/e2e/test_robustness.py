@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import aiohttp
 import openai
@@ -12,6 +14,7 @@ import pytest
 import requests
 
 from tests.e2e.test_openai_api import LONG
+from tests.harness.waiting import wait_until
 
 LONG_PROMPT_WORDS = " ".join(["lighthouse"] * 500)  # far over max_model_len 384
 
@@ -110,19 +113,42 @@ def test_clients_that_time_out_do_not_wedge_the_server(app):
 
 
 def test_disconnect_mid_stream_aborts_on_both_pools(app):
-    # Generating to the context limit takes far longer than noticing the client left, so the
-    # request is still running when it goes: the engine counts it aborted, not finished.
+    """A client that leaves mid-stream has its request aborted on the engine, and in the
+    disaggregated app the prefill pool's blocks and lease come back too: every KV block and lease
+    is free again and no request is left unfinished.
+
+    The tiny model writes the rest of its context within a second, about what a loaded machine can
+    take to pass the disconnect through the proxy and the gateway; the engine would then count the
+    request finished, not aborted. So the engine's replica is frozen (SIGSTOP) from the stream's
+    first event, hundreds of steps before the request's end, until the gateway has dropped the
+    sequence, which it does as it cancels the call: when the replica resumes, the cancel is already
+    on its way and lands within a few of the steps the request still needs."""
+    from ray import serve
+
     tok = app.post("/tokenize", json={"model": app.model, "prompt": LONG}).json()
     body = {"model": app.model, "prompt": LONG, "max_tokens": tok["max_model_len"] - tok["count"],
             "temperature": 0, "ignore_eos": True, "stream": True}
+    engine = app.pools[-1]  # the pool the request decodes on
     before = {p: app.stats(p) for p in app.pools}
-    with requests.post(f"{app.base}/v1/completions", json=body, stream=True, timeout=60,
-                       headers={"Authorization": f"Bearer {app.api_key}"}) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith(b"data: {") for line in got)
+    gateway = serve.get_deployment_handle("Gateway", app.name)
+
+    def num_pending_sequences() -> int:
+        return gateway.stats.remote().result(timeout_s=30)["num_pending_sequences"]
+
+    num_pending_before, pid = num_pending_sequences(), before[engine]["pid"]
+    try:
+        with requests.post(f"{app.base}/v1/completions", json=body, stream=True, timeout=60,
+                           headers={"Authorization": f"Bearer {app.api_key}"}) as r:
+            lines = r.iter_lines(chunk_size=None)  # each line as it comes (kept: closing it drops the connection)
+            first = next(line for line in lines if line)
+            os.kill(pid, signal.SIGSTOP)
+            assert first.startswith(b"data: {"), first
+            assert num_pending_sequences() == num_pending_before + 1, "the request ended before its engine froze"
+        wait_until(lambda: num_pending_sequences() == num_pending_before, 30,
+                   "the gateway dropping the sequence of the client gone")
+    finally:
+        os.kill(pid, signal.SIGCONT)
     stats = app.wait_for_idle(30)
     assert all(s["num_free_kv_blocks"] == s["num_kv_blocks"] and s.get("num_kv_leases", 0) == 0
                and s["num_unfinished_requests"] == 0 for s in stats.values()), stats
-    engine = app.pools[-1]  # the pool the request was decoding on
     assert stats[engine]["num_aborted_requests"] == before[engine]["num_aborted_requests"] + 1, stats
