@@ -8,13 +8,22 @@ delay (a relay on the path: this kernel has no netem).
 Namespaces share the hostname, the boot id and IPC: a test must force the network path itself
 (`transfer.shared_memory: false`, `UCX_TLS=tcp`), or KV never crosses the link. Needs root, `ip`
 and (for loss and partitions) `nft`; `unavailable()` says why a machine cannot, for a skip. The
-lab only touches what it created: names carry a per-lab tag, and `close()` removes them all."""
+lab only touches what it created: names carry a per-lab tag, and `close()` removes them all.
+
+A run killed before `close()` (SIGKILL, a CI timeout) leaves its namespaces and bridge behind; each
+new lab first removes such leftovers (`sweep_stale`). A lab holds a lock on its tag while it lives
+(a file under `LOCK_DIR`, which the kernel unlocks when its process dies), so a leftover is one of
+the lab's names (`pdns<tag>-<n>`, `pdbr<tag>`) whose tag no live lab holds, and a namespace is
+removed only while no process runs in it (with its bridge only when none of its tag's does)."""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +33,10 @@ from pathlib import Path
 CLONE_NEWNET = 0x40000000
 DELAY_MARK = 0x2A  # the delay relay marks its own connections with it (delay_relay.MARK)
 REPO = Path(__file__).parents[2]
+LOCK_DIR = Path("/run/pdserve-netns-lab")  # <tag>.lock, locked by the lab that holds the tag
+# The lab's names (tags are digits: the subnet is derived from them); nothing else is ever swept.
+NETNS_NAME = re.compile(r"pdns(\d+)-\d+")
+BRIDGE_NAME = re.compile(r"pdbr(\d+)")
 
 
 def unavailable() -> str | None:
@@ -69,6 +82,67 @@ def _nft(netns: str, script: str) -> None:
     _run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=script)
 
 
+def _lock_tag(tag: str) -> int | None:
+    """A descriptor holding the lock on `tag`, or None when a live lab holds it. The file is
+    checked to still be the one at the path after locking: a sweep unlinks the files it claims."""
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    path = LOCK_DIR / f"{tag}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # unlinked by a sweep meanwhile: lock the new file
+
+
+def _unlock_tag(tag: str, fd: int) -> None:
+    (LOCK_DIR / f"{tag}.lock").unlink(missing_ok=True)  # while still locked: see `_lock_tag`
+    os.close(fd)
+
+
+def _names(argv: list[str], pattern: re.Pattern, key: str) -> dict[str, list[str]]:
+    """tag -> the names in `ip -j ...`'s listing that `pattern` matches whole."""
+    tags: dict[str, list[str]] = {}
+    for entry in json.loads(_run(argv).stdout or "[]"):
+        if m := pattern.fullmatch(entry.get(key, "")):
+            tags.setdefault(m[1], []).append(m[0])
+    return tags
+
+
+def sweep_stale() -> list[str]:
+    """Remove what labs killed before `close()` left behind: namespaces and bridges with the lab's
+    names whose tag no live lab holds, a namespace only when no process runs in it (a node's veth
+    pair goes with it), a bridge only when no namespace of its tag is kept. Returns the names removed."""
+    namespaces = _names(["ip", "-j", "netns", "list"], NETNS_NAME, "name")
+    bridges = _names(["ip", "-j", "link", "show", "type", "bridge"], BRIDGE_NAME, "ifname")
+    locks = {p.stem for p in LOCK_DIR.glob("*.lock") if p.stem.isdigit()} if LOCK_DIR.is_dir() else set()
+    removed = []
+    for tag in sorted(set(namespaces) | set(bridges) | locks):
+        fd = _lock_tag(tag)
+        if fd is None:  # its lab is alive
+            continue
+        try:
+            kept = False
+            for netns in namespaces.get(tag, []):
+                if _run(["ip", "netns", "pids", netns], check=False).stdout.split():
+                    kept = True
+                elif _run(["ip", "netns", "del", netns], check=False).returncode == 0:
+                    removed.append(netns)
+            for bridge in bridges.get(tag, []) if not kept else []:
+                if _run(["ip", "link", "del", bridge], check=False).returncode == 0:
+                    removed.append(bridge)
+        finally:
+            _unlock_tag(tag, fd)
+    return removed
+
+
 @dataclass(frozen=True)
 class Node:
     name: str
@@ -85,7 +159,8 @@ class Lab:
     """A bridge and its nodes. Use as a context manager: everything is removed on exit."""
 
     def __init__(self, tag: str | None = None):
-        self.tag = tag or f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
+        sweep_stale()
+        self.tag, self._lock = self._claim(tag)
         self.bridge = f"pdbr{self.tag}"
         # 10.200-249.x.0/24, chosen per lab so two labs on one machine do not meet.
         self.subnet = f"10.{200 + int(self.tag) % 50}.{int(self.tag) // 50 % 250}"
@@ -95,6 +170,20 @@ class Lab:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.head_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+
+    @staticmethod
+    def _claim(tag: str | None) -> tuple[str, int]:
+        """A tag no live lab holds (`tag` itself when given: digits) and its lock."""
+        for _ in range(100):
+            candidate = tag or f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"
+            if not candidate.isdigit():
+                raise ValueError(f"a lab's tag is digits, not {candidate!r}")
+            fd = _lock_tag(candidate)
+            if fd is not None:
+                return candidate, fd
+            if tag:
+                break
+        raise RuntimeError(f"no free lab tag ({tag!r} is held by a live lab)" if tag else "no free lab tag")
 
     def add_node(self, name: str) -> Node:
         index = len(self.nodes)
@@ -177,6 +266,9 @@ class Lab:
         for relay in self._relays:  # killed with their namespace; reaped here
             relay.wait(10)
         self._relays.clear()
+        if self._lock is not None:
+            _unlock_tag(self.tag, self._lock)
+            self._lock = None
 
     def __enter__(self) -> "Lab":
         return self
