@@ -1,7 +1,7 @@
 """Each family added in #44, from a checkpoint `transformers` wrote, served on Ray Serve
-disaggregated (every prompt prefilled on the prefill pool, its KV pulled over UCX) and colocated:
-greedy tokens equal the offline engine's, and a second turn reuses the first turn's prefix on both
-pools (only the new blocks are pulled)."""
+disaggregated (every prompt prefilled on the prefill pool, its KV pulled over the transfer backend,
+tcp by default) and colocated: greedy tokens equal the offline engine's, and a second turn reuses
+the first turn's prefix on both pools (only the new blocks are pulled)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,29 @@
-"""DeepSeek-V3's latent KV cache over UCX: a prefill engine (TP 1) exports a prompt's blocks and each
-rank of a TP-2 decode replica pulls them whole, no head slicing, over the wire and out of shared
-memory; every rank lands the very bytes prefill computed, (kv_lora_rank + qk_rope_head_dim) values
-a token a layer."""
+"""DeepSeek-V3's latent KV cache over each network backend (tcp, the default, and ucx): a prefill
+engine (TP 1) exports a prompt's blocks and each rank of a TP-2 decode replica pulls them whole, no
+head slicing, over the wire and out of shared memory; every rank lands the very bytes prefill
+computed, (kv_lora_rank + qk_rope_head_dim) values a token a layer."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 import torch
 
 os.environ.setdefault("UCX_TLS", "tcp")
-ucxx = pytest.importorskip("ucxx")
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.kv_cache import KVCache  # noqa: E402
 from pdserve.engine.models.arch import ModelArch  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.kvtransfer.backends import layout_of  # noqa: E402
+from pdserve.kvtransfer.backends import BACKENDS, layout_of  # noqa: E402
 from pdserve.kvtransfer.blocks import gather_blocks  # noqa: E402
-from pdserve.kvtransfer.ucx_backend import UCXExporter, UCXImporter  # noqa: E402
 from tests.harness.hf_checkpoints import write_checkpoint  # noqa: E402
 from tests.harness.waiting import wait_until  # noqa: E402
+
+HAS_UCX = importlib.util.find_spec("ucxx") is not None
 
 BLOCK = 8
 
@@ -40,14 +41,17 @@ def prefilled(checkpoints, tmp_path_factory):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["ucx", "shared-memory"])
-def test_prefill_tp1_to_decode_tp2_each_rank_pulls_the_whole_latent(prefilled, shared_memory):
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
+    not HAS_UCX, reason="ucxx is not installed"))])
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["wire", "shared-memory"])
+def test_prefill_tp1_to_decode_tp2_each_rank_pulls_the_whole_latent(prefilled, shared_memory, backend):
     model, engine, blocks = prefilled
     arch = ModelArch.from_dir(model)
     kv = engine.kv_cache.kv
     layout = layout_of(kv, "m")
     assert layout.is_latent and layout.num_kv_heads == 1 and layout.head_dim == arch.latent_dim
-    exporter = UCXExporter("prefill-0", kv, layout, engine.block_pool.incref, engine.block_pool.free,
+    exporter_cls, importer_cls = BACKENDS[backend]()
+    exporter = exporter_cls("prefill-0", kv, layout, engine.block_pool.incref, engine.block_pool.free,
                            shared_memory=shared_memory)
     try:
         handle = exporter.export("r", blocks, 100)
@@ -55,7 +59,7 @@ def test_prefill_tp1_to_decode_tp2_each_rank_pulls_the_whole_latent(prefilled, s
         pulled = []
         for rank in (0, 1):  # a decode rank's cache: the same latent layout (the latent is not split)
             dst = KVCache(arch.num_layers, 32, BLOCK, 1, arch.latent_dim, is_latent=True).kv
-            importer = UCXImporter(dst, layout_of(dst, "m", tp_size=2, tp_rank=rank))
+            importer = importer_cls(dst, layout_of(dst, "m", tp_size=2, tp_rank=rank))
             ids = list(range(3, 3 + 2 * len(blocks), 2))  # scattered on this side
             try:
                 importer.pull(handle, ids, ack=rank == 1)
@@ -68,7 +72,7 @@ def test_prefill_tp1_to_decode_tp2_each_rank_pulls_the_whole_latent(prefilled, s
         # Bytes per token a rank receives: (kv_lora_rank + qk_rope_head_dim) * 4 (fp32) per layer.
         per_token = arch.num_layers * (arch.kv_lora_rank + arch.qk_rope_head_dim) * 4
         assert expected.nbytes == len(blocks) * BLOCK * per_token
-        # The exporter takes the last rank's ACK on its own loop, after that pull has returned.
+        # The exporter takes the last rank's ACK on its own loop (thread), after that pull has returned.
         wait_until(lambda: len(exporter.leases) == 0, what="the lease released by the ACK")
     finally:
         exporter.close()
