@@ -175,6 +175,15 @@ ERROR_CODES = {"unknown": UnknownRequestError, "expired": LeaseExpiredError, "la
                "protocol": ProtocolError}
 
 
+def lease_ref(frame: dict) -> tuple[str, str]:
+    """A READ, ACK or DONE frame's (request id, lease token): strings, "" where absent (no lease
+    has those), ProtocolError for anything else."""
+    rid, token = frame.get("request_id", ""), frame.get("lease_token", "")
+    if not isinstance(rid, str) or not isinstance(token, str):
+        raise ProtocolError("a frame's request_id and lease_token must be strings")
+    return rid, token
+
+
 def error_frame(e: KVTransferError) -> dict:
     return {"code": next((c for c, cls in ERROR_CODES.items() if type(e) is cls), "protocol"), "message": str(e)}
 

@@ -243,7 +243,7 @@ class TCPExporter(KVExporter):
             with self._count_lock:
                 self.num_open_connections -= 1
                 self._open.discard(conn)
-            _abort(conn)
+            conn.close()  # an orderly close: an ERROR frame still queued reaches the importer
 
     def _serve_one(self, conn: socket.socket, kind: int | None, req) -> bool:
         """One frame from the importer and what follows it; True when the connection may carry
@@ -252,7 +252,7 @@ class TCPExporter(KVExporter):
         try:
             if isinstance(req, p.ProtocolError):
                 raise req
-            rid, token = req.get("request_id"), req.get("lease_token")
+            rid, token = p.lease_ref(req)
             if kind == p.ACK:  # an importer dropping a lease it will not read
                 self.ack(rid, token)
                 return False
@@ -378,7 +378,8 @@ class TCPImporter(KVImporter):
                     return conn, True
                 _abort(conn)
         conn = self._connect(address, deadline)
-        self.num_connections_created += 1
+        with self._lock:
+            self.num_connections_created += 1
         return conn, False
 
     def _keep(self, address: str, conn: socket.socket) -> None:

@@ -247,7 +247,7 @@ class UCXExporter(KVExporter):
         try:
             if isinstance(req, p.ProtocolError):
                 raise req
-            rid, token = req.get("request_id"), req.get("lease_token")
+            rid, token = p.lease_ref(req)
             if kind == p.ACK:  # an importer dropping a lease it will not read
                 self.ack(rid, token)
                 return False

@@ -163,15 +163,23 @@ def test_a_read_without_the_lease_token_gets_an_error_and_no_block_bytes(victim,
               "another lease's": {"lease_token": other.lease_token},
               "not a string": {"lease_token": 12345}, "its bytes": {"lease_token": handle.lease_token.encode()}}
     for token in tokens.values():
-        for local in (False, True):  # a local read is refused first here (the cache is private)
+        # A local read is refused first here (the cache is private), a token that is not a string
+        # before any lease is looked up: neither says whether the request exists.
+        malformed = not isinstance(token.get("lease_token", ""), str)
+        for local in (False, True):
             with kv_peer.connect(victim.address) as s:
                 s.sendall(p.encode_frame(p.READ, {**base, **token, "local": local}))
                 kind, reply = kv_peer.recv_frame(s)
-                assert kind == p.ERROR and reply["code"] == ("protocol" if local else "unknown")
+                assert kind == p.ERROR and reply["code"] == ("protocol" if local or malformed else "unknown")
                 assert kv_peer.recv_rest(s) == b""  # nothing follows the ERROR: no DATA, no block bytes
         for kind in (p.ACK, p.DONE):
             kv_peer.talk(victim.address, p.encode_frame(kind, {"request_id": handle.request_id, **token}),
                          read_reply=False)
+    for rid in ([handle.request_id], {"id": handle.request_id}, 7):  # not a string: refused before any lookup
+        with kv_peer.connect(victim.address) as s:
+            s.sendall(p.encode_frame(p.READ, {**base, "request_id": rid, "lease_token": handle.lease_token}))
+            kind, reply = kv_peer.recv_frame(s)
+            assert kind == p.ERROR and reply["code"] == "protocol"
     time.sleep(0.2)  # the last ACK read and ignored
     assert victim.pool.num_free_blocks == NUM_BLOCKS - 6 and len(victim.exporter.leases) == 2
     assert victim.exporter.leases.num_open_reads == 0
