@@ -10,7 +10,8 @@ fetches through its backend, scatters into its own blocks, and on any failure ca
 `on_failure(dst_block_ids)` and raises a typed error.
 
 The network backends (`tcp`, `ucx`) speak the same frames (protocol.py) and share what is not
-about moving bytes: `open_wire_read` (an exporter's answer to a READ frame), `mapped_cache` (an
+about moving bytes: `NetworkExporter` (a listener's settings and `open_wire_read`, its answer to a
+READ frame), `mapped_cache` (an
 exporter's cache this importer can copy out of on the same host) and `chunk_targets` (where
 each chunk lands). Backends (`tcp`, `ucx`, `local`) only move bytes. `pin`/`unpin` are the engine pool's incref/free and must
 be safe to call from the exporter's threads (take the engine's lock).
@@ -39,12 +40,6 @@ from pdserve.engine.shared_memory import SharedRegion, locate, map_region
 log = logging.getLogger(__name__)
 
 _MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
-
-
-def share_cache(kv: torch.Tensor) -> SharedRegion | CudaRegion | None:
-    """Where importers on this host (or GPU) may copy out of `kv`: its shared-memory region, or
-    its CUDA IPC handle; None when it is in neither."""
-    return cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
 
 
 class KVExporter:
@@ -90,22 +85,6 @@ class KVExporter:
             raise p.ProtocolError(f"first_block {first_block!r} outside the lease's {len(lease.block_ids)} blocks")
         return BlockRead(self, lease, lease.block_ids[first_block:], heads)
 
-    def open_wire_read(self, req: dict, budget_s: float) -> tuple["BlockRead", float, bool]:
-        """A READ frame's read: (the read, how long its sends may take, whether the importer copies
-        the blocks out of this host's cache itself). The importer's deadline is held to
-        `budget_s` or the lease's length: no READ pins blocks longer than a lease would anyway."""
-        try:
-            importer = p.KVLayout(**req["layout"])
-            send_s = float(req.get("timeout_s", budget_s))
-        except (TypeError, KeyError, ValueError) as e:
-            raise p.ProtocolError(f"malformed READ: {e!r}") from e
-        send_s = min(send_s, max(self.leases.lease_s, budget_s)) if math.isfinite(send_s) and send_s > 0 else 0.0
-        is_local = bool(req.get("local"))
-        if is_local and self.cache_region is None:
-            raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
-        read = self.open_read(req.get("request_id"), req.get("lease_token"), importer, req.get("first_block", 0))
-        return read, send_s, is_local
-
     def read(self, request_id: str, token: str, importer: p.KVLayout, first_block: int = 0) -> torch.Tensor:
         """All of `open_read`'s blocks gathered into a staging buffer: hand it back with `release_buffer`."""
         with self.open_read(request_id, token, importer, first_block) as r:
@@ -126,6 +105,45 @@ class KVExporter:
         while not self._closed.wait(0.2):
             for rid in self.leases.expire():
                 log.warning("KV lease for %s expired; its blocks return to the pool", rid)
+
+
+class NetworkExporter(KVExporter):
+    """An exporter behind a listener (the tcp and ucx backends): the address it listens on, how
+    long it waits for a peer's frames (`ack_timeout_s` for the first and for an ACK,
+    `idle_timeout_s` between reads), how many connections it serves at once, and whether
+    importers on this host may copy straight out of its cache (`shared_memory`)."""
+
+    def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
+                 pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None], lease_s: float,
+                 host: str, ack_timeout_s: float, idle_timeout_s: float, shared_memory: bool, max_connections: int):
+        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
+        self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
+        if shared_memory:  # its shared-memory region, or its CUDA IPC handle (None: in neither)
+            self.cache_region = cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
+        self.max_connections = max_connections
+        self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
+        self.num_open_connections = 0
+        self.port = 0  # the subclass's listener's, once it listens
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def open_wire_read(self, req: dict, budget_s: float) -> tuple["BlockRead", float, bool]:
+        """A READ frame's read: (the read, how long its sends may take, whether the importer copies
+        the blocks out of this host's cache itself). The importer's deadline is held to
+        `budget_s` or the lease's length: no READ pins blocks longer than a lease would anyway."""
+        try:
+            importer = p.KVLayout(**req["layout"])
+            send_s = float(req.get("timeout_s", budget_s))
+        except (TypeError, KeyError, ValueError) as e:
+            raise p.ProtocolError(f"malformed READ: {e!r}") from e
+        send_s = min(send_s, max(self.leases.lease_s, budget_s)) if math.isfinite(send_s) and send_s > 0 else 0.0
+        is_local = bool(req.get("local"))
+        if is_local and self.cache_region is None:
+            raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
+        read = self.open_read(req.get("request_id"), req.get("lease_token"), importer, req.get("first_block", 0))
+        return read, send_s, is_local
 
 
 class BlockRead:

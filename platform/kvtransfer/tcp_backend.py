@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter, share_cache
+from pdserve.kvtransfer.base import BlockRead, KVImporter, NetworkExporter
 from pdserve.kvtransfer.blocks import block_pieces, copy_blocks, scatter_blocks, slab_view
 
 log = logging.getLogger(__name__)
@@ -159,19 +159,14 @@ def _abort(conn: socket.socket) -> None:
     conn.close()
 
 
-class TCPExporter(KVExporter):
+class TCPExporter(NetworkExporter):
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
                  lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0,
                  idle_timeout_s: float = 300.0, shared_memory: bool = True,
                  max_connections: int = MAX_CONNECTIONS):
-        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
-        self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
-        if shared_memory:
-            self.cache_region = share_cache(kv)
-        self.max_connections = max_connections
-        self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
-        self.num_open_connections = 0
+        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s, host, ack_timeout_s, idle_timeout_s,
+                         shared_memory, max_connections)
         self._count_lock = threading.Lock()
         self._open: set[socket.socket] = set()  # shut down at `close`, which their threads then see
         self._listener = socket.create_server((host, port), backlog=128)
@@ -180,10 +175,6 @@ class TCPExporter(KVExporter):
         self._accepting = threading.Thread(target=self._accept_loop, name=f"kv-accept-{exporter_id}", daemon=True)
         self._accepting.start()
         log.info("KV exporter %s listening on %s (tcp)", exporter_id, self.address)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @property
     def is_healthy(self) -> bool:

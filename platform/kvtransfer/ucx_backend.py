@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.base import BlockRead, KVExporter, KVImporter, share_cache
+from pdserve.kvtransfer.base import BlockRead, KVImporter, NetworkExporter
 from pdserve.kvtransfer.blocks import copy_blocks, scatter_blocks, slab_view
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ async def _settle(tasks: list[asyncio.Future], timeout_s: float = 1.0) -> bool:
 MAX_CONNECTIONS = 512
 
 
-class UCXExporter(KVExporter):
+class UCXExporter(NetworkExporter):
     def __init__(self, exporter_id: str, kv: torch.Tensor, layout: p.KVLayout,
                  pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
                  lease_s: float = 30.0, host: str = "127.0.0.1", port: int = 0, ack_timeout_s: float = 10.0,
@@ -177,13 +177,8 @@ class UCXExporter(KVExporter):
                  max_connections: int = MAX_CONNECTIONS):
         import ucxx
 
-        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s)
-        self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
-        if shared_memory:
-            self.cache_region = share_cache(kv)
-        self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
-        self.num_open_connections = 0
-        self.max_connections = max_connections
+        super().__init__(exporter_id, kv, layout, pin, unpin, lease_s, host, ack_timeout_s, idle_timeout_s,
+                         shared_memory, max_connections)
         self._loop = ucx_loop()
 
         async def start():
@@ -192,10 +187,6 @@ class UCXExporter(KVExporter):
 
         self.port = self._loop.run(start(), 30)
         log.info("KV exporter %s listening on %s", exporter_id, self.address)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @property
     def is_healthy(self) -> bool:
