@@ -11,10 +11,10 @@ fetches through its backend, scatters into its own blocks, and on any failure ca
 
 The network backends (`tcp`, `ucx`) speak the same frames (protocol.py) and share what is not
 about moving bytes: `NetworkExporter` (a listener's settings and `open_wire_read`, its answer to a
-READ frame), `mapped_cache` (an
-exporter's cache this importer can copy out of on the same host) and `chunk_targets` (where
-each chunk lands). Backends (`tcp`, `ucx`, `local`) only move bytes. `pin`/`unpin` are the engine pool's incref/free and must
-be safe to call from the exporter's threads (take the engine's lock).
+READ frame), `mapped_cache` (an exporter's cache this importer can copy out of on the same host)
+and `chunk_targets` (where each chunk lands). Backends (`tcp`, `ucx`, `local`) only move bytes.
+`pin`/`unpin` are the engine pool's incref/free and must be safe to call from the exporter's
+threads (take the engine's lock).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class NetworkExporter(KVExporter):
         is_local = bool(req.get("local"))
         if is_local and self.cache_region is None:
             raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
-        read = self.open_read(req.get("request_id"), req.get("lease_token"), importer, req.get("first_block", 0))
+        read = self.open_read(*p.lease_ref(req), importer, req.get("first_block", 0))
         return read, send_s, is_local
 
 
