@@ -57,6 +57,53 @@ def listening_ports() -> list[tuple[str, int]]:
     return found
 
 
+class ExporterProcess:
+    """This module's exporter in a process of its own (spawned), driven over its queues."""
+
+    def __init__(self, backend: str, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False,
+                 max_connections: int | None = None, host: str = "127.0.0.1"):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.backend, self.commands, self.replies, self.shared = backend, ctx.Queue(), ctx.Queue(), shared
+        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s, shared,
+                                                    max_connections, backend, host), daemon=True)
+        self.proc.start()
+        kind, self.address = self.replies.get(timeout=60)
+        assert kind == "ready"
+
+    def call(self, *cmd):
+        self.commands.put(cmd)
+        return self.replies.get(timeout=30)[1:]
+
+    def export(self, rid, num_tokens):
+        from pdserve.kvtransfer.protocol import KVHandle
+
+        return KVHandle.from_dict(self.call("export", rid, num_tokens)[0])
+
+    def export_scattered(self, rid, num_tokens):
+        from pdserve.kvtransfer.protocol import KVHandle
+
+        return KVHandle.from_dict(self.call("export_scattered", rid, num_tokens)[0])
+
+    def free_blocks(self) -> int:
+        return self.call("free")[0]
+
+    def connections(self) -> tuple[int, int]:
+        """Connections the exporter accepted so far, and how many are open now."""
+        return tuple(self.call("connections"))
+
+    def open_reads(self) -> int:
+        return self.call("open_reads")[0]
+
+    def stop(self):
+        if self.proc.is_alive():
+            self.commands.put(("stop",))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 def serve(commands, replies, lease_s: float, idle_timeout_s: float = 300.0, shared: bool = False,
           max_connections: int | None = None, backend: str = "tcp", host: str = "127.0.0.1") -> None:
     os.environ.setdefault("UCX_TLS", "tcp")

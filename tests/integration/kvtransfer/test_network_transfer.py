@@ -27,7 +27,7 @@ from pdserve.kvtransfer import protocol as p  # noqa: E402
 from pdserve.kvtransfer.backends import BACKENDS  # noqa: E402
 from pdserve.kvtransfer.blocks import block_run, gather_blocks, scatter_blocks  # noqa: E402
 from tests.fakes import kv_peer  # noqa: E402
-from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve, stall  # noqa: E402
+from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, ExporterProcess as Exporter, make_cache, stall  # noqa: E402
 
 NETWORK_BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(ucxx is None, reason="ucxx is not installed"))]
 
@@ -41,45 +41,6 @@ def _connections_created(importer) -> int:
     """Connections (UCX endpoints) the importer opened so far."""
     return importer.num_endpoints_created if hasattr(importer, "num_endpoints_created") \
         else importer.num_connections_created
-
-
-class Exporter:
-    def __init__(self, backend: str, lease_s: float = 30.0, idle_timeout_s: float = 300.0, shared: bool = False,
-                 max_connections: int | None = None):
-        ctx = mp.get_context("spawn")
-        self.backend, self.commands, self.replies, self.shared = backend, ctx.Queue(), ctx.Queue(), shared
-        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, lease_s, idle_timeout_s, shared,
-                                                    max_connections, backend), daemon=True)
-        self.proc.start()
-        kind, self.address = self.replies.get(timeout=60)
-        assert kind == "ready"
-
-    def call(self, *cmd):
-        self.commands.put(cmd)
-        return self.replies.get(timeout=30)[1:]
-
-    def export(self, rid, num_tokens) -> p.KVHandle:
-        return p.KVHandle.from_dict(self.call("export", rid, num_tokens)[0])
-
-    def export_scattered(self, rid, num_tokens) -> p.KVHandle:
-        return p.KVHandle.from_dict(self.call("export_scattered", rid, num_tokens)[0])
-
-    def free_blocks(self) -> int:
-        return self.call("free")[0]
-
-    def connections(self) -> tuple[int, int]:
-        """Connections the exporter accepted so far, and how many are open now."""
-        return tuple(self.call("connections"))
-
-    def open_reads(self) -> int:
-        return self.call("open_reads")[0]
-
-    def stop(self):
-        if self.proc.is_alive():
-            self.commands.put(("stop",))
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module", params=NETWORK_BACKENDS)

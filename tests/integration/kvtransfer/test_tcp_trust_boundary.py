@@ -9,7 +9,6 @@ The exporter runs in a process of its own (tests/fakes/kv_exporter_proc.py, spaw
 test process's own listeners (Ray's, UCX's from other tests) are not counted.
 """
 
-import multiprocessing as mp
 import os
 import socket
 import struct
@@ -22,7 +21,7 @@ from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import gather_blocks
 from pdserve.kvtransfer.tcp_backend import TCPImporter
 from tests.fakes import kv_peer
-from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, make_cache, serve
+from tests.fakes.kv_exporter_proc import LAYOUT, NUM_BLOCKS, ExporterProcess, make_cache
 
 HOST = "127.0.0.2"  # loopback, but not the address a socket bound to "every interface" would show
 
@@ -34,31 +33,9 @@ UCT_CONN_REQ = struct.Struct("<iBQ").pack(1, 0, 7) + struct.pack("<H", socket.AF
     + socket.inet_aton("127.0.0.9") + bytes(8)
 
 
-class ExporterProcess:
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        # lease_s, idle_timeout_s, shared, max_connections, backend, host
-        self.proc = ctx.Process(target=serve, args=(self.commands, self.replies, 60.0, 300.0, False, None, "tcp",
-                                                    HOST), daemon=True)
-        self.proc.start()
-        kind, self.address = self.replies.get(timeout=60)
-        assert kind == "ready"
-
-    def call(self, *cmd):
-        self.commands.put(cmd)
-        return self.replies.get(timeout=30)[1:]
-
-    def stop(self):
-        self.commands.put(("stop",))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def exporter():
-    e = ExporterProcess()
+    e = ExporterProcess("tcp", lease_s=60.0, host=HOST)
     yield e
     e.stop()
 

@@ -24,6 +24,7 @@ ucxx = pytest.importorskip("ucxx")
 
 from pdserve.kvtransfer import protocol as p  # noqa: E402
 from pdserve.kvtransfer.ucx_backend import UCXExporter  # noqa: E402
+from tests.fakes.kv_exporter_proc import listening_ports  # noqa: E402
 
 LAYOUT = p.KVLayout("trust-boundary", 2, 4, 2, 8, "float32")
 
@@ -39,23 +40,7 @@ PUT_REQ = struct.Struct("<QQI")  # address, length, sequence number
 def _loopback_listeners() -> list[int]:
     """Ports this process listens on at 127.0.0.1 (UCX's TCP interface on `lo` binds there;
     its connection listener binds 0.0.0.0)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = []
-    with open("/proc/self/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            ip, port = local.split(":")
-            if state == "0A" and inode in inodes and ip == "0100007F":
-                ports.append(int(port, 16))
-    return ports
+    return [port for ip, port in listening_ports() if ip == "127.0.0.1"]
 
 
 def _uct_tcp_connection(port: int) -> socket.socket | None:
