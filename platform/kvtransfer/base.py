@@ -11,7 +11,7 @@ fetches through its backend, scatters into its own blocks, and on any failure ca
 
 The network backends (`tcp`, `ucx`) speak the same frames (protocol.py) and share what is not
 about moving bytes: `NetworkExporter` (a listener's settings and `open_wire_read`, its answer to a
-READ frame), `mapped_cache` (an exporter's cache this importer can copy out of on the same host)
+connection's READ or ACK frame), `mapped_cache` (an exporter's cache this importer can copy out of on the same host)
 and `chunk_targets` (where each chunk lands). Backends (`tcp`, `ucx`, `local`) only move bytes.
 `pin`/`unpin` are the engine pool's incref/free and must be safe to call from the exporter's
 threads (take the engine's lock).
@@ -129,10 +129,19 @@ class NetworkExporter(KVExporter):
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def open_wire_read(self, req: dict, budget_s: float) -> tuple["BlockRead", float, bool]:
-        """A READ frame's read: (the read, how long its sends may take, whether the importer copies
-        the blocks out of this host's cache itself). The importer's deadline is held to
-        `budget_s` or the lease's length: no READ pins blocks longer than a lease would anyway."""
+    def open_wire_read(self, kind: int, req: dict, budget_s: float
+                       ) -> tuple[str, str, "BlockRead", float, bool] | None:
+        """What a connection's frame asks: None for an ACK (an importer dropping a lease it will
+        not read: released here), else the READ's (request id, token, the read, how long its sends
+        may take, whether the importer copies the blocks out of this host's cache itself); a
+        ProtocolError for any other frame. The importer's deadline is held to `budget_s` or the
+        lease's length: no READ pins blocks longer than a lease would anyway."""
+        rid, token = p.lease_ref(req)
+        if kind == p.ACK:
+            self.ack(rid, token)
+            return None
+        if kind != p.READ:
+            raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
         try:
             importer = p.KVLayout(**req["layout"])
             send_s = float(req.get("timeout_s", budget_s))
@@ -142,8 +151,7 @@ class NetworkExporter(KVExporter):
         is_local = bool(req.get("local"))
         if is_local and self.cache_region is None:
             raise p.ProtocolError("a local read from an exporter whose cache is not in shared memory")
-        read = self.open_read(*p.lease_ref(req), importer, req.get("first_block", 0))
-        return read, send_s, is_local
+        return rid, token, self.open_read(rid, token, importer, req.get("first_block", 0)), send_s, is_local
 
 
 class BlockRead:

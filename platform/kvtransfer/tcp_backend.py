@@ -243,13 +243,10 @@ class TCPExporter(NetworkExporter):
         try:
             if isinstance(req, p.ProtocolError):
                 raise req
-            rid, token = p.lease_ref(req)
-            if kind == p.ACK:  # an importer dropping a lease it will not read
-                self.ack(rid, token)
+            opened = self.open_wire_read(kind, req, self.ack_timeout_s)
+            if opened is None:  # an ACK, and nothing follows it
                 return False
-            if kind != p.READ:
-                raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
-            read, send_s, is_local = self.open_wire_read(req, self.ack_timeout_s)
+            rid, token, read, send_s, is_local = opened
             deadline = _Deadline(send_s)
             if is_local:
                 # The importer copies the blocks out of the cache itself: they stay held until its
