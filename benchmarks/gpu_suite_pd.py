@@ -2,9 +2,10 @@
 each prompt's KV pulled from the one to the other as a disaggregated deployment pulls it, without
 Ray Serve (the GPU image has no Ray).
 
-The prefill process (`_prefill_process`) runs an `LLMEngine` on prefill-only requests and a
-`UCXExporter` over its cache; this process runs the decode `LLMEngine`, on the same weights (the
-same random_weights.json), and a `UCXImporter`. The prefill process prefills the prompts and
+The prefill process (`_prefill_process`) runs an `LLMEngine` on prefill-only requests and the KV
+exporters over its cache: a `TCPExporter` (`transfer.backend: tcp`, the default) and, when UCX
+starts there, a `UCXExporter`; this process runs the decode `LLMEngine`, on the same weights (the
+same random_weights.json), and an importer of each. The prefill process prefills the prompts and
 leases their blocks; for each prompt the decode engine reserves blocks (`add_prefilled_request`)
 and pulls into them by each path, each pull timed and its bytes checked against the exporter's
 (SHA-256 of the blocks on both sides):
@@ -16,13 +17,18 @@ and pulls into them by each path, each pull timed and its bytes checked against 
   as messages. The decode engine's pool is fresh, so each prompt's blocks are one run and UCX
   receives in place; at the end one prompt is pulled again into every other block of the pool,
   through the importer's staging buffer;
+- the tcp backend's socket, the handle without the cache's region (on a GPU through host memory:
+  what a decode replica on another host, or with `transfer.shared_memory: false`, pulls by);
 - pdserve's local read, as a decode replica on the prefill replica's GPU (or host) pulls: the
   importer maps the exporter's cache (CUDA IPC; shared memory on a CPU) and copies the blocks
-  with one kernel while UCX carries the READ and the ACK. Last, so the decode runs on its bytes.
+  with one kernel while the backend carries only the READ and its answer: over UCX, then over the
+  tcp backend (the default, last: the decode runs on its bytes).
 A path that fails is recorded (and shown as a failed row) and the others go on. The decode engine
-then decodes the prompts together. Two references follow, in the same engine: the prompts
-prefilled there and decoded on the same schedule (same KV bytes and batches: the tokens must be
-the same), and colocated with continuous batching (other batches: other roundings).
+then decodes the prompts together (each prompt's blocks checked again before and after: nothing
+else writes them). Two references follow, in the same engine: the prompts prefilled there and
+decoded on the same schedule (same KV bytes and batches: the tokens must be the same), and
+colocated with continuous batching (other batches: other roundings). Where tokens differ, the
+report keeps both runs' top logprobs at the first difference (a near tie, or other inputs?).
 
 In: the engines' EngineConfig fields, the prompts, the output length. Out: figures and rows on
 the suite's report (pull bytes/s against the copy bandwidth, checksums, token agreement).
@@ -75,14 +81,6 @@ os._exit(0)  # not waiting on UCX's threads to end
 """
 
 
-def _layout(kv: torch.Tensor, model_id: str):
-    """The KV layout of a one-rank engine's cache `[layers, 2, blocks, block_size, heads, head_dim]`."""
-    from pdserve.kvtransfer.protocol import KVLayout
-
-    layers, _, _, block_size, heads, head_dim = kv.shape
-    return KVLayout(model_id, layers, block_size, heads, head_dim, str(kv.dtype).removeprefix("torch."))
-
-
 def _digest(kv: torch.Tensor, block_ids: list[int]) -> str:
     """SHA-256 of the blocks' bytes, in the transfer layout `[layers, 2, n, block_size, heads, head_dim]`."""
     from pdserve.kvtransfer.blocks import gather_blocks
@@ -120,32 +118,33 @@ def _prefill_only(engine, ids: list[str], prompts: list[list[int]], params) -> d
 
 
 def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
-    """The prefill side: ("prefill", prompts, max_tokens) -> [(request id, first output, UCX handle
-    or None, digest)]; ("gather", request id) -> its blocks in one shared buffer (or what failed),
-    kept until ("release", request id), which also ends the lease; ("stop",) ends the process."""
+    """The prefill side: ("prefill", prompts, max_tokens) -> [(request id, first output, {backend:
+    handle}, digest)]; ("gather", request id) -> its blocks in one shared buffer (or what failed),
+    kept until ("release", request id), which also ends its leases; ("stop",) ends the process."""
     try:
         from pdserve.config import EngineConfig
         from pdserve.engine.engine import LLMEngine
         from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.kvtransfer.backends import BACKENDS, layout_of
         from pdserve.kvtransfer.blocks import gather_blocks
 
         engine = LLMEngine(EngineConfig(**options))
         kv, pool = engine.kv_cache.kv, engine.block_pool
-        exporter, ucx_error = None, None
-        try:
-            if use_ucx:
-                from pdserve.kvtransfer.ucx_backend import UCXExporter
-
-                # shared_memory on, as deployed: handles name the cache (CUDA IPC on a GPU, shared
-                # memory on a CPU) for the local read; the UCX pulls drop that from the handle.
-                exporter = UCXExporter("prefill-0", kv, _layout(kv, "gpu-suite"), pool.incref, pool.free,
-                                       lease_s=600.0, host="127.0.0.1", shared_memory=True)
-        except Exception as e:  # noqa: BLE001 - CUDA IPC still runs; the report names UCX's failure
-            ucx_error = repr(e)
-        replies.put(("ready", exporter.address if exporter else None, ucx_error))
+        # shared_memory on, as deployed: handles name the cache (CUDA IPC on a GPU, shared memory
+        # on a CPU) for the local read; the pulls over the wire drop that from the handle.
+        exporters, errors = {}, {}
+        for backend in ("tcp", "ucx") if use_ucx else ("tcp",):
+            try:
+                exporter_class, _ = BACKENDS[backend]()
+                exporters[backend] = exporter_class(f"prefill-0-{backend}", kv, layout_of(kv, "gpu-suite"),
+                                                    pool.incref, pool.free, lease_s=600.0, host="127.0.0.1",
+                                                    shared_memory=True)
+            except Exception as e:  # noqa: BLE001 - the other paths still run; the report names this one
+                errors[backend] = repr(e)
+        replies.put(("ready", {name: e.address for name, e in exporters.items()}, errors))
         held: dict[str, list[int]] = {}
         shared: dict[str, torch.Tensor] = {}  # buffers the decode process maps, alive until released
-        tokens: dict[str, str] = {}  # each lease's token, for its release
+        tokens: dict[str, dict[str, str]] = {}  # each lease's token by backend, for its release
         while True:
             cmd = commands.get()
             if cmd[0] == "prefill":
@@ -157,12 +156,12 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
                 for rid in ids:
                     first = firsts[rid]
                     held[rid] = first.kv_block_ids
-                    handle = None
-                    if exporter is not None:
-                        handle = exporter.export(rid, first.kv_block_ids, first.num_prompt_tokens).to_dict()
-                        tokens[rid] = handle["lease_token"]
-                        engine.release_kv(rid)  # the lease holds the blocks now
-                    results.append((rid, first, handle, _digest(kv, first.kv_block_ids)))
+                    handles = {name: e.export(rid, first.kv_block_ids, first.num_prompt_tokens).to_dict()
+                               for name, e in exporters.items()}
+                    tokens[rid] = {name: h["lease_token"] for name, h in handles.items()}
+                    if handles:
+                        engine.release_kv(rid)  # the leases hold the blocks now
+                    results.append((rid, first, handles, _digest(kv, first.kv_block_ids)))
                 replies.put(("prefilled", results))
             elif cmd[0] == "gather":
                 rid = cmd[1]
@@ -170,19 +169,20 @@ def _prefill_process(options: dict, use_ucx: bool, commands, replies) -> None:
                     shared[rid] = gather_blocks(kv, held[rid])
                     _sync(kv)
                     replies.put(("blocks", shared[rid]))
-                except Exception as e:  # noqa: BLE001 - this path fails alone; UCX may still run
+                except Exception as e:  # noqa: BLE001 - this path fails alone; the others may still run
                     replies.put(("blocks", repr(e)))
             elif cmd[0] == "release":
                 rid = cmd[1]
                 shared.pop(rid, None)
                 held.pop(rid)
-                if exporter is not None:
-                    exporter.ack(rid, tokens.pop(rid))
-                else:
+                leases = tokens.pop(rid)
+                for name, token in leases.items():
+                    exporters[name].ack(rid, token)
+                if not leases:
                     engine.release_kv(rid)
                 replies.put(("released", rid))
             else:
-                if exporter is not None:
+                for exporter in exporters.values():
                     exporter.close()
                 os._exit(0)  # not waiting on UCX's threads, which can keep an interpreter from ending
     except BaseException:  # the decode side reports it
@@ -208,11 +208,13 @@ def _reply(replies, child, kind: str, timeout_s: float):
         return msg[1:]
 
 
-def _decode_all(engine, tokens: dict[str, list[int]]) -> None:
-    """Step until every request is done, appending each one's tokens."""
+def _decode_all(engine, tokens: dict[str, list[int]], logprobs: dict[str, list] | None = None) -> None:
+    """Step until every request is done, appending each one's tokens (and their logprobs)."""
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
 
 
 def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -> None:
@@ -221,6 +223,7 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer.backends import BACKENDS, layout_of
 
     ucx_error = ucx_check(options["device"])
     log(f"pd: UCX check: {ucx_error or 'ok'}")
@@ -229,60 +232,67 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
     child = ctx.Process(target=_prefill_process, args=(options, ucx_error is None, commands, replies),
                         name="gpu-suite-prefill", daemon=True)
     child.start()
-    importer = None
+    importers = {}
     try:
         engine = LLMEngine(EngineConfig(**options))  # while the prefill process builds its own
         kv = engine.kv_cache.kv
-        address, exporter_error = _reply(replies, child, "ready", START_TIMEOUT_S)
-        ucx_error = ucx_error or exporter_error
-        if address is not None:
+        addresses, errors = _reply(replies, child, "ready", START_TIMEOUT_S)
+        if ucx_error:
+            errors["ucx"] = f"the UCX check failed: {ucx_error}"
+        for backend in addresses:
             try:
-                from pdserve.kvtransfer.ucx_backend import UCXImporter
-
-                importer = UCXImporter(kv, _layout(kv, "gpu-suite"))
+                importers[backend] = BACKENDS[backend]()[1](kv, layout_of(kv, "gpu-suite"))
             except Exception as e:  # noqa: BLE001 - as in the prefill process
-                ucx_error = repr(e)
+                errors[backend] = repr(e)
         rep.figures("pd", model_layers=kv.shape[0], prompts=len(prompts), prompt_tokens=len(prompts[0]),
-                    output_tokens=output_tokens, ucx=importer is not None, ucx_error=ucx_error)
-        log(f"pd: engines ready; UCX {'on' if importer is not None else f'unavailable ({ucx_error})'}")
-        pulls = _Pulls(kv, commands, replies, child, importer, log)
-        if importer is None:
-            pulls.errors["ucx"] = pulls.errors["ucx_scattered"] = pulls.errors["local"] = ucx_error
+                    output_tokens=output_tokens, ucx="ucx" in importers, ucx_error=errors.get("ucx"),
+                    tcp_error=errors.get("tcp"))
+        log(f"pd: engines ready; importers {sorted(importers)}" + (f"; unavailable: {errors}" if errors else ""))
+        pulls = _Pulls(kv, commands, replies, child, importers, errors, log)
 
-        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        # logprobs: where the tokens differ, the report shows both runs' top logprobs there.
+        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
         commands.put(("prefill", prompts, output_tokens))
         (results,) = _reply(replies, child, "prefilled", START_TIMEOUT_S)
         # Disaggregated first, while the decode engine's pool is fresh: each prompt's blocks are
         # one run there, as on the prefill side, so UCX receives in place (the common case); the
         # scattered case (staging) follows at the end. Each prompt is pulled by every path, the
-        # local read last: the decode runs on its bytes (on the last path that succeeded).
-        disaggregated, decoded_from = {}, set()
-        for (rid, first, handle, digest), prompt in zip(results, prompts):
+        # default's local read last: the decode runs on its bytes (on the last path that succeeded).
+        disaggregated, decoded_from, placed = {}, set(), []
+        for (rid, first, handles, digest), prompt in zip(results, prompts):
             num_local, dst = engine.add_prefilled_request(rid, prompt, params, first)
             if not dst:
                 raise RuntimeError(f"the decode engine has no free blocks for {rid}")
             holder, good = None, []  # whose bytes `dst` holds; the paths that succeeded
-            for path in ("cuda_ipc", "ucx", "local"):
-                if path in pulls.errors:
+            for path in _Pulls.ORDER:
+                if path in pulls.errors or path == "ucx_scattered":
                     continue
-                holder = path if pulls.pull(path, rid, handle, dst, num_local, digest) else None
+                holder = path if pulls.pull(path, rid, handles, dst, num_local, digest) else None
                 good += [holder] if holder else []
             if not good:
                 raise RuntimeError(f"no pull of {rid} succeeded: {pulls.errors}")
             if holder is None:  # the last one tried failed after zeroing `dst`: the last good one again
-                holder = good[-1] if pulls.pull(good[-1], rid, handle, dst, num_local, digest) else None
+                holder = good[-1] if pulls.pull(good[-1], rid, handles, dst, num_local, digest) else None
             decoded_from.add(holder)
-            if rid != results[-1][0]:  # the last lease stays, for the scattered pull
+            full = dst[:len(prompt) // kv.shape[3]]  # the blocks the prompt fills: the decode writes past them
+            placed.append((dst, digest, full, _digest(kv, full)))
+            if rid != results[-1][0]:  # the last leases stay, for the scattered pull and the timings
                 pulls.release(rid)
             engine.start_prefilled_request(rid)
             disaggregated[rid] = list(first.new_token_ids)
-        _decode_all(engine, disaggregated)
+        # Each prompt's blocks hold the exporter's bytes before the decode (no later pull wrote
+        # them), and the blocks the prompt fills hold the same after it (the decode writes past them).
+        intact_before = [_digest(kv, dst) == digest for dst, digest, _, _ in placed]
+        dis_logprobs: dict[str, list] = {}
+        _decode_all(engine, disaggregated, dis_logprobs)
+        intact_after = [_digest(kv, full) == before for _, _, full, before in placed]
+        rep.figures("pd", kv_intact_before_decode=intact_before, kv_intact_after_decode=intact_after)
 
         # The reference on the same schedule: this engine prefills the prompts itself, as the
         # prefill process did (same batch, salted so that nothing comes from the blocks pulled
         # above), then takes them over from its own blocks and decodes them together as it did
         # the pulled ones. Same KV bytes and same batches give the same tokens, bit for bit.
-        reference, same_kv = _reference_on_same_schedule(engine, prompts, output_tokens, results)
+        reference, ref_logprobs, same_kv = _reference_on_same_schedule(engine, prompts, output_tokens, results)
         # Colocated with continuous batching (decodes start while other prompts still prefill):
         # other batch compositions, so other roundings; with random weights, near-tied logits.
         colocated = {f"co-{i}": [] for i in range(len(prompts))}
@@ -291,21 +301,22 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
             engine.add_request(rid, prompt, salted)
         _decode_all(engine, colocated)
 
-        rid, first, handle, digest = results[-1]
-        _time_local_parts(rep, engine, pulls, handle, len(first.kv_block_ids), log)
+        rid, first, handles, digest = results[-1]
+        _time_local_parts(rep, engine, pulls, handles.get("tcp"), len(first.kv_block_ids), log)
         if "ucx_scattered" not in pulls.errors:
             # Every other block of the (now idle) pool: blocks that are no run, received through a
             # staging buffer and scattered, as a decode replica's blocks are once it has run a while.
             pool = engine.block_pool
             taken = pool.allocate(2 * len(first.kv_block_ids))
             try:
-                pulls.pull("ucx_scattered", rid, handle, sorted(taken)[::2], 0, digest)
+                pulls.pull("ucx_scattered", rid, handles, sorted(taken)[::2], 0, digest)
             finally:
                 pool.free(taken)
         pulls.release(rid)
         pulls.report(rep, disaggregated, reference, same_kv, colocated, output_tokens, decoded_from)
+        _report_first_differences(rep, log, disaggregated, dis_logprobs, reference, ref_logprobs)
     finally:
-        if importer is not None:
+        for importer in importers.values():
             importer.close()
         if child.is_alive():
             commands.put(("stop",))
@@ -314,10 +325,32 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
             child.kill()
 
 
-def _time_local_parts(rep, engine, pulls, handle: dict, num_blocks: int, log) -> None:
-    """The local read's two parts apart: the copy kernel alone (this cache's blocks into its other
-    blocks, as many as a prompt has) against the copy bandwidth, and a local read of one block
-    (the READ/DATA/ACK round trip, and little else)."""
+def _report_first_differences(rep, log, disaggregated: dict, dis_logprobs: dict, reference: dict,
+                              ref_logprobs: dict) -> None:
+    """Where a prompt's tokens first differ from the same-schedule reference's, both runs' top
+    logprobs there: equal logprobs up to a near tie say rounding, distant ones other inputs."""
+    found = []
+    for (rid, dis), (ref_id, ref) in zip(disaggregated.items(), reference.items()):
+        k = next((i for i, (a, b) in enumerate(zip(dis, ref)) if a != b), None)
+        if k is None or k == 0:  # equal, or the prefill's own token (no logprobs here)
+            continue
+        # The decode steps' logprobs end with the last token's (the prefill's token may lack one).
+        pair = [lps[len(lps) - (len(dis) - k)] if len(lps) >= len(dis) - k else None
+                for lps in (dis_logprobs.get(rid, []), ref_logprobs.get(ref_id, []))]
+        found.append({"prompt": rid, "position": k, **{
+            name: None if lp is None else [[t, round(v, 5)] for t, v in lp.top]
+            for name, lp in zip(("disaggregated_top", "reference_top"), pair)}})
+    rep.figures("pd", first_differences=found)
+    for d in found:
+        log(f"pd: {d['prompt']} first differs at position {d['position']}: disaggregated top "
+            f"{d['disaggregated_top']}, reference top {d['reference_top']}")
+
+
+def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, log) -> None:
+    """The default's local read taken apart: the copy kernel alone (this cache's blocks into its
+    other blocks, as many as a prompt has) against the copy bandwidth, by the clock (launch and
+    sync included, as a pull waits for it) and by CUDA events (the kernel's own time), and the
+    tcp backend's local read of one block (the READ and its answer, and little else)."""
     from pdserve.kvtransfer.blocks import copy_blocks
     from pdserve.kvtransfer.protocol import KVHandle
 
@@ -328,31 +361,44 @@ def _time_local_parts(rep, engine, pulls, handle: dict, num_blocks: int, log) ->
         heads = (0, kv.shape[4])
         copy_blocks(kv, src, heads, kv, dst)  # compiled before it is timed
         _sync(kv)
-        times = []
+        times, device_times = [], []
         for _ in range(8):
+            if kv.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             t = time.perf_counter()
             copy_blocks(kv, src, heads, kv, dst)
+            if kv.is_cuda:
+                end.record()
             _sync(kv)
             times.append(time.perf_counter() - t)
+            if kv.is_cuda:
+                device_times.append(start.elapsed_time(end) / 1e3)
         nbytes = 2 * num_blocks * pulls.block_bytes  # read + written
         seconds = statistics.median(times)
-        rep.figures("pd", copy_kernel_s=times, copy_kernel_bytes=nbytes)
+        rep.figures("pd", copy_kernel_s=times, copy_kernel_device_s=device_times, copy_kernel_bytes=nbytes)
+        copy_bw = rep.limits.get("copy_bytes_per_s", 0) / 1e9
         rep.row("pd", f"KV block copy kernel alone, {num_blocks} blocks cache to cache in one process, bytes "
-                "read + written", nbytes / seconds / 1e9, "GB/s", rep.limits.get("copy_bytes_per_s", 0) / 1e9,
-                "copy bandwidth", None, note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included")
-        if "local" in pulls.errors or handle.get("cache_region") is None:
+                "read + written", nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None,
+                note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included")
+        if device_times:
+            on_device = statistics.median(device_times)
+            rep.row("pd", f"KV block copy kernel alone, {num_blocks} blocks, its time on the device (CUDA "
+                    "events), bytes read + written", nbytes / on_device / 1e9, "GB/s", copy_bw, "copy bandwidth",
+                    None, note=f"median {on_device * 1e6:.0f} us of 8")
+        if "local" in pulls.errors or handle is None or handle.get("cache_region") is None:
             return
-        one = KVHandle.from_dict(handle)
+        one, importer = KVHandle.from_dict(handle), pulls.importers["tcp"]
         times = []
         for _ in range(8):
             t = time.perf_counter()
-            pulls.importer.pull(one, dst[:1], PULL_TIMEOUT_S, None, num_blocks - 1, ack=False)
+            importer.pull(one, dst[:1], PULL_TIMEOUT_S, None, num_blocks - 1, ack=False)
             _sync(kv)
             times.append(time.perf_counter() - t)
         whole = []  # the same prompt's blocks read again and again, nothing else between the reads
         for _ in range(8):
             t = time.perf_counter()
-            pulls.importer.pull(one, dst, PULL_TIMEOUT_S, None, 0, ack=False)
+            importer.pull(one, dst, PULL_TIMEOUT_S, None, 0, ack=False)
             _sync(kv)
             whole.append(time.perf_counter() - t)
         rep.figures("pd", local_one_block_pull_s=times, local_back_to_back_pull_s=whole)
@@ -366,15 +412,17 @@ def _time_local_parts(rep, engine, pulls, handle: dict, num_blocks: int, log) ->
 
 
 def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens: int,
-                                results: list) -> tuple[dict[str, list[int]], list[bool]]:
-    """Greedy tokens of `prompts` prefilled by `engine` itself (prefill-only, all at once, as the
-    prefill process ran them), each then taken over from those blocks (`add_prefilled_request`,
-    blocks copied within the cache) and all decoded together. Also records whether each prompt's
-    KV here equals the exporter's (`results`' digests): the prefill is deterministic across processes."""
+                                results: list) -> tuple[dict[str, list[int]], dict[str, list], list[bool]]:
+    """Greedy tokens (and their logprobs) of `prompts` prefilled by `engine` itself (prefill-only,
+    all at once, as the prefill process ran them), each then taken over from those blocks
+    (`add_prefilled_request`, blocks copied within the cache) and all decoded together. Also
+    records whether each prompt's KV here equals the exporter's (`results`' digests): the prefill
+    is deterministic across processes."""
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.kvtransfer.blocks import gather_blocks, scatter_blocks
 
-    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True, cache_salt="reference")
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True, cache_salt="reference",
+                            logprobs=2)
     ids = [f"ref-prefill-{i}" for i in range(len(prompts))]
     firsts = _prefill_only(engine, ids, prompts, params)
     kv, tokens, same_kv = engine.kv_cache.kv, {}, []
@@ -387,8 +435,9 @@ def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens:
         engine.release_kv(rid)
         engine.start_prefilled_request(f"ref-{i}")
         tokens[f"ref-{i}"] = list(first.new_token_ids)
-    _decode_all(engine, tokens)
-    return tokens, same_kv
+    logprobs: dict[str, list] = {}
+    _decode_all(engine, tokens, logprobs)
+    return tokens, logprobs, same_kv
 
 
 class _Pulls:
@@ -398,22 +447,35 @@ class _Pulls:
     NAMES = {"cuda_ipc": "torch.multiprocessing's CUDA IPC (gather, share, scatter; not pdserve's path)",
              "ucx": "UCX messages, blocks in one run (in place)",
              "ucx_scattered": "UCX messages, scattered blocks (staging buffer)",
-             "local": "pdserve's local read (the prefill's cache mapped over CUDA IPC, one copy kernel; "
-                      "UCX carries READ and ACK)"}
+             "local_ucx": "pdserve's local read, READ and its answer over UCX (the prefill's cache mapped over "
+                          "CUDA IPC, one copy kernel)",
+             "tcp": "the tcp backend's socket (the blocks through host memory)",
+             "local": "pdserve's local read, READ and its answer over the tcp backend (the default; the "
+                      "prefill's cache mapped over CUDA IPC, one copy kernel)"}
+    ORDER = tuple(NAMES)  # the order a prompt's pulls run in: the default's local read last
+    # path -> (the importer's backend, whether the handle keeps the cache's region: a local read)
+    ROUTES = {"ucx": ("ucx", False), "ucx_scattered": ("ucx", False), "local_ucx": ("ucx", True),
+              "tcp": ("tcp", False), "local": ("tcp", True)}
 
-    def __init__(self, kv: torch.Tensor, commands, replies, child, importer, log):
-        self.kv, self.commands, self.replies, self.child, self.importer, self.log = \
-            kv, commands, replies, child, importer, log
+    def __init__(self, kv: torch.Tensor, commands, replies, child, importers: dict, errors: dict, log):
+        self.kv, self.commands, self.replies, self.child, self.importers, self.log = \
+            kv, commands, replies, child, importers, log
         self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
         self.timed: dict[str, list[tuple[float, int]]] = {p: [] for p in self.NAMES}  # [(seconds, bytes)]
         self.checks: dict[str, list[bool]] = {p: [] for p in self.NAMES}  # pulled bytes equal the exporter's
-        self.errors: dict[str, str | None] = {}  # path -> why it is not tried (again)
+        # path -> why it is not tried (again): a backend that did not start fails its paths
+        self.errors: dict[str, str] = {path: errors[backend] for path, (backend, _) in self.ROUTES.items()
+                                       if backend in errors}
         self.notes: dict[str, str] = {}  # path -> more for its row
         if not kv.is_cuda:
             self.NAMES = {**self.NAMES, "cuda_ipc": "torch.multiprocessing shared memory (CPU stand-in for CUDA IPC)",
-                          "local": "pdserve's local read (the prefill's cache in shared memory)"}
+                          "local_ucx": "pdserve's local read, READ and its answer over UCX (the prefill's cache "
+                                       "in shared memory)",
+                          "tcp": "the tcp backend's socket",
+                          "local": "pdserve's local read, READ and its answer over the tcp backend (the default; "
+                                   "the prefill's cache in shared memory)"}
 
-    def pull(self, path: str, rid: str, handle: dict | None, dst: list[int], num_local: int, digest: str) -> bool:
+    def pull(self, path: str, rid: str, handles: dict, dst: list[int], num_local: int, digest: str) -> bool:
         """One timed, checked pull into `dst`; False (and the path recorded as failed) on an error."""
         from pdserve.kvtransfer.blocks import scatter_blocks
         from pdserve.kvtransfer.protocol import KVHandle
@@ -432,16 +494,16 @@ class _Pulls:
                     raise RuntimeError(f"the prefill process could not share the blocks: {buf}")
                 scatter_blocks(kv, dst, buf)
                 del buf
-            elif path == "local":
-                if handle.get("cache_region") is None:
+            else:
+                backend, is_local = self.ROUTES[path]
+                importer, handle = self.importers[backend], handles[backend]
+                if is_local and handle.get("cache_region") is None:
                     raise RuntimeError("the exporter's handle names no cache to map")
-                local_pulls = self.importer.num_shared_memory_pulls
-                self.importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, num_local, ack=False)
-                if self.importer.num_shared_memory_pulls == local_pulls:
-                    raise RuntimeError("the importer could not map the exporter's cache: the blocks came over UCX")
-            else:  # the blocks through UCX's messages: a handle without the cache's region
-                self.importer.pull(KVHandle.from_dict({**handle, "cache_region": None}), dst, PULL_TIMEOUT_S, None,
-                                   num_local, ack=False)
+                local_pulls = importer.num_shared_memory_pulls
+                importer.pull(KVHandle.from_dict(handle if is_local else {**handle, "cache_region": None}), dst,
+                              PULL_TIMEOUT_S, None, num_local, ack=False)
+                if is_local and importer.num_shared_memory_pulls == local_pulls:
+                    raise RuntimeError("the importer could not map the exporter's cache: the blocks came by wire")
             _sync(kv)
         except Exception as e:  # noqa: BLE001 - the other paths still run
             self.log(f"pd: {path} pull of {rid} failed: {e!r}")

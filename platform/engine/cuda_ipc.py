@@ -1,15 +1,15 @@
 """A GPU KV cache another process on this host can map (CUDA IPC): the GPU's counterpart of
 `shared_memory.py`. A decode process on the prefill process's GPU then copies a prefill's blocks
 straight out of the prefill's cache, one kernel from cache to cache, instead of receiving them
-through UCX's messages (measured on an H100: a 128 MiB pull of 64 messages took 4.4 ms over UCX's
-cuda_ipc transport, where the copy itself takes ~0.1 ms).
+over the network backend (measured on an H100: a 128 MiB pull of 64 messages took 4.4 ms over
+UCX's cuda_ipc transport, where the copy itself takes ~0.1 ms).
 
 `share(kv)` describes the allocation holding a cache (`CudaRegion`: host, pid, the device's UUID,
 the IPC handle torch's allocator gives for it and torch's reference counter for the consumers);
 `open_region(region)` maps it in another process, or returns None where that cannot work: another
 host, a device this process does not see (Ray gives each replica its own GPUs), an allocation
 torch cannot share (expandable segments), or no CUDA here. Opening a handle costs a few hundred
-microseconds: importers keep what they opened (`ucx_backend._MAX_SOURCES`).
+microseconds: importers keep what they opened (`base._MAX_SOURCES`).
 
 The handle is what torch's own CUDA tensor sharing sends (`torch.multiprocessing`), as plain
 fields (hex strings and integers): a region is rebuilt from them, never unpickled. torch is
@@ -67,7 +67,7 @@ def share(kv: "torch.Tensor") -> CudaRegion | None:  # noqa: F821
     try:
         device, handle, size, offset, counter, counter_offset, event, sync = kv.untyped_storage()._share_cuda_()
     except RuntimeError as e:  # e.g. expandable segments
-        log.info("the KV cache cannot be shared over CUDA IPC (%s): its pulls go through UCX", e)
+        log.info("the KV cache cannot be shared over CUDA IPC (%s): its pulls go over the network", e)
         return None
     nbytes = kv.numel() * kv.element_size()
     if size < nbytes:
@@ -95,7 +95,7 @@ def open_region(region: CudaRegion, dtype, shape: tuple[int, ...], device) -> "t
             device, bytes.fromhex(region.handle), region.nbytes, region.offset, counter,
             region.ref_counter_offset, bytes.fromhex(region.event), region.event_sync_required)
     except (RuntimeError, ValueError) as e:  # the process is gone, or its GPU is not reachable from here
-        log.info("cannot open the KV cache of process %d over CUDA IPC (%s): its pulls go through UCX",
+        log.info("cannot open the KV cache of process %d over CUDA IPC (%s): its pulls go over the network",
                  region.pid, e)
         return None
     return torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(storage, 0, shape)

@@ -1,9 +1,9 @@
 """benchmarks/gpu_suite.py --dry-run: the GPU suite's code at tiny shapes on the CPU, so that it
 cannot rot between GPU lends (issue #47). Every section runs and reports finite figures; the
 engine and `transformers` hold the same weights; the P/D section's pulls carry the exporter's
-bytes, over UCX (TCP here), pdserve's local read (shared memory here) and the IPC stand-in, and
-its greedy tokens equal the references'; without UCX the P/D section still runs, on the IPC path
-alone."""
+bytes, over UCX (TCP here), the tcp backend, pdserve's local read (shared memory here) under
+either, and the IPC stand-in, and its greedy tokens equal the references'; without UCX the P/D
+section still runs, on the other paths."""
 
 import importlib.util
 import json
@@ -75,24 +75,30 @@ def test_every_section_reports_finite_figures(tmp_path):
     pd = report["sections"]["pd"]["figures"]
     assert pd["ucx"] is True and pd["decoded_from"] == ["local"] and not pd["pull_errors"]
     for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks", "torch.multiprocessing",
-                 "pdserve's local read"):
+                 "pdserve's local read, READ and its answer over UCX", "the tcp backend's socket",
+                 "pdserve's local read, READ and its answer over the tcp backend"):
         assert _row(report, "pd", f"KV pull over {path}")["value"] > 0
-    assert set(pd["checksums_equal"]) == {"ucx", "ucx_scattered", "cuda_ipc", "local"}
+    assert set(pd["checksums_equal"]) == {"ucx", "ucx_scattered", "cuda_ipc", "local_ucx", "tcp", "local"}
     assert all(pd["prefill_kv_equal_across_processes"])
+    assert all(pd["kv_intact_before_decode"]) and all(pd["kv_intact_after_decode"])
+    assert pd["first_differences"] == []
     assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
     assert _row(report, "pd", "greedy tokens, disaggregated = the same engine")["value"] == 1.0
     assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0  # fp32 on a CPU
 
 
-def test_pd_without_ucx_pulls_over_ipc(tmp_path):
+def test_pd_without_ucx_pulls_over_the_other_paths(tmp_path):
     report = _run(tmp_path, "--sections", "pd", UCX_TLS="no-such-transport")
     pd = report["sections"]["pd"]
     assert pd["status"] == "ok"
     assert pd["figures"]["ucx"] is False and "UCX check" in pd["figures"]["ucx_error"]
-    assert pd["figures"]["decoded_from"] == ["cuda_ipc"]
-    for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks", "pdserve's local read"):
+    assert pd["figures"]["decoded_from"] == ["local"]  # the default backend needs no UCX
+    for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks",
+                 "pdserve's local read, READ and its answer over UCX"):
         row = _row(report, "pd", f"KV pull over {path}")  # shown as failed, with the reason
         assert row["value"] == 0 and row["note"].startswith("FAILED: the UCX check")
-    assert _row(report, "pd", "KV pull over torch.multiprocessing")["value"] > 0
+    for path in ("torch.multiprocessing", "the tcp backend's socket",
+                 "pdserve's local read, READ and its answer over the tcp backend"):
+        assert _row(report, "pd", f"KV pull over {path}")["value"] > 0
     assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
     assert _row(report, "pd", "greedy tokens, disaggregated = the same engine")["value"] == 1.0

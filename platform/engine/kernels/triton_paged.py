@@ -368,4 +368,5 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], heads: tuple[int, int], k
                 dst_ids: list[int]) -> None:
     """Blocks `src_ids` of another cache `src` (heads `heads` of it) into blocks `dst_ids` of `kv`, in
     one pass: no staging buffer. Asynchronous on the current stream."""
-    _copy_blocks(src, _ids(src_ids, kv.device), heads, kv, _ids(dst_ids, kv.device), 0)
+    ids = _ids([*src_ids, *dst_ids], kv.device)  # one host-to-device copy: it waits for the host, on a pull's path
+    _copy_blocks(src, ids[:len(src_ids)], heads, kv, ids[len(src_ids):], 0)
