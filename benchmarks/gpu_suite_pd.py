@@ -256,30 +256,31 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
         (results,) = _reply(replies, child, "prefilled", START_TIMEOUT_S)
         # Disaggregated first, while the decode engine's pool is fresh: each prompt's blocks are
         # one run there, as on the prefill side, so UCX receives in place (the common case); the
-        # scattered case (staging) follows at the end. Each prompt is pulled by every path, the
-        # default's local read last: the decode runs on its bytes (on the last path that succeeded).
+        # scattered case (staging) follows at the end. Each prompt is pulled by every path; the
+        # default's local read then pulls them all in a phase of its own (no other backend's pull
+        # just before, as where only the default runs), and the decode runs on its bytes.
         disaggregated, decoded_from, placed = {}, set(), []
         for (rid, first, handles, digest), prompt in zip(results, prompts):
             num_local, dst = engine.add_prefilled_request(rid, prompt, params, first)
             if not dst:
                 raise RuntimeError(f"the decode engine has no free blocks for {rid}")
-            holder, good = None, []  # whose bytes `dst` holds; the paths that succeeded
-            for path in _Pulls.ORDER:
-                if path in pulls.errors or path == "ucx_scattered":
-                    continue
-                holder = path if pulls.pull(path, rid, handles, dst, num_local, digest) else None
-                good += [holder] if holder else []
-            if not good:
-                raise RuntimeError(f"no pull of {rid} succeeded: {pulls.errors}")
-            if holder is None:  # the last one tried failed after zeroing `dst`: the last good one again
+            good = [path for path in _Pulls.ORDER[:-1] if path != "ucx_scattered"
+                    and pulls.pull(path, rid, handles, dst, num_local, digest)]  # the paths that succeeded
+            placed.append((rid, first, handles, digest, num_local, dst, good))
+        for rid, first, handles, digest, num_local, dst, good in placed:
+            holder = "local" if pulls.pull("local", rid, handles, dst, num_local, digest) else None
+            if holder is None and good:  # it failed after zeroing `dst`: the last good path again
                 holder = good[-1] if pulls.pull(good[-1], rid, handles, dst, num_local, digest) else None
+            if holder is None:
+                raise RuntimeError(f"no pull of {rid} succeeded: {pulls.errors}")
             decoded_from.add(holder)
-            full = dst[:len(prompt) // kv.shape[3]]  # the blocks the prompt fills: the decode writes past them
-            placed.append((dst, digest, full, _digest(kv, full)))
             if rid != results[-1][0]:  # the last leases stay, for the scattered pull and the timings
                 pulls.release(rid)
             engine.start_prefilled_request(rid)
             disaggregated[rid] = list(first.new_token_ids)
+        placed = [(dst, digest, dst[:len(prompt) // kv.shape[3]]) for (_, _, _, digest, _, dst, _), prompt
+                  in zip(placed, prompts)]  # the blocks each prompt fills: the decode writes past them
+        placed = [(dst, digest, full, _digest(kv, full)) for dst, digest, full in placed]
         # Each prompt's blocks hold the exporter's bytes before the decode (no later pull wrote
         # them), and the blocks the prompt fills hold the same after it (the decode writes past them).
         intact_before = [_digest(kv, dst) == digest for dst, digest, _, _ in placed]
@@ -303,6 +304,11 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
 
         rid, first, handles, digest = results[-1]
         _time_local_parts(rep, engine, pulls, handles.get("tcp"), len(first.kv_block_ids), log)
+        if kv.is_cuda:
+            try:
+                _time_run_copies(rep, kv, len(first.kv_block_ids), pulls.block_bytes, log)
+            except Exception as e:  # noqa: BLE001 - candidates, not figures the others need
+                log(f"pd: timing the copy candidates failed: {e!r}")
         if "ucx_scattered" not in pulls.errors:
             # Every other block of the (now idle) pool: blocks that are no run, received through a
             # staging buffer and scattered, as a decode replica's blocks are once it has run a while.
@@ -411,6 +417,75 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
         pool.free(taken)
 
 
+def _cudart():
+    """The CUDA runtime library torch loaded (its cudaMemcpy2DAsync is not in torch's API)."""
+    import ctypes
+    import glob
+
+    for path in ["libcudart.so"] + sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia",
+                                                                 "*", "lib", "libcudart.so*"))):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise OSError("no libcudart found")
+
+
+def _time_run_copies(rep, kv: torch.Tensor, n: int, block_bytes: int, log) -> None:
+    """Candidates for the copy when the source and destination blocks are each one run (a fresh
+    pool's common case), against the kernel above, on the device's clock: every slab's run as one
+    2D copy (`cudaMemcpy2DAsync`: rows = slabs, a row = the run's bytes), and torch's copy of the
+    two strided views (as int64, for wide loads). Blocks 0..n-1 into n..2n-1 of this idle engine."""
+    import ctypes
+
+    def timed(copy) -> float:
+        copy()
+        _sync(kv)
+        times = []
+        for _ in range(8):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy()
+            end.record()
+            _sync(kv)
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    es, slabs = kv.element_size(), kv.shape[0] * kv.shape[1]
+    assert kv.is_contiguous()
+    nbytes, copy_bw = 2 * n * block_bytes, rep.limits.get("copy_bytes_per_s", 0) / 1e9  # read + written
+    row_bytes, pitch = kv.stride(2) * es, kv.stride(1) * es  # a block's bytes in one slab; a slab's
+    try:
+        cudart = _cudart()
+        cudart.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+        def memcpy2d():
+            err = cudart.cudaMemcpy2DAsync(kv.data_ptr() + n * row_bytes, pitch, kv.data_ptr(), pitch,
+                                           n * row_bytes, slabs, 3, torch.cuda.current_stream().cuda_stream)
+            if err:
+                raise RuntimeError(f"cudaMemcpy2DAsync: error {err}")
+
+        candidates = {"cudaMemcpy2DAsync, a row per slab": memcpy2d}
+    except OSError as e:
+        log(f"pd: no cudaMemcpy2DAsync ({e!r})")
+        candidates = {}
+    wide = kv.view(torch.int64)  # head_dim * 2 bytes a row: whole int64s
+    candidates["torch copy_ of the strided views (int64)"] = lambda: wide[:, :, n:2 * n].copy_(wide[:, :, :n])
+    for name, copy in candidates.items():
+        try:
+            seconds = timed(copy)
+        except Exception as e:  # noqa: BLE001 - a candidate, not a figure the others need
+            log(f"pd: {name} failed: {e!r}")
+            continue
+        if not torch.equal(kv[:, :, n:2 * n], kv[:, :, :n]):
+            log(f"pd: {name} copied other bytes")
+            continue
+        rep.figures("pd", **{f"run_copy_{name.split(',')[0].split(' ')[0]}_device_s": seconds})
+        rep.row("pd", f"KV blocks as one run, {n} blocks: {name} (CUDA events), bytes read + written",
+                nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None, note=f"median {seconds * 1e6:.0f} us of 8")
+
+
 def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens: int,
                                 results: list) -> tuple[dict[str, list[int]], dict[str, list], list[bool]]:
     """Greedy tokens (and their logprobs) of `prompts` prefilled by `engine` itself (prefill-only,
@@ -429,10 +504,15 @@ def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens:
     for i, (rid, prompt, result) in enumerate(zip(ids, prompts, results)):
         first = firsts[rid]
         same_kv.append(_digest(kv, first.kv_block_ids) == result[3])
-        num_local, dst = engine.add_prefilled_request(f"ref-{i}", prompt, params, first)
-        if dst:
-            scatter_blocks(kv, dst, gather_blocks(kv, first.kv_block_ids[num_local:]))
+        # Out of the cache before its blocks go back: the prefills hold nearly the whole pool.
+        blocks = gather_blocks(kv, first.kv_block_ids)
         engine.release_kv(rid)
+        num_local, dst = engine.add_prefilled_request(f"ref-{i}", prompt, params, first)
+        if dst is None:
+            raise RuntimeError(f"the decode engine has no free blocks for ref-{i}")
+        if dst:
+            scatter_blocks(kv, dst, blocks[:, :, num_local:])
+        del blocks
         engine.start_prefilled_request(f"ref-{i}")
         tokens[f"ref-{i}"] = list(first.new_token_ids)
     logprobs: dict[str, list] = {}

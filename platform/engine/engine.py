@@ -212,8 +212,13 @@ class LLMEngine:
 
     def start_prefilled_request(self, request_id: str, recompute: bool = False) -> None:
         """The blocks from `add_prefilled_request` hold the prompt's KV: decode from the next step.
-        With `recompute` (the pull failed) the request instead queues to prefill here, like a
-        preempted one; nothing the client saw changes."""
+        With `recompute` (the pull failed, or there were no free blocks) the request instead queues
+        to prefill here, like a preempted one; nothing the client saw changes. Without blocks and
+        without `recompute` it raises ValueError and stays to be started or aborted: decoding on no
+        KV would read whatever its block table's slots held before (the GPU suite's reference did)."""
+        if not recompute and request_id not in self.kv_manager.block_tables:
+            raise ValueError(f"request {request_id!r} holds no blocks (add_prefilled_request found no room): "
+                             "start it with recompute=True, or abort it")
         req = self._prefilled.pop(request_id)
         if recompute:
             self.kv_manager.free(request_id)

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -89,3 +91,31 @@ def test_no_block_leak_after_500_mixed_requests(tiny_llama):
     assert finished + aborted == 500
     assert aborted > 20 and engine.scheduler.num_preemptions > 0
     _assert_pool_empty(engine)
+
+
+def test_a_prefilled_request_without_room_decodes_only_after_recomputing(tiny_llama):
+    """add_prefilled_request finds no free blocks: starting it as if its KV had been pulled is
+    refused (it would decode on whatever its table's slots held), and with recompute it prefills
+    here and gives the tokens a colocated run gives."""
+    prompt = list(range(5, 5 + 64))  # 4 blocks
+    [expected] = LLM(tiny_llama).generate([prompt], GREEDY)
+    prefill = LLM(tiny_llama).engine
+    prefill.add_request("x", prompt, GREEDY, prefill_only=True)
+    first = None
+    while first is None:
+        first = next(iter(prefill.step()), None)
+    prefill.release_kv("x")
+
+    decode = LLM(tiny_llama, num_kv_blocks=8).engine
+    hog = decode.block_pool.allocate(6)  # 2 free blocks: the prompt needs 4
+    assert decode.add_prefilled_request("x", prompt, GREEDY, first) == (0, None)
+    with pytest.raises(ValueError, match="recompute"):
+        decode.start_prefilled_request("x")
+    decode.block_pool.free(hog)
+    decode.start_prefilled_request("x", recompute=True)
+    tokens = list(first.new_token_ids)
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens += out.new_token_ids
+    assert tokens == expected.token_ids
+    assert decode.block_pool.num_free_blocks == 8
