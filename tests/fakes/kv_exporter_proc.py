@@ -166,7 +166,8 @@ def _stalled_pull(req: dict, num_blocks: int) -> tuple[dict, list[int]]:
 def stall(replies, num_blocks: int, num_chunks_sent: int, late_s: float | None = None, backend: str = "tcp") -> None:
     """Answer every READ with a DATA frame for `num_blocks` blocks and `num_chunks_sent` chunks
     of zeros, then keep the connection open and send nothing more; with `late_s`, send the rest
-    (bytes of 0x7f) that much later, past an importer's deadline."""
+    (bytes of 0x7f) that much later, past an importer's deadline, then put ("late", whether the
+    importer took them) on `replies`."""
     if backend == "tcp":
         return _stall_tcp(replies, num_blocks, num_chunks_sent, late_s)
     os.environ.setdefault("UCX_TLS", "tcp")
@@ -190,8 +191,9 @@ def stall(replies, num_blocks: int, num_chunks_sent: int, late_s: float | None =
                 try:
                     for nbytes in chunks[num_chunks_sent:]:
                         await ep.send(np.full(nbytes, 0x7F, dtype=np.uint8))
+                    replies.put(("late", True))
                 except Exception:  # noqa: BLE001 - the importer aborted: what it must have done
-                    pass
+                    replies.put(("late", False))
             await asyncio.sleep(3600)
 
         listener = ucxx.create_listener(handler, port=0)
@@ -221,8 +223,9 @@ def _stall_tcp(replies, num_blocks: int, num_chunks_sent: int, late_s: float | N
             try:
                 for nbytes in chunks[num_chunks_sent:]:
                     conn.sendall(b"\x7f" * nbytes)
+                replies.put(("late", True))
             except OSError:  # the importer closed the connection: what it must have done
-                pass
+                replies.put(("late", False))
         time.sleep(3600)
 
     listener = socket.create_server(("127.0.0.1", 0))
