@@ -1,7 +1,7 @@
 """Each family added in #44, from a checkpoint `transformers` wrote, served on Ray Serve
 disaggregated (every prompt prefilled on the prefill pool, its KV pulled over the transfer backend,
-tcp by default) and colocated: greedy tokens equal the offline engine's, and a second turn reuses
-the first turn's prefix on both pools (only the new blocks are pulled)."""
+tcp by default; one family's over ucx) and colocated: greedy tokens equal the offline engine's, and
+a second turn reuses the first turn's prefix on both pools (only the new blocks are pulled)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ ENGINE = {"num_threads": 1, "num_kv_blocks": 96, "block_size": BLOCK, "max_model
           "max_num_batched_tokens": 128}
 PROMPTS = [[5, 17, 99, 3, 44, 7, 8, 9], list(range(20, 120)), [300, 301, 7]]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# The app-level run of the ucx backend: a Ray Serve replica's UCX exporter and importer built from
+# the config, its blocks over UCX's connection (no shared memory), a second turn's partial pull.
+# Every other family's go over tcp (and test_multinode.py's between raylets).
+TRANSFER = {"qwen3": {"backend": "ucx", "shared_memory": False}}
 
 
 def _greedy(app: str, pool: str, prompt: list[int], tag: str) -> list[int]:
@@ -48,7 +52,8 @@ def family_apps(request, ray_session, checkpoints, tmp_path_factory):
     pool = {"ray_actor_options": {"num_cpus": 0.2}}
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
     apps = {f"{family}-pd": ServeConfig(name=f"{family}-pd", model=model, engine=ENGINE, slo=REMOTE_PREFILL_SLO,
-                                        transfer={"host": "127.0.0.1"}, prefill=pool, decode=pool),
+                                        transfer={"host": "127.0.0.1", **TRANSFER.get(family, {})}, prefill=pool,
+                                        decode=pool),
             f"{family}-colo": ServeConfig(name=f"{family}-colo", model=model, mode="colocated", engine=ENGINE,
                                           decode=pool)}
     for name, cfg in apps.items():
@@ -66,6 +71,8 @@ def test_served_greedy_equals_the_offline_engine(family_apps):
         assert _greedy(f"{family}-colo", "Unified", prompt, f"a{i}") == offline[i], i
     stats = _stats(f"{family}-pd", "Decode")
     assert stats["num_remote_prefills"] == len(PROMPTS) and stats["num_failed_pulls"] == 0, stats
+    if TRANSFER.get(family, {}).get("shared_memory") is False:
+        assert stats["num_shared_memory_pulls"] == 0 and stats["num_pulled_blocks"] > 0, stats
 
 
 def test_a_second_turn_pulls_only_its_new_blocks(family_apps):
