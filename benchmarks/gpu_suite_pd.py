@@ -434,8 +434,10 @@ def _cudart():
 def _time_run_copies(rep, kv: torch.Tensor, n: int, block_bytes: int, log) -> None:
     """Candidates for the copy when the source and destination blocks are each one run (a fresh
     pool's common case), against the kernel above, on the device's clock: every slab's run as one
-    2D copy (`cudaMemcpy2DAsync`: rows = slabs, a row = the run's bytes), and torch's copy of the
-    two strided views (as int64, for wide loads). Blocks 0..n-1 into n..2n-1 of this idle engine."""
+    2D copy (`cudaMemcpy2DAsync`: rows = slabs, a row = the run's bytes), torch's copy of the two
+    strided views (as int64, for wide loads), the same per run when the blocks are 8 or 64 runs,
+    and the kernel at other chunk sizes and warp counts. Blocks 0..n-1 into blocks from n on of
+    this idle engine (its pool is larger than 3n blocks)."""
     import ctypes
 
     def timed(copy) -> float:
@@ -472,17 +474,37 @@ def _time_run_copies(rep, kv: torch.Tensor, n: int, block_bytes: int, log) -> No
         candidates = {}
     wide = kv.view(torch.int64)  # head_dim * 2 bytes a row: whole int64s
     candidates["torch copy_ of the strided views (int64)"] = lambda: wide[:, :, n:2 * n].copy_(wide[:, :, :n])
+    # The blocks in r runs with gaps between them on the destination, a torch copy per run (launches
+    # against bandwidth: where would a per-run copy lose to the one-launch kernel?).
+    for runs in (8, 64):
+        size = n // runs
+
+        def per_run(size=size, runs=runs):
+            for k in range(runs):
+                d = n + 2 * k * size
+                wide[:, :, d:d + size].copy_(wide[:, :, k * size:(k + 1) * size])
+        candidates[f"torch copy_ per run, {runs} runs of {size} blocks"] = per_run
+    # The kernel itself at other chunk sizes and warp counts (one run: the same bytes as above).
+    from pdserve.engine.kernels import triton_paged as tp
+
+    ids = torch.arange(2 * n, device=kv.device)
+    for chunk, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (16384, 16)):
+        def kernel(chunk=chunk, warps=warps):
+            tp._kernels().copy_blocks[(slabs, n)](
+                kv, kv, ids[:n], ids[n:], 0, 0, *kv.stride()[1:5], *kv.stride()[1:5], HEADS=kv.shape[4],
+                BLOCK_SIZE=kv.shape[3], HEAD_DIM=kv.shape[5], CHUNK=chunk, DENSE=True, num_warps=warps)
+        candidates[f"pdserve's kernel, CHUNK {chunk}, {warps} warps"] = kernel
     for name, copy in candidates.items():
         try:
             seconds = timed(copy)
         except Exception as e:  # noqa: BLE001 - a candidate, not a figure the others need
             log(f"pd: {name} failed: {e!r}")
             continue
-        if not torch.equal(kv[:, :, n:2 * n], kv[:, :, :n]):
+        if "per run" not in name and not torch.equal(kv[:, :, n:2 * n], kv[:, :, :n]):
             log(f"pd: {name} copied other bytes")
             continue
-        rep.figures("pd", **{f"run_copy_{name.split(',')[0].split(' ')[0]}_device_s": seconds})
-        rep.row("pd", f"KV blocks as one run, {n} blocks: {name} (CUDA events), bytes read + written",
+        rep.figures("pd", **{f"copy_candidate_s[{name}]": seconds})
+        rep.row("pd", f"KV copy of {n} blocks: {name} (CUDA events), bytes read + written",
                 nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None, note=f"median {seconds * 1e6:.0f} us of 8")
 
 
