@@ -101,6 +101,22 @@ def test_decode_masks_any_heads_and_widths(heads, rank, rope):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3's own widths compiled for a GPU "
+                    "(its registers and shared memory); the interpreter runs the same code at the widths above")
+def test_decode_at_deepseek_v3_widths():
+    """128 heads over a latent of 512 + 64, a bf16 cache, lengths across blocks and partitions."""
+    heads, rank, rope, lens = 128, 512, 64, [1, 100, 300]
+    cache = garbage_cache(torch.bfloat16, rank=rank, rope=rope)
+    tables = tables_for(lens)
+    fill_sequences(cache, tables, lens, rank, rope)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    q_lat, q_rope = torch.randn(3, heads, rank, device=DEVICE), torch.randn(3, heads, rope, device=DEVICE)
+    expected = ref.latent_decode_attention(q_lat, q_rope, cache, tables, seq_lens, 0.05)
+    for partition_blocks in (None, 2):
+        got = tk.latent_decode_attention(q_lat, q_rope, cache, tables, seq_lens, 0.05, partition_blocks)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_slots_past_the_lengths_are_never_read():
     """NaN everywhere the sequences do not hold: the kernel's output is the one over zeros there
     (the torch path would give NaN: it multiplies, then masks)."""
