@@ -56,8 +56,8 @@ def family_apps(request, ray_session, checkpoints, tmp_path_factory):
                                         decode=pool),
             f"{family}-colo": ServeConfig(name=f"{family}-colo", model=model, mode="colocated", engine=ENGINE,
                                           decode=pool)}
-    for name, cfg in apps.items():
-        serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+    # Both apps at once: their replicas start side by side (most of a start is waiting on Serve).
+    serve.run_many([serve.RunTarget(build(cfg), name=name, route_prefix=f"/{name}") for name, cfg in apps.items()])
     yield family, model
     for name in apps:
         serve.delete(name)
