@@ -21,8 +21,9 @@ and pulls into them by each path, each pull timed and its bytes checked against 
   what a decode replica on another host, or with `transfer.shared_memory: false`, pulls by);
 - pdserve's local read, as a decode replica on the prefill replica's GPU (or host) pulls: the
   importer maps the exporter's cache (CUDA IPC; shared memory on a CPU) and copies the blocks
-  with one kernel while the backend carries only the READ and its answer: over UCX, then over the
-  tcp backend (the default, last: the decode runs on its bytes).
+  with one kernel, the READ and its answer over UCX; then with the tcp backend (the default,
+  last: the decode runs on its bytes), which checks the lease on the exporter's lease board in
+  shared memory instead and sends only the ack.
 A path that fails is recorded (and shown as a failed row) and the others go on. The decode engine
 then decodes the prompts together (each prompt's blocks checked again before and after: nothing
 else writes them). Two references follow, in the same engine: the prompts prefilled there and
@@ -552,8 +553,9 @@ class _Pulls:
              "local_ucx": "pdserve's local read, READ and its answer over UCX (the prefill's cache mapped over "
                           "CUDA IPC, one copy kernel)",
              "tcp": "the tcp backend's socket (the blocks through host memory)",
-             "local": "pdserve's local read, READ and its answer over the tcp backend (the default; the "
-                      "prefill's cache mapped over CUDA IPC, one copy kernel)"}
+             "local": "pdserve's local read with the tcp backend (the default: the lease checked on the "
+                      "exporter's board in shared memory, no message but the ack; the prefill's cache mapped "
+                      "over CUDA IPC, one copy kernel)"}
     ORDER = tuple(NAMES)  # the order a prompt's pulls run in: the default's local read last
     # path -> (the importer's backend, whether the handle keeps the cache's region: a local read)
     ROUTES = {"ucx": ("ucx", False), "ucx_scattered": ("ucx", False), "local_ucx": ("ucx", True),
@@ -574,8 +576,9 @@ class _Pulls:
                           "local_ucx": "pdserve's local read, READ and its answer over UCX (the prefill's cache "
                                        "in shared memory)",
                           "tcp": "the tcp backend's socket",
-                          "local": "pdserve's local read, READ and its answer over the tcp backend (the default; "
-                                   "the prefill's cache in shared memory)"}
+                          "local": "pdserve's local read with the tcp backend (the default: the lease checked "
+                                   "on the exporter's board, no message but the ack; the prefill's cache in shared "
+                                   "memory)"}
 
     def pull(self, path: str, rid: str, handles: dict, dst: list[int], num_local: int, digest: str) -> bool:
         """One timed, checked pull into `dst`; False (and the path recorded as failed) on an error."""
@@ -643,6 +646,8 @@ class _Pulls:
                          f"{timed[0][1] / 2**20:.3g} MiB, median {statistics.median(s for s, _ in timed) * 1e3:.2f} ms, "
                          f"first {timed[0][0] * 1e3:.2f} ms" + (f"; {self.notes[path]}" if path in self.notes else ""))
         checked = [c for cs in self.checks.values() for c in cs]
+        if "tcp" in self.importers:  # the default's local reads the exporter's lease board vouched for
+            rep.figures("pd", tcp_board_reads=self.importers["tcp"].num_board_reads)
         rep.figures("pd", checksums_equal={p: c for p, c in self.checks.items() if c}, pull_errors=self.errors,
                     decoded_from=sorted(str(p) for p in decoded_from), prefill_kv_equal_across_processes=same_kv)
         rep.row("pd", "pulled KV bytes equal the exporter's (SHA-256), all pulls", sum(checked) / len(checked),

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer import protocol as p
-from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, cache_bits, gather_blocks,
-                                       scatter_blocks, slab_view)
+from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, cache_bits, copy_blocks,
+                                       gather_blocks, scatter_blocks, slab_view)
+from pdserve.kvtransfer.lease_board import BoardView, LeaseBoard, token_digest
 from pdserve.engine import cuda_ipc
 from pdserve.engine.cuda_ipc import CudaRegion
 from pdserve.engine.shared_memory import SharedRegion, locate, map_region
@@ -67,8 +68,10 @@ class KVExporter:
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> p.KVHandle:
         """Pin a finished prefill's blocks under a lease and describe them for the importer."""
         lease = self.leases.add(request_id, block_ids)
+        slot, generation = lease.board_slot or (-1, 0)
         return p.KVHandle(self.exporter_id, self.address, request_id, tuple(block_ids), num_tokens, self.layout,
-                          lease.token, self.cache_region)
+                          lease.token, self.cache_region, self.leases.board.region if lease.board_slot else None,
+                          slot, generation)
 
     def open_read(self, request_id: str, token: str, importer: p.KVLayout, first_block: int = 0) -> "BlockRead":
         """A read of the leased blocks from `first_block` on (the importer caches the ones before),
@@ -120,6 +123,8 @@ class NetworkExporter(KVExporter):
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
         if shared_memory:  # its shared-memory region, or its CUDA IPC handle (None: in neither)
             self.cache_region = cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
+        if self.cache_region is not None:  # importers that can copy out of it ask the board, not us
+            self.leases.board = LeaseBoard()
         self.max_connections = max_connections
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0
@@ -130,16 +135,16 @@ class NetworkExporter(KVExporter):
         return f"{self.host}:{self.port}"
 
     def open_wire_read(self, kind: int, req: dict, budget_s: float
-                       ) -> tuple[str, str, "BlockRead", float, bool] | None:
-        """What a connection's frame asks: None for an ACK (an importer dropping a lease it will
-        not read: released here), else the READ's (request id, token, the read, how long its sends
-        may take, whether the importer copies the blocks out of this host's cache itself); a
-        ProtocolError for any other frame. The importer's deadline is held to `budget_s` or the
-        lease's length: no READ pins blocks longer than a lease would anyway."""
+                       ) -> tuple[str, str, "BlockRead", float, bool] | bool:
+        """What a connection's frame asks: for an ACK (an importer dropping a lease it will not
+        read, or one it read by the lease board), whether it released a lease here; else the READ's
+        (request id, token, the read, how long its sends may take, whether the importer copies the
+        blocks out of this host's cache itself); a ProtocolError for any other frame. The
+        importer's deadline is held to `budget_s` or the lease's length: no READ pins blocks
+        longer than a lease would anyway."""
         rid, token = p.lease_ref(req)
         if kind == p.ACK:
-            self.ack(rid, token)
-            return None
+            return self.ack(rid, token)
         if kind != p.READ:
             raise p.ProtocolError(f"expected a READ frame, got kind {kind}")
         try:
@@ -204,12 +209,14 @@ class BlockRead:
 
 class KVImporter(ABC):
     num_shared_memory_pulls = 0  # pulls copied out of the exporter's cache on this host (no bytes on the wire)
+    num_board_reads = 0  # of those, the ones whose lease the exporter's board vouched for (no message at all)
 
     def __init__(self, kv: torch.Tensor, layout: p.KVLayout):
         self.kv, self.layout = kv, layout
         self.buffers = BufferPool()
-        # Exporters' caches mapped from shared memory (None: not mappable from here).
+        # Exporters' caches mapped from shared memory (None: not mappable from here), and their lease boards.
         self._sources: OrderedDict[SharedRegion | CudaRegion, np.ndarray | torch.Tensor | None] = OrderedDict()
+        self._boards: OrderedDict[SharedRegion, BoardView] = OrderedDict()
 
     def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
              on_failure: Callable[[list[int]], None] | None = None, first_block: int = 0, ack: bool = True) -> None:
@@ -271,8 +278,43 @@ class KVImporter(ABC):
         return source
 
     def forget_cache(self, handle: p.KVHandle) -> None:
-        """Unmap the exporter's cache (it may be gone)."""
+        """Unmap the exporter's cache and board (it may be gone)."""
         self._sources.pop(handle.cache_region, None)
+        self._boards.pop(handle.lease_board, None)
+
+    def mapped_board(self, handle: p.KVHandle) -> BoardView | None:
+        """The exporter's lease board, when the handle names one this process can map. Call from
+        one thread at a time."""
+        region = handle.lease_board
+        if region is None or handle.lease_slot < 0:
+            return None
+        if region not in self._boards:
+            self._boards[region] = BoardView(region)
+            while len(self._boards) > _MAX_SOURCES:
+                self._boards.popitem(last=False)
+        self._boards.move_to_end(region)
+        board = self._boards[region]
+        return board if board.words is not None else None
+
+    def read_on_board(self, board: BoardView, source: np.ndarray | torch.Tensor, handle: p.KVHandle, dst: list[int],
+                      heads: tuple[int, int], first_block: int, in_time: Callable[[], object]) -> bool:
+        """The blocks copied out of the exporter's mapped cache `source` with no message at all, when
+        its lease board says the lease was live from before the copy to after it (lease_board.py).
+        False when it does not (the lease ended, or was never on the board): `dst` then holds
+        anything, and the backend's READ decides (and says why). `in_time()` raises once the
+        caller's deadline has passed: called after the copy, which is then void."""
+        lease = (handle.lease_slot, handle.lease_generation, token_digest(handle.lease_token))
+        if not board.is_live(*lease) or not board.exporter_alive():
+            return False
+        copy_blocks(source, list(handle.block_ids[first_block:]), heads, self.kv, dst)
+        if self.kv.is_cuda:
+            self.finish_copy()
+        if not board.is_live(*lease):  # ended during the copy: the blocks may have been reused
+            return False
+        in_time()
+        self.num_shared_memory_pulls += 1
+        self.num_board_reads += 1
+        return True
 
     def finish_copy(self) -> None:
         """Wait for a `copy_blocks` out of a mapped GPU cache."""

@@ -186,6 +186,7 @@ class Lease:
     token: str  # 128 random bits: what lets an importer read or release it (the request id does not)
     num_readers: int = 0  # reads in flight (`hold`): the blocks stay pinned until they end
     is_dropped: bool = False  # acked or expired; unpinned once num_readers is 0
+    board_slot: tuple[int, int] | None = None  # (slot, generation) on the exporter's lease board
 
 
 class LeaseTable:
@@ -201,8 +202,9 @@ class LeaseTable:
     """
 
     def __init__(self, pin: Callable[[list[int]], None], unpin: Callable[[list[int]], None],
-                 lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self._pin, self._unpin, self.lease_s, self._clock = pin, unpin, lease_s, clock
+                 lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic, board=None):
+        # board: a `LeaseBoard` where the live leases are published for same-host importers
+        self._pin, self._unpin, self.lease_s, self._clock, self.board = pin, unpin, lease_s, clock, board
         self._leases: dict[str, Lease] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # recent ones' tokens: "expired", not "unknown"
         self.num_expired = 0  # leases released by expiry since the start (a metric)
@@ -216,6 +218,8 @@ class LeaseTable:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             self._pin(block_ids)
             lease = Lease(list(block_ids), self._clock() + self.lease_s, secrets.token_hex(16))
+            if self.board is not None:
+                lease.board_slot = self.board.publish(lease.token)
             self._leases[request_id] = lease
             return lease
 
@@ -275,6 +279,8 @@ class LeaseTable:
 
     def _drop(self, lease: Lease) -> None:
         lease.is_dropped = True
+        if lease.board_slot is not None:  # before the blocks can go back: a board reader sees it end first
+            self.board.end(*lease.board_slot)
         if lease.num_readers == 0:
             self._unpin(lease.block_ids)
 

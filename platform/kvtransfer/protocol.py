@@ -118,6 +118,11 @@ class KVHandle:
     lease_token: str  # the lease's capability: READ, ACK and DONE must carry it (never sent but in Ray calls)
     # The exporter's cache, when other processes on its host may map it: shared memory (CPU) or CUDA IPC.
     cache_region: SharedRegion | CudaRegion | None = None
+    # Where this lease is published for importers on that host (lease_board.py): the board, the
+    # lease's slot and generation. None/-1: ask the exporter over the backend.
+    lease_board: SharedRegion | None = None
+    lease_slot: int = -1
+    lease_generation: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -130,8 +135,10 @@ class KVHandle:
             region = d.get("cache_region")
             if region is not None:
                 region = (CudaRegion if "device_uuid" in region else SharedRegion).from_dict(region)
+            board = d.get("lease_board")
             return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]), "layout": KVLayout(**d["layout"]),
-                          "cache_region": region})
+                          "cache_region": region, "lease_board": None if board is None else SharedRegion.from_dict(board),
+                          "lease_slot": int(d.get("lease_slot", -1)), "lease_generation": int(d.get("lease_generation", 0))})
         except (TypeError, KeyError, ValueError) as e:
             raise ProtocolError(f"malformed KV handle: {e}") from e
 

@@ -244,8 +244,11 @@ class TCPExporter(NetworkExporter):
             if isinstance(req, p.ProtocolError):
                 raise req
             opened = self.open_wire_read(kind, req, self.ack_timeout_s)
-            if opened is None:  # an ACK, and nothing follows it
-                return False
+            if isinstance(opened, bool):
+                # An ACK. One that released a lease (after a read the lease board vouched for) may
+                # be followed by the importer's next frame; one that released nothing ends the
+                # connection, as an unknown READ does, so a peer cannot spin this thread on it.
+                return opened
             rid, token, read, send_s, is_local = opened
             deadline = _Deadline(send_s)
             if is_local:
@@ -319,7 +322,13 @@ class TCPImporter(KVImporter):
         deadline = _Deadline(timeout_s)
         with self._lock:
             source = self.mapped_cache(handle)
+            board = self.mapped_board(handle) if source is not None else None
         try:
+            # As a READ's copy, one that ends past the caller's deadline is void (`deadline.left`).
+            if board is not None and self.read_on_board(board, source, handle, dst, heads, first_block, deadline.left):
+                if ack:
+                    self._ack(handle, deadline)
+                return
             conn, is_kept = self._connection(handle.address, deadline)
             try:
                 self._read(conn, is_kept, source, handle, dst, heads, first_block, ack, deadline)
@@ -335,6 +344,23 @@ class TCPImporter(KVImporter):
         except (OSError, EOFError) as e:  # refused, reset, unreachable
             self._forget(handle)
             raise p.ExporterUnreachableError(f"KV pull of {handle.request_id} from {handle.address}: {e!r}") from e
+        self._keep(handle.address, conn)
+
+    def _ack(self, handle: p.KVHandle, deadline: _Deadline) -> None:
+        """Release the lease of a read the board vouched for, waiting for nothing (an ACK has no
+        answer): on a kept connection, kept again after, else a new one. Should it fail, the lease
+        expires as one whose importer died would."""
+        try:
+            conn, _ = self._connection(handle.address, deadline)
+        except (OSError, socket.timeout) as e:
+            log.info("KV ack of %s not sent (%r): its lease expires instead", handle.request_id, e)
+            return
+        try:
+            _send_frame(conn, p.ACK, {"request_id": handle.request_id, "lease_token": handle.lease_token}, deadline)
+        except (OSError, socket.timeout) as e:
+            _abort(conn)
+            log.info("KV ack of %s not sent (%r): its lease expires instead", handle.request_id, e)
+            return
         self._keep(handle.address, conn)
 
     def _release(self, handle: p.KVHandle, timeout_s: float) -> None:

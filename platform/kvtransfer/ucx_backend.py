@@ -239,7 +239,7 @@ class UCXExporter(NetworkExporter):
             if isinstance(req, p.ProtocolError):
                 raise req
             opened = self.open_wire_read(kind, req, self.ack_timeout_s)
-            if opened is None:  # an ACK, and nothing follows it
+            if isinstance(opened, bool):  # an ACK, and nothing follows it
                 return False
             rid, token, read, send_s, is_local = opened
             if is_local:

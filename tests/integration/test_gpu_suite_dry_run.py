@@ -76,12 +76,13 @@ def test_every_section_reports_finite_figures(tmp_path):
     assert pd["ucx"] is True and pd["decoded_from"] == ["local"] and not pd["pull_errors"]
     for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks", "torch.multiprocessing",
                  "pdserve's local read, READ and its answer over UCX", "the tcp backend's socket",
-                 "pdserve's local read, READ and its answer over the tcp backend"):
+                 "pdserve's local read with the tcp backend"):
         assert _row(report, "pd", f"KV pull over {path}")["value"] > 0
     assert set(pd["checksums_equal"]) == {"ucx", "ucx_scattered", "cuda_ipc", "local_ucx", "tcp", "local"}
     assert all(pd["prefill_kv_equal_across_processes"])
     assert all(pd["kv_intact_before_decode"]) and all(pd["kv_intact_after_decode"])
     assert pd["first_differences"] == []
+    assert pd["tcp_board_reads"] >= pd["prompts"]  # the default's local reads asked the board, not the exporter
     assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
     assert _row(report, "pd", "greedy tokens, disaggregated = the same engine")["value"] == 1.0
     assert _row(report, "pd", "greedy tokens, disaggregated = colocated")["value"] == 1.0  # fp32 on a CPU
@@ -98,7 +99,7 @@ def test_pd_without_ucx_pulls_over_the_other_paths(tmp_path):
         row = _row(report, "pd", f"KV pull over {path}")  # shown as failed, with the reason
         assert row["value"] == 0 and row["note"].startswith("FAILED: the UCX check")
     for path in ("torch.multiprocessing", "the tcp backend's socket",
-                 "pdserve's local read, READ and its answer over the tcp backend"):
+                 "pdserve's local read with the tcp backend"):
         assert _row(report, "pd", f"KV pull over {path}")["value"] > 0
     assert _row(report, "pd", "pulled KV bytes equal")["value"] == 1.0
     assert _row(report, "pd", "greedy tokens, disaggregated = the same engine")["value"] == 1.0

@@ -511,19 +511,51 @@ def test_a_region_this_process_cannot_map_goes_over_the_wire(exporter, src, impo
 
 
 @SHARED_MEMORY
+@TCP_ONLY  # the tcp importer reads the board (lease_board.py); ucx's asks over the wire
+def test_a_local_pull_asks_the_lease_board_not_the_exporter(exporter, src, importer):
+    """The exporter publishes its leases on a board in shared memory: the importer checks the
+    lease there before and after its copy and sends nothing but the ACK, which releases the lease."""
+    handle = exporter.export("on-the-board", 100)
+    assert handle.lease_board is not None and handle.lease_slot >= 0 and handle.lease_generation % 2 == 1
+    importer.pull(handle, _dst(7))
+    assert torch.equal(gather_blocks(importer.kv, _dst(7)), gather_blocks(src, list(handle.block_ids)))
+    assert importer.num_board_reads == importer.num_shared_memory_pulls == 1
+    assert _wait_all_free(exporter) == NUM_BLOCKS  # the ACK, sent without waiting, arrived
+    with pytest.raises(p.UnknownRequestError):  # released: the board no longer vouches, the READ says why
+        importer.pull(handle, _dst(7))
+    assert importer.num_board_reads == 1
+
+
+@SHARED_MEMORY
+@TCP_ONLY
+def test_a_lease_the_board_does_not_vouch_for_is_asked_over_the_wire(exporter, src, importer):
+    """Another generation of the slot (a handle older than the slot's lease), or no slot (a full
+    board): the READ decides, with the token, as before the board."""
+    for i, change in enumerate(({"lease_generation": 1 << 40}, {"lease_slot": -1}, {"lease_board": None})):
+        handle = exporter.export(f"off-the-board-{i}", 100)
+        importer.pull(replace(handle, **change), _dst(7))
+        assert torch.equal(gather_blocks(importer.kv, _dst(7)), gather_blocks(src, list(handle.block_ids)))
+    assert importer.num_board_reads == 0 and importer.num_shared_memory_pulls == 3
+    assert _wait_all_free(exporter) == NUM_BLOCKS
+
+
+@SHARED_MEMORY
 def test_a_local_copy_that_ends_past_the_deadline_is_void(exporter, importer, backend, monkeypatch):
     """The exporter holds the blocks only until the importer's deadline: a copy that ends after it
     may hold blocks reused meanwhile, so the pull fails (retryable) and hands its blocks back."""
     import importlib
 
-    module = importlib.import_module(f"pdserve.kvtransfer.{backend}_backend")
-    copy_blocks = module.copy_blocks
+    from pdserve.kvtransfer import base
+
+    copy_blocks = base.copy_blocks
 
     def slow_copy(*args):
         time.sleep(1.2)
         copy_blocks(*args)
 
-    monkeypatch.setattr(module, "copy_blocks", slow_copy)
+    # the copy after a READ (the backend's), or after the lease board vouched for the lease (base's)
+    for module in (importlib.import_module(f"pdserve.kvtransfer.{backend}_backend"), base):
+        monkeypatch.setattr(module, "copy_blocks", slow_copy)
     handle, freed = exporter.export("slow-copy", 100), []
     with pytest.raises(p.ExporterUnreachableError) as e:
         importer.pull(handle, _dst(7), timeout_s=1.0, on_failure=freed.extend)

@@ -189,6 +189,21 @@ def test_a_read_without_the_lease_token_gets_an_error_and_no_block_bytes(victim,
         assert torch.equal(gather_blocks(importer.kv, dst), gather_blocks(victim.src, list(h.block_ids)))
 
 
+def test_an_ack_that_releases_nothing_ends_the_connection(victim):
+    """An ACK is answered by nothing. One that releases a lease (as an importer sends after a read
+    the lease board vouched for) leaves the connection open for the importer's next frame; one
+    that releases nothing closes it at once, so a peer cannot keep the exporter's thread spinning
+    on ACKs."""
+    handle, other = victim.export("acked", 2), victim.export("not-acked", 2)
+    with kv_peer.connect(victim.address) as s:
+        s.sendall(p.encode_frame(p.ACK, {"request_id": handle.request_id, "lease_token": handle.lease_token}))
+        assert not _is_closed(s, 0.5) and len(victim.exporter.leases) == 1  # released; the connection stays
+        s.sendall(p.encode_frame(p.ACK, {"request_id": other.request_id, "lease_token": "0" * 32}))
+        assert _is_closed(s, 5.0)
+    assert len(victim.exporter.leases) == 1  # the wrong token released nothing
+    assert victim.exporter.ack(other.request_id, other.lease_token)
+
+
 def test_a_flood_of_connections_over_the_cap_is_refused_then_pulls_work(importer):
     """`max_connections` held silent (an exporter whose peers may wait long for their first frame):
     every connection over the cap is closed at once, a pull meanwhile fails fast and retryable;
