@@ -10,7 +10,8 @@ dim 64, fp32, block size 16: 32 MiB) and a 64 MiB one (4,096 tokens), each in bl
 run on both sides (sent and received in place), and the 2,048-token KV again in scattered blocks
 on both sides (every other block: gathered and scattered chunk by chunk). Raw ucxx and the socket
 open a connection per transfer and move the same number of bytes; pdserve's pulls keep theirs, as a
-decode replica does (the local pull sends only its READ and ACK over it); the memcpy
+decode replica does (the local pull sends only its READ and ACK over it, or with the tcp backend
+only its ACK: the lease checked on the exporter's lease board, beside the same pull with a READ); the memcpy
 copies the bytes between two buffers of the importer's process. The cost of the lease tokens (#40):
 the same pull from an exporter whose lease table ignores them (`_TokenlessLeases`, here only), with
 handles that carry none. Besides the time, each path's CPU
@@ -98,6 +99,8 @@ def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.
                  "ucx": UCXExporter("bench", kv, KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600, host=host),
                  "local": UCXExporter("bench-shared", shared_zeros(kv.shape, kv.dtype).copy_(kv), KVLayout(**LAYOUT),
                                       pool.incref, pool.free, lease_s=600),
+                 "local_tcp": TCPExporter("bench-shared-tcp", shared_zeros(kv.shape, kv.dtype).copy_(kv),
+                                          KVLayout(**LAYOUT), pool.incref, pool.free, lease_s=600),
                  "ucx_tokenless": UCXExporter("bench-tokenless", kv, KVLayout(**LAYOUT), pool.incref, pool.free,
                                               lease_s=600, host=host)}
     _tokenless_leases(exporters["ucx_tokenless"].leases)
@@ -108,6 +111,10 @@ def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.
                          for path, e in exporters.items()}
         for h in handles[name]["ucx_tokenless"]:
             h["lease_token"] = ""
+        # The same local reads with the lease asked by a READ, as before the lease board
+        handles[name]["local_tcp_read"] = [{**h, "lease_slot": -1} for h in
+                                           (exporters["local_tcp"].export(f"{name}-read-{i}", blocks, tokens).to_dict()
+                                            for i in range(repeats + 2))]
     payload = np.random.bytes(64 << 20)
     buf = np.frombuffer(payload, dtype=np.uint8)
 
@@ -350,13 +357,17 @@ def main() -> None:
                  "raw_ucxx": lambda: raw_ucxx(nbytes), "plain_tcp": lambda: plain_tcp(nbytes)}
         if not lab:
             paths.update({"pdserve_local": lambda: importer.pull(queues["local"].pop(), dst),
+                          "pdserve_local_tcp": lambda: tcp_importer.pull(queues["local_tcp"].pop(), dst),
+                          "pdserve_local_tcp_read": lambda: tcp_importer.pull(queues["local_tcp_read"].pop(), dst),
                           "memcpy": lambda: np.copyto(raw_out[:nbytes], copy_src[:nbytes])})
         timed = _measure(paths, nbytes, args.repeats)
         record[name] = {"bytes": nbytes, **timed}
         for label, key in (("pdserve tcp pull", "pdserve_tcp"), ("pdserve UCX pull", "pdserve_ucx"),
                            ("pdserve UCX pull, no lease tokens", "pdserve_ucx_tokenless"),
                            ("raw ucxx send/recv", "raw_ucxx"),
-                           ("plain TCP socket", "plain_tcp"), ("pdserve local pull", "pdserve_local"),
+                           ("plain TCP socket", "plain_tcp"), ("pdserve local pull (ucx: READ and ACK)", "pdserve_local"),
+                           ("pdserve local pull (tcp: the lease board, then the ACK)", "pdserve_local_tcp"),
+                           ("pdserve local pull (tcp: READ and ACK)", "pdserve_local_tcp_read"),
                            ("memcpy in the importer", "memcpy")):
             if key not in timed:
                 continue
@@ -364,12 +375,15 @@ def main() -> None:
             rows.append(f"| {name} | {label} | {r['gb_s']:.2f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
                         f"| {r['cpu_p50_ms']:.1f} |")
         for ours, base in (("pdserve_tcp", "plain_tcp"), ("pdserve_ucx", "pdserve_ucx_tokenless"), ("pdserve_ucx", "raw_ucxx"),
-                           ("pdserve_ucx", "plain_tcp"), ("pdserve_local", "memcpy")):
+                           ("pdserve_ucx", "plain_tcp"), ("pdserve_local", "memcpy"), ("pdserve_local_tcp", "memcpy"),
+                           ("pdserve_local_tcp", "pdserve_local_tcp_read")):
             if ours not in timed:
                 continue
             rows.append(f"| {name} | {ours} / {base} | {timed[ours]['gb_s'] / timed[base]['gb_s']:.0%} | | | |")
     expected_local = 0 if lab else len(PAYLOADS) * (args.repeats + 1)
     assert importer.num_shared_memory_pulls == expected_local, "a pull took the wrong path"
+    assert tcp_importer.num_shared_memory_pulls == 2 * expected_local, "a pull took the wrong path"
+    assert tcp_importer.num_board_reads == expected_local, "a local pull did not ask the lease board"
     importer.close()
     tcp_importer.close()
     server.kill()
