@@ -332,7 +332,8 @@ class DecodeServer:
                 "num_pulled_bytes": self.num_pulled_blocks * self.block_bytes,
                 "num_failed_pulls": self.num_failed_pulls, "num_open_kv_pulls": self.num_open_kv_pulls,
                 "num_in_flight_requests": self.num_in_flight_requests,
-                "num_shared_memory_pulls": self.importer.num_shared_memory_pulls if self.importer else 0}
+                "num_shared_memory_pulls": self.importer.num_shared_memory_pulls if self.importer else 0,
+                "num_board_reads": self.importer.num_board_reads if self.importer else 0}
 
     def shutdown(self) -> None:
         if self.importer is not None:

@@ -144,8 +144,9 @@ def test_metrics_count_the_traffic_sent(telem):
 
     decode, prefill = replica_stats("Decode"), replica_stats("Prefill")
     assert decode["num_remote_prefills"] == 5 and decode["num_pulled_bytes"] > 0
-    # One host: every pull copied the blocks out of the prefill replica's cache in shared memory.
-    assert decode["num_shared_memory_pulls"] == 5
+    # One host: every pull copied the blocks out of the prefill replica's cache in shared memory,
+    # its lease checked on the prefill replica's lease board (the tcp backend's local read).
+    assert decode["num_shared_memory_pulls"] == decode["num_board_reads"] == 5
     model = {"model": MODEL}
     expected = {  # series -> (labels, value), exact
         "ray_pdserve_requests_total": [({"outcome": "ok"}, 5), ({"outcome": "invalid"}, 2)],
