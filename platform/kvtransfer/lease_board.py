@@ -8,12 +8,14 @@ that only the exporter can write and importers on its host map read-only, one sl
 
     [generation, token digest (16 bytes)]   int64 x 3
 
-Publishing a lease writes the digest of its token, then an odd generation no slot has held; ending
-it (ack, expiry) makes the generation even again before its blocks go back to the pool. An
-importer holding the handle (slot, generation, token) reads the slot before and after its copy: the
-same odd generation both times, and its token's digest, mean the lease was live for the whole copy,
-so the blocks were pinned and the bytes are the prefill's. Anything else (another generation, a
-full board, a board it cannot map) and it asks over the backend as before, which also says why.
+Publishing a lease writes the digest of its token, then an odd generation that slot never held;
+ending it (ack, expiry) makes the generation even again before its blocks go back to the pool
+(the exporter's lock orders that write before any later one). An importer holding the handle
+(slot, generation, token) reads the slot before its copy and again once the copy has completed:
+the same odd generation both times, and its token's digest, mean the lease was live for the whole
+copy, so the blocks were pinned and the bytes are the prefill's. Anything else (another
+generation, a full board, a board it cannot map, an exporter process that no longer holds it) and
+it asks over the backend as before, which also says why.
 
 What a reader of the board learns: which slots are live, and digests from which no token can be
 recovered (a token releases a lease; the board cannot). It sits beside the cache, which the same
