@@ -7,8 +7,9 @@ against one memcpy of the same bytes, between the same two processes, in one run
 
 Payloads: the KV of a 2,048-token prompt of the ~56M benchmark model (8 layers, 4 KV heads, head
 dim 64, fp32, block size 16: 32 MiB) and a 64 MiB one (4,096 tokens), each in blocks that are one
-run on both sides (sent and received in place), and the 2,048-token KV again in scattered blocks
-on both sides (every other block: gathered and scattered chunk by chunk). Raw ucxx and the socket
+run on both sides (sent and received in place), the 2,048-token KV again in scattered blocks
+on both sides (every other block: gathered and scattered chunk by chunk), and one block (256 KiB:
+what a pull costs besides its bytes). Raw ucxx and the socket
 open a connection per transfer and move the same number of bytes; pdserve's pulls keep theirs, as a
 decode replica does (the local pull sends only its READ and ACK over it, or with the tcp backend
 only its ACK: the lease checked on the exporter's lease board, beside the same pull with a READ); the memcpy
@@ -45,7 +46,9 @@ os.environ.setdefault("UCX_TLS", "tcp")
 
 LAYOUT = dict(model_id="bench-llama-56m", num_layers=8, block_size=16, num_kv_heads=4, head_dim=64, dtype="float32")
 # payload -> (tokens, block stride: 1 = one run of blocks, 2 = every other block on both sides)
-PAYLOADS = {"2048-token KV (32 MiB)": (2048, 1), "64 MiB": (4096, 1), "2048-token KV, scattered blocks": (2048, 2)}
+# One block too: what a pull costs besides its bytes (the round trips, the lease check).
+PAYLOADS = {"2048-token KV (32 MiB)": (2048, 1), "64 MiB": (4096, 1), "2048-token KV, scattered blocks": (2048, 2),
+            "one block (16 tokens, 256 KiB)": (16, 1)}
 NUM_BLOCKS = 4096 // 16 + 8  # also holds 2,048 tokens at every other block
 
 
