@@ -43,10 +43,11 @@ def tp_apps(ray_session, tiny_llama):
 
     pool = {"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0}
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
-    for name, tp in (("tp1", 1), ("tp2", 2)):
-        cfg = ServeConfig(name=name, model=tiny_llama, mode="colocated", engine=ENGINE,
-                          decode={**pool, "engine": {"tensor_parallel_size": tp}})
-        serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+    # Both apps at once: their replicas start side by side (most of a start is waiting on Serve).
+    serve.run_many([serve.RunTarget(build(ServeConfig(name=name, model=tiny_llama, mode="colocated", engine=ENGINE,
+                                                      decode={**pool, "engine": {"tensor_parallel_size": tp}})),
+                                    name=name, route_prefix=f"/{name}")
+                    for name, tp in (("tp1", 1), ("tp2", 2))])
     yield
     serve.delete("tp1")
     serve.delete("tp2")
@@ -86,12 +87,14 @@ def disagg_tp_apps(tp_apps, tiny_llama):
 
     pool = {"ray_actor_options": {"num_cpus": 0.2}, "health_check_period_s": 1.0}
     names = {"pd12": (1, 2), "pd22": (2, 2)}
+    targets = []
     for name, (p, d) in names.items():
         cfg = ServeConfig(name=name, model=tiny_llama, engine=ENGINE, slo=REMOTE_PREFILL_SLO,
                           transfer={"host": "127.0.0.1"},
                           prefill={**pool, "engine": {"tensor_parallel_size": p}},
                           decode={**pool, "engine": {"tensor_parallel_size": d}})
-        serve.run(build(cfg), name=name, route_prefix=f"/{name}")
+        targets.append(serve.RunTarget(build(cfg), name=name, route_prefix=f"/{name}"))
+    serve.run_many(targets)  # side by side, as tp_apps'
     yield list(names)
     for name in names:
         serve.delete(name)
