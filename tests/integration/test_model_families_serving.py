@@ -44,6 +44,7 @@ def _stats(app: str, pool: str) -> dict:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_apps(request, ray_session, checkpoints, tmp_path_factory):
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from pdserve.app import build
 
@@ -59,8 +60,7 @@ def family_apps(request, ray_session, checkpoints, tmp_path_factory):
     # Both apps at once: their replicas start side by side (most of a start is waiting on Serve).
     serve.run_many([serve.RunTarget(build(cfg), name=name, route_prefix=f"/{name}") for name, cfg in apps.items()])
     yield family, model
-    for name in apps:
-        serve.delete(name)
+    _get_global_client().delete_apps(list(apps))  # both at once, as they came
 
 
 def test_served_greedy_equals_the_offline_engine(family_apps):
