@@ -38,6 +38,7 @@ def rank_workers() -> list[dict]:
 @pytest.fixture(scope="module")
 def tp_apps(ray_session, tiny_llama):
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from pdserve.app import build
 
@@ -49,8 +50,7 @@ def tp_apps(ray_session, tiny_llama):
                                     name=name, route_prefix=f"/{name}")
                     for name, tp in (("tp1", 1), ("tp2", 2))])
     yield
-    serve.delete("tp1")
-    serve.delete("tp2")
+    _get_global_client().delete_apps(["tp1", "tp2"])  # both at once, as they came
 
 
 def test_tp2_replica_serves_the_same_greedy_tokens(tp_apps):
@@ -82,6 +82,7 @@ def disagg_tp_apps(tp_apps, tiny_llama):
     """Prefill TP 1 -> decode TP 2 (each decode rank pulls its heads from the one prefill rank) and
     prefill TP 2 -> decode TP 2 (rank to rank), every prompt prefilled remotely."""
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from pdserve.app import build
 
@@ -96,8 +97,7 @@ def disagg_tp_apps(tp_apps, tiny_llama):
         targets.append(serve.RunTarget(build(cfg), name=name, route_prefix=f"/{name}"))
     serve.run_many(targets)  # side by side, as tp_apps'
     yield list(names)
-    for name in names:
-        serve.delete(name)
+    _get_global_client().delete_apps(list(names))
 
 
 def test_disaggregated_tensor_parallel_pools_match_one_rank(disagg_tp_apps):
