@@ -21,10 +21,13 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
   throughput at batch 64 and 256 against `transformers` `generate` on the same weights, prompts
   and lengths, and a 4,096-token prefill against the matmul peak (MFU).
 - moe: decode steps at Qwen3-30B-A3B's shapes with 4 of its 48 layers, on pdserve's Mixtral-style
-  MoE (Qwen3-MoE is not implemented; the Mixtral architecture at its shapes lacks only Qwen3's
-  per-head q/k norms), against the bytes a step must read: attention, router, LM head and the
-  experts its tokens chose. And the MoE block alone against the router's and chosen experts' bytes.
-- pd: prefill and decode engines in two processes, the KV pulled between them (gpu_suite_pd.py).
+  MoE (the Mixtral architecture at its shapes: Qwen3-MoE's own model adds only per-head q/k norms,
+  and the runs before it was built stay comparable), against the bytes a step must read:
+  attention, router, LM head and the experts its tokens chose. And the MoE block alone against
+  the router's and chosen experts' bytes.
+- pd: prefill and decode engines in two processes, the KV pulled between them by every path
+  (torch's CUDA IPC, UCX, the tcp backend, pdserve's local read), and their greedy tokens against
+  two references (gpu_suite_pd.py).
 This file is the run and its report; the sections are in gpu_suite_sections.py beside it.
 
 Out, under --out (default $OUT, else ./gpu-out): gpu_suite.json, rewritten after every figure so
