@@ -279,15 +279,14 @@ def run(rep, options: dict, prompts: list[list[int]], output_tokens: int, log) -
                 pulls.release(rid)
             engine.start_prefilled_request(rid)
             disaggregated[rid] = list(first.new_token_ids)
-        placed = [(dst, digest, dst[:len(prompt) // kv.shape[3]]) for (_, _, _, digest, _, dst, _), prompt
-                  in zip(placed, prompts)]  # the blocks each prompt fills: the decode writes past them
-        placed = [(dst, digest, full, _digest(kv, full)) for dst, digest, full in placed]
         # Each prompt's blocks hold the exporter's bytes before the decode (no later pull wrote
         # them), and the blocks the prompt fills hold the same after it (the decode writes past them).
-        intact_before = [_digest(kv, dst) == digest for dst, digest, _, _ in placed]
+        intact_before = [_digest(kv, dst) == digest for _, _, _, digest, _, dst, _ in placed]
+        filled = [dst[:len(prompt) // kv.shape[3]] for (*_, dst, _), prompt in zip(placed, prompts)]
+        before = [_digest(kv, blocks) for blocks in filled]
         dis_logprobs: dict[str, list] = {}
         _decode_all(engine, disaggregated, dis_logprobs)
-        intact_after = [_digest(kv, full) == before for _, _, full, before in placed]
+        intact_after = [_digest(kv, blocks) == d for blocks, d in zip(filled, before)]
         rep.figures("pd", kv_intact_before_decode=intact_before, kv_intact_after_decode=intact_after)
 
         # The reference on the same schedule: this engine prefills the prompts itself, as the

@@ -33,7 +33,7 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, cache_bits, copy_blocks,
                                        gather_blocks, scatter_blocks, slab_view)
-from pdserve.kvtransfer.lease_board import BoardView, LeaseBoard, token_digest
+from pdserve.kvtransfer.lease_board import BoardView, token_digest
 from pdserve.engine import cuda_ipc
 from pdserve.engine.cuda_ipc import CudaRegion
 from pdserve.engine.shared_memory import SharedRegion, locate, map_region
@@ -123,8 +123,6 @@ class NetworkExporter(KVExporter):
         self.host, self.ack_timeout_s, self.idle_timeout_s = host, ack_timeout_s, idle_timeout_s
         if shared_memory:  # its shared-memory region, or its CUDA IPC handle (None: in neither)
             self.cache_region = cuda_ipc.share(kv) if kv.is_cuda else locate(kv)
-        if self.cache_region is not None:  # importers that can copy out of it ask the board, not us
-            self.leases.board = LeaseBoard()
         self.max_connections = max_connections
         self.num_connections = 0  # accepted so far (importers keep theirs between pulls)
         self.num_open_connections = 0

@@ -44,6 +44,7 @@ import torch
 from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.base import BlockRead, KVImporter, NetworkExporter
 from pdserve.kvtransfer.blocks import block_pieces, copy_blocks, scatter_blocks, slab_view
+from pdserve.kvtransfer.lease_board import LeaseBoard
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class TCPExporter(NetworkExporter):
                  max_connections: int = MAX_CONNECTIONS):
         super().__init__(exporter_id, kv, layout, pin, unpin, lease_s, host, ack_timeout_s, idle_timeout_s,
                          shared_memory, max_connections)
+        if self.cache_region is not None:  # importers that can copy out of it ask the board, not us
+            self.leases.board = LeaseBoard()
         self._count_lock = threading.Lock()
         self._open: set[socket.socket] = set()  # shut down at `close`, which their threads then see
         self._listener = socket.create_server((host, port), backlog=128)
@@ -350,15 +353,13 @@ class TCPImporter(KVImporter):
         """Release the lease of a read the board vouched for, waiting for nothing (an ACK has no
         answer): on a kept connection, kept again after, else a new one. Should it fail, the lease
         expires as one whose importer died would."""
+        conn = None
         try:
             conn, _ = self._connection(handle.address, deadline)
-        except (OSError, socket.timeout) as e:
-            log.info("KV ack of %s not sent (%r): its lease expires instead", handle.request_id, e)
-            return
-        try:
             _send_frame(conn, p.ACK, {"request_id": handle.request_id, "lease_token": handle.lease_token}, deadline)
-        except (OSError, socket.timeout) as e:
-            _abort(conn)
+        except OSError as e:  # socket.timeout too
+            if conn is not None:
+                _abort(conn)
             log.info("KV ack of %s not sent (%r): its lease expires instead", handle.request_id, e)
             return
         self._keep(handle.address, conn)
