@@ -63,10 +63,14 @@ run() {
         LD_LIBRARY_PATH=$site/libucx/lib "$site/libucx/bin/ucx_info" -d | grep -E '^#\s+Transport:' | sort | uniq -c
     } 2>&1 | tee "$out/env.log"
     # The GPU-only tests first (the kernels compiled for this GPU against the torch path, CUDA graphs,
-    # CUDA IPC between two processes), bounded by TESTS_TIMEOUT_S (120; 0 skips them).
+    # CUDA IPC between two processes), bounded by TESTS_TIMEOUT_S (120; 0 skips them). GPU_TESTS
+    # (pytest arguments) runs some of them instead, e.g. "tests/unit/engine/test_triton_paged.py -k copy".
     if [ "${TESTS_TIMEOUT_S:-120}" != 0 ]; then
-        (cd "$here" && timeout -k 10 "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-            $(ls tests/unit/engine/test_triton_*.py tests/unit/engine/test_cuda_*.py tests/integration/engine/test_cuda_ipc.py)) 2>&1 | tail -40 | tee "$out/tests.log"
+        local tests=${GPU_TESTS:-$(cd "$here" && ls tests/unit/engine/test_triton_*.py tests/unit/engine/test_cuda_*.py \
+                                   tests/integration/engine/test_cuda_ipc.py)}
+        # shellcheck disable=SC2086  # $tests is a list of pytest arguments
+        (cd "$here" && timeout -k 10 "${TESTS_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider $tests) \
+            2>&1 | tail -40 | tee "$out/tests.log"
     fi
     UCX_PROTO_INFO=y timeout -k 10 "${SUITE_TIMEOUT_S:-480}" python3 "$here/benchmarks/gpu_suite.py" --out "$out" "$@" \
         2>&1 | tee "$out/suite.log"

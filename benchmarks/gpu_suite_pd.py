@@ -353,45 +353,49 @@ def _report_first_differences(rep, log, disaggregated: dict, dis_logprobs: dict,
 
 
 def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, log) -> None:
-    """The default's local read taken apart: the copy kernel alone (this cache's blocks into its
-    other blocks, as many as a prompt has) against the copy bandwidth, by the clock (launch and
-    sync included, as a pull waits for it) and by CUDA events (the kernel's own time), and the
-    tcp backend's local read of one block (the READ and its answer, and little else)."""
+    """The default's local read taken apart: `copy_blocks` alone (this cache's blocks into its
+    other blocks, as many as a prompt has; both sides one run, a strided copy, and the same blocks
+    in another order, the kernel over ids) against the copy bandwidth, by the clock (launch and
+    sync included, as a pull waits for it) and by CUDA events; the tcp backend's local read of one
+    block (the board's checks and the ACK, and little else); the same prompt read again and again
+    (nothing between), and as the phase reads (its blocks zeroed before, a handle parsed each
+    time), with where the host's time goes (cProfile)."""
     from pdserve.kvtransfer.blocks import copy_blocks
     from pdserve.kvtransfer.protocol import KVHandle
 
     kv, pool = engine.kv_cache.kv, engine.block_pool
     taken = pool.allocate(2 * num_blocks)
+    copy_bw = rep.limits.get("copy_bytes_per_s", 0) / 1e9
     try:
         src, dst = sorted(taken)[:num_blocks], sorted(taken)[num_blocks:]
         heads = (0, kv.shape[4])
-        copy_blocks(kv, src, heads, kv, dst)  # compiled before it is timed
-        _sync(kv)
-        times, device_times = [], []
-        for _ in range(8):
-            if kv.is_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t = time.perf_counter()
-            copy_blocks(kv, src, heads, kv, dst)
-            if kv.is_cuda:
-                end.record()
+        shuffled = [dst[1], dst[0], *dst[2:]]  # the same blocks, no run: the kernel over ids
+        for label, key, into in (("one run each side (one strided copy)", "run", dst),
+                                 ("ids not one run (the kernel over ids)", "ids", shuffled)):
+            copy_blocks(kv, src, heads, kv, into)  # compiled before it is timed
             _sync(kv)
-            times.append(time.perf_counter() - t)
-            if kv.is_cuda:
-                device_times.append(start.elapsed_time(end) / 1e3)
-        nbytes = 2 * num_blocks * pulls.block_bytes  # read + written
-        seconds = statistics.median(times)
-        rep.figures("pd", copy_kernel_s=times, copy_kernel_device_s=device_times, copy_kernel_bytes=nbytes)
-        copy_bw = rep.limits.get("copy_bytes_per_s", 0) / 1e9
-        rep.row("pd", f"KV block copy kernel alone, {num_blocks} blocks cache to cache in one process, bytes "
-                "read + written", nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None,
-                note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included")
-        if device_times:
-            on_device = statistics.median(device_times)
-            rep.row("pd", f"KV block copy kernel alone, {num_blocks} blocks, its time on the device (CUDA "
-                    "events), bytes read + written", nbytes / on_device / 1e9, "GB/s", copy_bw, "copy bandwidth",
-                    None, note=f"median {on_device * 1e6:.0f} us of 8")
+            times, device_times = [], []
+            for _ in range(8):
+                if kv.is_cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t = time.perf_counter()
+                copy_blocks(kv, src, heads, kv, into)
+                if kv.is_cuda:
+                    end.record()
+                _sync(kv)
+                times.append(time.perf_counter() - t)
+                if kv.is_cuda:
+                    device_times.append(start.elapsed_time(end) / 1e3)
+            nbytes = 2 * num_blocks * pulls.block_bytes  # read + written
+            seconds = statistics.median(times)
+            rep.figures("pd", **{f"copy_blocks_{key}_s": times, f"copy_blocks_{key}_device_s": device_times,
+                                 "copy_blocks_bytes": nbytes})
+            rep.row("pd", f"copy_blocks alone, {num_blocks} blocks cache to cache in one process, {label}, bytes "
+                    "read + written", nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None,
+                    note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included"
+                    + (f"; from the first event to the last {statistics.median(device_times) * 1e6:.0f} us"
+                       if device_times else ""))
         if "local" in pulls.errors or handle is None or handle.get("cache_region") is None:
             return
         one, importer = KVHandle.from_dict(handle), pulls.importers["tcp"]
@@ -407,10 +411,31 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
             importer.pull(one, dst, PULL_TIMEOUT_S, None, 0, ack=False)
             _sync(kv)
             whole.append(time.perf_counter() - t)
-        rep.figures("pd", local_one_block_pull_s=times, local_back_to_back_pull_s=whole)
+        # As the phase reads: the blocks zeroed (and synchronized) before, the handle parsed in the
+        # timed part; the host's time by function (cProfile's own cost included in the times).
+        import cProfile
+        import io
+        import pstats
+
+        as_phase, profile = [], cProfile.Profile()
+        for _ in range(8):
+            kv.index_fill_(2, torch.tensor(dst, device=kv.device), 0)
+            _sync(kv)
+            t = time.perf_counter()
+            profile.enable()
+            importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, 0, ack=False)
+            _sync(kv)
+            profile.disable()
+            as_phase.append(time.perf_counter() - t)
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
+        log("pd: the phase-like local reads by function (8 reads, cProfile):\n" + text.getvalue())
+        rep.figures("pd", local_one_block_pull_s=times, local_back_to_back_pull_s=whole,
+                    local_as_phase_pull_s=as_phase, local_as_phase_profile=text.getvalue()[-6000:])
         pulls.notes["local"] = (f"a one-block local read (the round trip) {statistics.median(times) * 1e3:.2f} ms; "
                                 f"this prompt read 8 times back to back, no other pulls between: median "
-                                f"{statistics.median(whole) * 1e3:.2f} ms")
+                                f"{statistics.median(whole) * 1e3:.2f} ms; zeroed before each read, as in the "
+                                f"phase: {statistics.median(as_phase) * 1e3:.2f} ms (under cProfile)")
     except Exception as e:  # noqa: BLE001 - a diagnosis, not a figure the others need
         log(f"pd: timing the local read's parts failed: {e!r}")
     finally:

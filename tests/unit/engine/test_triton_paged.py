@@ -137,6 +137,24 @@ def test_copy_blocks_between_caches_matches_numpy_path(device, heads):
     assert torch.equal(kv.cpu(), expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU branch of kvtransfer.blocks.copy_blocks")
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 8), (torch.float32, 8), (torch.float16, 6)])
+@pytest.mark.parametrize("src_ids,dst_ids", [([2, 3, 4], [5, 6, 7]), ([9, 2, 3, 4], [0, 1, 2, 7]),
+                                             ([2, 3, 4], [0, 1, 7]), ([6], [1])])
+@pytest.mark.parametrize("heads", [(0, 2), (1, 2)])
+def test_gpu_copy_blocks_by_runs_or_ids_matches_numpy_path(dtype, head_dim, src_ids, dst_ids, heads):
+    """`kvtransfer.blocks.copy_blocks` on a GPU: one strided copy when both sides are one run
+    (int64 loads where a row is whole int64s; head_dim 6 of fp16 is not), else the kernel over
+    the ids; the same bytes as the CPU path either way."""
+    src = torch.randn(2, 2, 12, 4, 2, head_dim, device="cuda").to(dtype)
+    kv = torch.zeros(2, 2, 10, 4, heads[1] - heads[0], head_dim, device="cuda", dtype=dtype)
+    ref_blocks.copy_blocks(src, src_ids, heads, kv, dst_ids)
+    expected = torch.zeros_like(kv, device="cpu")
+    ref_blocks.copy_blocks(ref_blocks._bits(src.cpu()), src_ids, heads, expected, dst_ids)
+    assert torch.equal(kv.cpu(), expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_mixed_step_runs_its_prefill_chunks_in_one_launch(device):
     """`ops`' Triton path on decodes followed by two prefill chunks (one varlen launch for both,
