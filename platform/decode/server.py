@@ -15,8 +15,10 @@ raised, never retried: here it would end the same way. Any other failure of the 
 recomputes the prompt here: either way the client sees one uninterrupted stream. Cancelling the
 stream aborts the request on both sides: the prefill call is cancelled, or its lease released.
 A resumed request (`GenerateRequest.output_token_ids`: the gateway moved it here after its decode
-replica failed mid-stream) is always prefilled here, prompt and outputs, reusing this cache's
-prefix of them: the prefill pool would have to return the KV of outputs it never sampled.
+replica failed mid-stream) is placed like any other, its prompt and outputs being what is
+prefilled: a prefill replica computes their KV and samples the next output from the same state
+(the outputs replayed through its stop checks and grammar; a seeded draw is by position), and
+this replica pulls what its cache lacks of them.
 
 A request's `deadline_s` bounds every phase here: the prefill call waits at most until then, a
 pull never past it, and the engine aborts the request once it passes (queued or decoding). Past
@@ -234,7 +236,7 @@ class DecodeServer:
         prompt must be recomputed here."""
         engine = self.engine.engine
         num_local, dst = await self.engine.call(engine.add_prefilled_request, req.request_id, req.prompt_token_ids,
-                                                req.params, result.first, req.deadline_s)
+                                                req.params, result.first, req.deadline_s, req.output_token_ids)
         recompute = dst is None  # no free blocks now: queue it here instead
         if not dst:  # every block is cached here already, or none is free
             await self._release(result)
@@ -303,12 +305,10 @@ class DecodeServer:
         the prompt tokens this cache lacks."""
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
             return None, 0  # prompt logprobs need every prompt position's logits: prefill here
-        if req.output_token_ids:  # resumed after its replica failed: prompt and outputs are prefilled here
-            return None, 0
         engine = self.engine.engine
         # (the call waits for a running step to end: the prefix cache is the engine thread's)
-        num_uncached = await self.engine.call(engine.num_uncached_prompt_tokens, req.prompt_token_ids,
-                                              req.params.cache_salt)
+        num_uncached = await self.engine.call(engine.num_uncached_prompt_tokens,
+                                              req.prompt_token_ids + req.output_token_ids, req.params.cache_salt)
         load = Load(num_uncached, self.remote_queued_tokens, engine.scheduler.num_queued_prefill_tokens(),
                     len(engine.scheduler.running), self.kv_bytes_per_token,
                     engine.config.max_num_batched_tokens)

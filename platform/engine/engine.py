@@ -175,26 +175,28 @@ class LLMEngine:
         `deadline_s` (absolute `time.time()` seconds), it is aborted once that passes (see the
         module docstring); one already past raises `DeadlineExceededError` here. With
         `output_token_ids` it is resumed (see the module docstring): outputs that already end it
-        raise `InvalidRequestError`; not with `prefill_only`."""
-        if prefill_only and output_token_ids:
-            raise InvalidRequestError("a resumed request is prefilled where it decodes", param="output_token_ids")
+        raise `InvalidRequestError`. Resumed and `prefill_only`, its blocks hold the prompt's and
+        those outputs' KV, and its first output is the one after them."""
         req = self._new_request(request_id, prompt_token_ids, params, deadline_s, output_token_ids)
         req.prefill_only, req.prefill_pause_s, req.max_chunk_tokens = prefill_only, prefill_pause_s, max_chunk_tokens
         self.scheduler.add(req)
         self._track_deadline(req)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              first: RequestOutput, deadline_s: float | None = None) -> tuple[int, list[int] | None]:
-        """Take over a request another engine prefilled (decode role), up to its first token.
+                              first: RequestOutput, deadline_s: float | None = None,
+                              output_token_ids: Sequence[int] = ()) -> tuple[int, list[int] | None]:
+        """Take over a request another engine prefilled (decode role), up to its first token
+        (resumed: `output_token_ids` as `add_request`'s, prefilled there with the prompt, and
+        `first` the output after them).
 
-        Reuses this cache's prefix of the prompt and allocates blocks for the rest; returns
+        Reuses this cache's prefix of the prompt (and outputs) and allocates blocks for the rest; returns
         `(num_local_blocks, block_ids_to_fill)`: the caller fills those blocks with the exporter's
         blocks from index `num_local_blocks` on, then calls `start_prefilled_request`, or
         `abort_request` on failure. Without free blocks it returns `(0, None)`: start it with
         `recompute` and it waits in the queue like any new request. `deadline_s`: as `add_request`
         (it is not checked while the blocks are being filled: the caller bounds the pull).
         """
-        req = self._new_request(request_id, prompt_token_ids, params, deadline_s)
+        req = self._new_request(request_id, prompt_token_ids, params, deadline_s, output_token_ids)
         try:
             self._process_token(req, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None)
         except Exception as e:  # noqa: BLE001 - this request's alone
@@ -203,12 +205,12 @@ class LLMEngine:
         self._prefilled[request_id] = req
         self._track_deadline(req)
         hit = self.kv_manager.match_prefix(req.block_hashes, req.num_tokens)
-        if not self.kv_manager.allocate(request_id, req.num_prompt_tokens, hit, req.num_prompt_tokens):
+        if not self.kv_manager.allocate(request_id, req.num_prefill_tokens, hit, req.num_prefill_tokens):
             return 0, None  # no room now: the caller starts it with recompute, to wait its turn here
         # What the client's usage counts as cached: the prompt tokens the prefill replica did not
         # compute (this replica's own hits only save transfer, not compute).
         req.num_cached_tokens = first.num_cached_tokens
-        return self.kv_manager.import_blocks(request_id, req.num_prompt_tokens, len(hit))
+        return self.kv_manager.import_blocks(request_id, req.num_prefill_tokens, len(hit))
 
     def start_prefilled_request(self, request_id: str, recompute: bool = False) -> None:
         """The blocks from `add_prefilled_request` hold the prompt's KV: decode from the next step.
@@ -224,7 +226,7 @@ class LLMEngine:
             self.kv_manager.free(request_id)
             self.scheduler.add(req)
             return
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_prefill_tokens
         self.scheduler.add_running(req)
 
     def num_uncached_prompt_tokens(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:

@@ -72,8 +72,8 @@ class PrefillServer:
             return result
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResult:
-        # A resumed request (output_token_ids) is the decode replica's to prefill: the engine
-        # refuses one with prefill_only.
+        # A resumed request (output_token_ids): its outputs are prefilled with the prompt, and the
+        # KV exported covers both.
         stream = await self.engine.generate(req.request_id, req.prompt_token_ids, req.params, prefill_only=True,
                                             deadline_s=req.deadline_s, output_token_ids=req.output_token_ids)
         async for out in stream:
@@ -84,11 +84,12 @@ class PrefillServer:
         try:
             # Worker ranks lease first (they pin nothing): cancelled here, the engine's hold of the
             # blocks is still released below and their leases just expire.
-            rank_kv = (await self.export_ranks(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
+            kv_tokens = first.num_prompt_tokens + len(req.output_token_ids)
+            rank_kv = (await self.export_ranks(req.request_id, first.kv_block_ids, kv_tokens)
                        if self.export_ranks is not None else ())
             # Not as an engine call: the lease table's lock is taken before the engine's (its pins and
             # the exporter's acks), never the other way round.
-            handle = self.exporter.export(req.request_id, first.kv_block_ids, first.num_prompt_tokens)
+            handle = self.exporter.export(req.request_id, first.kv_block_ids, kv_tokens)
         finally:  # after the pin: the lease holds the blocks now
             self.engine.call_soon(self.engine.engine.release_kv, req.request_id)
         # To the client this is the first chunk of a stream that decode continues (a seeded one

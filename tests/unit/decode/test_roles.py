@@ -97,6 +97,28 @@ def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):
     assert decode.stats()["num_pulled_blocks"] - pulled == -(-len(prompt) // 8) - 5
 
 
+def test_a_resumed_sequence_is_prefilled_remotely_and_continues_exactly(pools, tiny_llama):
+    """A sequence another decode replica began (its outputs so far in `output_token_ids`) is placed
+    like any other: the prefill replica prefills prompt and outputs and samples the next output,
+    and the stream goes on as the uninterrupted run (greedy and seeded)."""
+    prefill, decode = pools
+    prompt = list(range(7, 47))
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
+    for i, params in enumerate((GREEDY, seeded)):
+        whole = LLM(tiny_llama, block_size=8).generate([prompt], params)[0].token_ids
+        before = decode.stats()
+        (outs,) = _run(decode, [GenerateRequest(f"resumed-{i}", prompt, params, output_token_ids=whole[:4])])
+        assert _tokens(outs) == whole[4:]
+        stats = decode.stats()
+        assert stats["num_remote_prefills"] == before["num_remote_prefills"] + 1
+        assert stats["num_local_prefills"] == before["num_local_prefills"]
+        assert stats["num_resumed_requests"] == before["num_resumed_requests"] + 1
+    for server in (decode, prefill):
+        asyncio.run(server.engine.call(lambda: None))
+    assert prefill.stats()["num_kv_leases"] == 0
+    assert prefill.stats()["num_free_kv_blocks"] == 96 and decode.stats()["num_free_kv_blocks"] == 96
+
+
 def test_failed_prefill_or_pull_falls_back_to_local_compute(pools, tiny_llama):
     prefill, decode = pools
     prompt = list(range(3, 40))

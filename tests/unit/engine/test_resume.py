@@ -1,7 +1,9 @@
 """Resumed requests (mid-stream migration): an engine given a prompt and the outputs another engine
 already streamed continues exactly where that engine stopped: the same tokens and the same text
 deltas as the uninterrupted run, for greedy and for seeded sampling with penalties and a stop
-string, split anywhere (inside a character's bytes too); usage and `max_tokens` count every output."""
+string, split anywhere (inside a character's bytes too); usage and `max_tokens` count every output.
+Disaggregated too: one engine prefills the prompt and the outputs and samples the next, another
+takes the KV over and decodes the rest, as the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -102,19 +104,48 @@ def test_a_resumed_request_hits_the_prefix_cache_of_its_prompt_and_outputs(repli
     assert first.scheduler.num_computed_prompt_tokens == computed
 
 
-@pytest.mark.parametrize("case", ["max_tokens", "stop token", "outside the vocabulary", "prefill only"])
+@pytest.mark.parametrize("case", ["max_tokens", "stop token", "outside the vocabulary"])
 def test_resumed_outputs_that_end_the_request_or_are_invalid_are_refused(replicas, case):
     engine, _ = replicas
     prompt = engine.tokenizer.encode(PROMPT_TEXT)
-    params, outputs, kwargs = SamplingParams(max_tokens=3, temperature=0.0), [5, 6, 7], {}
+    params, outputs = SamplingParams(max_tokens=3, temperature=0.0), [5, 6, 7]
     if case == "stop token":
         params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(6,))
     elif case == "outside the vocabulary":
         params, outputs = SamplingParams(max_tokens=8), [5, 10**6]
-    elif case == "prefill only":
-        params, outputs, kwargs = SamplingParams(max_tokens=8), [5], {"prefill_only": True}
     with pytest.raises(InvalidRequestError) as e:
-        engine.add_request(f"refused-{case}", prompt, params, output_token_ids=outputs, **kwargs)
+        engine.add_request(f"refused-{case}", prompt, params, output_token_ids=outputs)
     assert e.value.param == "output_token_ids"
     assert not engine.has_unfinished_requests() and f"refused-{case}" not in engine._detokenizers
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_a_resumed_request_prefilled_by_one_engine_continues_exactly_on_another(replicas):
+    """A prefill replica given the outputs with the prompt (`prefill_only`) samples the output
+    after them from the same state; the decode engine takes over its KV (only the blocks its own
+    cache lacks) and the rest is the uninterrupted run's, tokens and text."""
+    prefill, decode = replicas
+    prompt = prefill.tokenizer.encode(PROMPT_TEXT * 3)
+    whole = _run(prefill, "pd-whole", prompt, SEEDED)
+    token_ids = [o.new_token_ids[0] for o in whole]
+    block_size = prefill.kv_cache.block_size
+    for k in (1, 11, len(whole) - 2):
+        rid = f"pd-from-{k}"
+        prefill.add_request(rid, prompt, SEEDED, prefill_only=True, output_token_ids=token_ids[:k])
+        first = None
+        while first is None:
+            first = next(iter(prefill.step()), None)
+        assert (first.new_token_ids, first.new_text) == (whole[k].new_token_ids, whole[k].new_text)
+        assert first.num_output_tokens == k + 1
+        assert len(first.kv_block_ids) == -(-(len(prompt) + k) // block_size)  # the prompt's and outputs' KV
+        num_local, dst = decode.add_prefilled_request(rid, prompt, SEEDED, first, output_token_ids=token_ids[:k])
+        assert num_local + len(dst) == len(first.kv_block_ids)
+        decode.kv_cache.kv[:, :, dst] = prefill.kv_cache.kv[:, :, first.kv_block_ids[num_local:]]
+        prefill.release_kv(rid)
+        decode.start_prefilled_request(rid)
+        rest = []
+        while decode.has_unfinished_requests():
+            rest += decode.step()
+        assert _steps(rest) == _steps(whole[k + 1:]), f"split after {k} tokens"
+        for engine in (prefill, decode):
+            assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
