@@ -23,8 +23,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.shared_memory import host_id
+
+if TYPE_CHECKING:  # annotations only: the module stays torch-free at import
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ def _uuid(device: int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def share(kv: "torch.Tensor") -> CudaRegion | None:  # noqa: F821
+def share(kv: "torch.Tensor") -> CudaRegion | None:
     """`kv` (a whole CUDA tensor, contiguous) as a region other processes can open; None where
     torch cannot share its allocation."""
     if not kv.is_cuda or not kv.is_contiguous() or kv.storage_offset() != 0:
@@ -76,7 +80,7 @@ def share(kv: "torch.Tensor") -> CudaRegion | None:  # noqa: F821
                       counter_offset, (event or b"").hex(), bool(sync))
 
 
-def open_region(region: CudaRegion, dtype, shape: tuple[int, ...], device) -> "torch.Tensor | None":  # noqa: F821
+def open_region(region: CudaRegion, dtype, shape: tuple[int, ...], device) -> "torch.Tensor | None":
     """`region` mapped into this process as a tensor of `dtype` and `shape` (its bytes) on `device`,
     or None where it cannot be (see the module), also when the region is on another of this
     process's devices (the copy kernels read and write one device)."""

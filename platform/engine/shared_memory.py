@@ -25,6 +25,10 @@ import threading
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the module stays torch-free at import
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ _regions: dict[int, SharedRegion] = {}  # address of a shared tensor's first byt
 _regions_lock = threading.Lock()
 
 
-def shared_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":  # noqa: F821
+def shared_zeros(shape: tuple[int, ...], dtype) -> "torch.Tensor":
     """A zero-filled CPU tensor in shared memory (`locate` finds it); a private one where memfds are
     missing (not Linux) or fail. Memfds do not live in /dev/shm, so its size does not limit them."""
     import torch

@@ -31,11 +31,7 @@ def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int]
     """`[layers, 2, n, block_size, heads in slice, head_dim]`, contiguous; into `out` when given.
     On a GPU the copy has finished when this returns: UCX reads the buffer outside torch's streams."""
     if kv.is_cuda:
-        s, d, n = int(src_index[0]), int(dst_index[0]), len(src_index)
-        if _is_run(src_index) and _is_run(dst_index):
-            into, out_of = _wide(kv, src)
-            into[:, :, d:d + n].copy_(out_of[:, :, s:s + n, :, heads[0]:heads[1]])
-        elif triton_paged.HAS_TRITON:
+        if triton_paged.HAS_TRITON:
             out = triton_paged.gather_blocks(kv, block_ids, heads, out)
         else:
             src = kv if heads is None else kv[:, :, :, :, heads[0]:heads[1]]
@@ -54,11 +50,7 @@ def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int]
 def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
     """On a GPU the copy has finished when this returns: `data` (a staging buffer) may be reused."""
     if kv.is_cuda:
-        s, d, n = int(src_index[0]), int(dst_index[0]), len(src_index)
-        if _is_run(src_index) and _is_run(dst_index):
-            into, out_of = _wide(kv, src)
-            into[:, :, d:d + n].copy_(out_of[:, :, s:s + n, :, heads[0]:heads[1]])
-        elif triton_paged.HAS_TRITON:
+        if triton_paged.HAS_TRITON:
             triton_paged.scatter_blocks(kv, block_ids, data)
         else:
             kv.index_copy_(2, torch.as_tensor(block_ids, dtype=torch.long, device=kv.device), data)
