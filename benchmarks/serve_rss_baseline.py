@@ -79,7 +79,6 @@ def main() -> None:
                 pass
 
         async def drive() -> float:
-            nonlocal done
             started = time.monotonic()
             queue = iter(range(args.requests))
 
