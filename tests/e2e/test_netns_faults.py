@@ -22,46 +22,22 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import subprocess
 import time
-import uuid
 
 import pytest
 import requests
 
 from tests.harness import netns
-from tests.harness.lab_app import (LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, idle, start_app,
+from tests.harness.lab_app import (LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, idle, replica_pids,
                                    wait_until_serving)
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"netns lab: {netns.unavailable()}")
 
 @pytest.fixture(scope="module")
-def lab():
-    lab = netns.Lab()
-    yield lab
-    lab.close()
-
-
-@pytest.fixture(scope="module")
-def lab_redis(lab):
-    """The KV-event stream's Redis, on the head's address: every node reaches it over the bridge;
-    its password reaches the replicas as the chart passes it (PDSERVE_REDIS_PASSWORD)."""
-    from pdserve.router.redis_server import LocalRedis
-
-    server = LocalRedis(host=lab.head_ip, password=uuid.uuid4().hex).start()  # off loopback: a password
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def lab_app(tiny_llama, lab, lab_redis):
-    cluster, driver, base = start_app(lab, tiny_llama, env={"PDSERVE_REDIS_PASSWORD": lab_redis.password},
-                                      router={"redis_url": lab_redis.url})
-    try:
-        yield cluster, driver, base
-        driver.close()
-    finally:
-        cluster.close()
+def lab_app(tiny_llama, netns_lab):
+    """The app with precise routing: its KV events go through the lab's Redis."""
+    with netns_lab.app(tiny_llama, router={"redis_url": netns_lab.redis.url}) as app:
+        yield app
 
 
 def test_kv_crosses_the_link_and_outputs_match(lab_app):
@@ -144,23 +120,9 @@ def test_loss_on_the_kv_link_changes_no_output(lab_app):
     assert after["num_failed_pulls"] == before["num_failed_pulls"]
 
 
-def _replica_pids(node, deployment: str) -> list[int]:
-    """PIDs of the Serve replicas of `deployment` running in `node`'s namespace."""
-    pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
-    found = []
-    for pid in pids:
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if f"ServeReplica:lab:{deployment}".encode() in cmdline:
-            found.append(int(pid))
-    return found
-
-
 def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
     cluster, driver, base = lab_app
-    [pid] = _replica_pids(cluster.nodes["prefill"], "Prefill")
+    [pid] = replica_pids(cluster.nodes["prefill"], "Prefill")
     before = driver.call("stats", app="lab", pool="Decode")
     with cf.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(complete, base, f"kill {i}: {LONG_PROMPT}", 16) for i in range(8)]
@@ -172,7 +134,7 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
     # Serve replaces the replica, and remote prefill comes back.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if _replica_pids(cluster.nodes["prefill"], "Prefill") and complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
+        if replica_pids(cluster.nodes["prefill"], "Prefill") and complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
             after = driver.call("stats", app="lab", pool="Decode")
             if after["num_pulled_blocks"] > before["num_pulled_blocks"] and \
                     driver.call("stats", app="lab", pool="Prefill")["num_unfinished_requests"] == 0:
@@ -184,10 +146,11 @@ def test_a_prefill_replica_killed_mid_transfer_costs_no_request(lab_app):
     assert all(holds_nothing(s) for s in stats.values()), stats
 
 
-def test_redis_killed_and_restarted_under_load_fails_no_request(lab_app, lab_redis):
+def test_redis_killed_and_restarted_under_load_fails_no_request(lab_app, netns_lab):
     import redis
 
     cluster, driver, base = lab_app
+    lab_redis = netns_lab.redis
     stream = "pdserve:kv-events:lab:Prefill"
     with cf.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(complete, base, f"redis {i}: {LONG_PROMPT}", 16) for i in range(16)]
@@ -217,7 +180,8 @@ def test_delay_and_loss_on_the_link_change_no_output(lab_app):
     """200 ms each way (a relay on the path) and 2% loss between the prefill and decode nodes. The
     relay takes new connections only, so the prefill replica is replaced first: the decode
     replica's calls to the new one and its KV pulls from it all cross the slow, lossy link.
-    Last in this module: the relays stay for the connections they carry."""
+    Last in this module: the relays stay for the connections they carry (until the module's app
+    is gone: `LabCluster.app` then removes them)."""
     cluster, driver, base = lab_app
     prefill, decode = cluster.nodes["prefill"], cluster.nodes["decode"]
     prompts = [f"delay {i}: {LONG_PROMPT}" for i in range(6)]
@@ -227,10 +191,10 @@ def test_delay_and_loss_on_the_link_change_no_output(lab_app):
         cluster.lab.delay(node, peer, 200)
         cluster.lab.loss(node, 2, peer)
     try:
-        [pid] = _replica_pids(prefill, "Prefill")
+        [pid] = replica_pids(prefill, "Prefill")
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while not _replica_pids(prefill, "Prefill") or not complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
+        while not replica_pids(prefill, "Prefill") or not complete(base, f"{time.monotonic()} {LONG_PROMPT}", 2).ok:
             assert time.monotonic() < deadline, "no new prefill replica served within 120 s"
             time.sleep(1)
         before = driver.call("stats", app="lab", pool="Decode")

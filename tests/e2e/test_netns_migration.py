@@ -11,15 +11,13 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.harness import netns
-from tests.harness.lab_app import ENGINE, LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, start_app
+from tests.harness.lab_app import ENGINE, LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, replica_pids
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"netns lab: {netns.unavailable()}")
 
@@ -35,30 +33,11 @@ LAB_ENGINE = {**ENGINE, "max_model_len": 1024, "num_kv_blocks": 2560, "max_num_b
 
 
 @pytest.fixture(scope="module")
-def migration_lab_app(tiny_llama):
-    with netns.Lab() as lab:
-        # Two decode replicas on the decode node (two logical CPUs): half a CPU each.
-        decode = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "resources": {"pdserve_decode": 0.001}}}
-        cluster, driver, base = start_app(lab, tiny_llama, engine=LAB_ENGINE, decode=decode)
-        try:
-            yield cluster, driver, base
-            driver.close()
-        finally:
-            cluster.close()
-
-
-def _decode_pids(node) -> set[int]:
-    """PIDs of the Decode replicas running in `node`'s namespace."""
-    pids = subprocess.run(["ip", "netns", "pids", node.netns], check=False, capture_output=True,
-                          text=True).stdout.split()
-    found = set()
-    for pid in pids:
-        try:
-            if b"ServeReplica:lab:Decode" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.add(int(pid))
-        except OSError:  # it ended meanwhile
-            continue
-    return found
+def migration_lab_app(tiny_llama, netns_lab):
+    # Two decode replicas on the decode node (two logical CPUs): half a CPU each.
+    decode = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "resources": {"pdserve_decode": 0.001}}}
+    with netns_lab.app(tiny_llama, engine=LAB_ENGINE, decode=decode) as app:
+        yield app
 
 
 def _decode_stats(driver, pids: set[int], timeout_s: float = 30) -> dict[int, dict]:
@@ -124,7 +103,7 @@ def test_a_decode_replica_killed_mid_stream_hands_its_streams_to_the_other(migra
     cluster, driver, base = migration_lab_app
     node = cluster.nodes["decode"]
     deadline = time.monotonic() + 60
-    while len(pids := _decode_pids(node)) < 2:
+    while len(pids := set(replica_pids(node, "Decode"))) < 2:
         assert time.monotonic() < deadline, f"two decode replicas did not start: {pids}"
         time.sleep(0.5)
     before = _decode_stats(driver, pids)
@@ -165,7 +144,7 @@ def test_a_decode_replica_killed_mid_stream_hands_its_streams_to_the_other(migra
     # sequence and at most as many as the killed replica had.
     deadline, stats = time.monotonic() + 120, None
     while True:
-        now = _decode_pids(node)
+        now = set(replica_pids(node, "Decode"))
         if len(now) == 2 and victim not in now:
             try:
                 stats = {**{f"decode {pid}": s for pid, s in _decode_stats(driver, now, 10).items()},

@@ -14,22 +14,17 @@ import time
 import pytest
 
 from tests.harness import netns
-from tests.harness.lab_app import LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, idle, start_app
+from tests.harness.lab_app import LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, idle
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"netns lab: {netns.unavailable()}")
 
 
 @pytest.fixture(scope="module")
-def tp_lab_app(tiny_llama):
-    with netns.Lab() as lab:
-        decode = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"pdserve_decode": 0.001}},
-                  "health_check_period_s": 1.0, "engine": {"tensor_parallel_size": 2}}
-        cluster, driver, base = start_app(lab, tiny_llama, decode=decode)
-        try:
-            yield cluster, driver, base
-            driver.close()
-        finally:
-            cluster.close()
+def tp_lab_app(tiny_llama, netns_lab):
+    decode = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"pdserve_decode": 0.001}},
+              "health_check_period_s": 1.0, "engine": {"tensor_parallel_size": 2}}
+    with netns_lab.app(tiny_llama, decode=decode) as app:
+        yield app
 
 
 def _rank_pids(driver) -> list[int]:

@@ -166,7 +166,7 @@ class Lab:
         self.subnet = f"10.{200 + int(self.tag) % 50}.{int(self.tag) // 50 % 250}"
         self.head_ip = f"{self.subnet}.1"
         self.nodes: dict[str, Node] = {}
-        self._relays: list[subprocess.Popen] = []
+        self._relays: list[tuple[Node, int, subprocess.Popen]] = []  # (node, port, relay)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.head_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -241,11 +241,25 @@ class Lab:
                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if relay.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the delay relay in {node.netns} did not start")
-        self._relays.append(relay)
+        self._relays.append((node, port, relay))
         _nft(node.netns, f"table ip pdserve_delay_{port} {{\n"
                          f"  chain out {{ type nat hook output priority -100;\n"
                          f"    ip daddr {peer.ip} meta l4proto tcp meta mark != {DELAY_MARK} redirect to :{port}; }}\n"
                          "}\n")
+
+    def reset(self) -> None:
+        """Undo every fault: partitions healed, no loss, no rate limit, no relay (its redirect and its
+        connections gone with it), so that a lab shared by several tests' apps gives each the links
+        `add_node` made."""
+        for node in self.nodes.values():
+            _nft(node.netns, "flush set inet pdserve_lab cut\n")
+            self.loss(node, 0)
+            self.rate(node, None)
+        for node, port, relay in self._relays:
+            _nft(node.netns, f"delete table ip pdserve_delay_{port}\n")
+            relay.kill()
+            relay.wait(10)
+        self._relays.clear()
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -263,7 +277,7 @@ class Lab:
             _run(["ip", "link", "del", node.veth], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
         self.nodes.clear()
-        for relay in self._relays:  # killed with their namespace; reaped here
+        for _, _, relay in self._relays:  # killed with their namespace; reaped here
             relay.wait(10)
         self._relays.clear()
         if self._lock is not None:

@@ -1,8 +1,8 @@
 """The lab cluster's driver (tests/harness/ray_lab.py): `python -m tests.harness.ray_driver ADDRESS`,
 then one JSON command per stdin line, one JSON reply per stdout line ({"result": ...} or
-{"error": "..."}). Commands: deploy {config, http_port}, stats {app, pool} (one replica's, the
-handle's pick), replica_stats {app, pool, num_calls} (several calls at once: a list, a pool's
-replicas each answering one or more; a test keys them by "pid")."""
+{"error": "..."}). Commands: deploy {config, http_port}, delete {app}, stats {app, pool} (one
+replica's, the handle's pick), replica_stats {app, pool, num_calls} (several calls at once: a list,
+a pool's replicas each answering one or more; a test keys them by "pid")."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import traceback
 def main(address: str) -> None:
     import ray
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from pdserve.app import build
     from pdserve.config import ServeConfig
@@ -26,6 +27,12 @@ def main(address: str) -> None:
         serve.start(http_options={"host": "0.0.0.0", "port": http_port})
         cfg = ServeConfig.model_validate(config)
         serve.run(build(cfg), name=cfg.name, route_prefix="/", blocking=False)
+
+    def delete(app: str) -> None:
+        serve.delete(app)  # returns once Serve has stopped the app's replicas (and freed their CPUs)
+        # This process's handles are cached by app and deployment name: the next app of the same
+        # name would get them, with request routers made from the deleted app's config.
+        _get_global_client().shutdown_cached_handles()
 
     def stats(app: str, pool: str) -> dict:
         return serve.get_deployment_handle(pool, app).stats.remote().result(timeout_s=30)
@@ -44,7 +51,7 @@ def main(address: str) -> None:
                 pass
         return answers
 
-    ops = {"deploy": deploy, "stats": stats, "replica_stats": replica_stats}
+    ops = {"deploy": deploy, "delete": delete, "stats": stats, "replica_stats": replica_stats}
     for line in sys.stdin:
         command = json.loads(line)
         try:
