@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,6 +94,8 @@ class RayLab:
                         os.kill(int(pid), signal.SIGKILL)
                 except (OSError, ProcessLookupError):
                     pass
+        # Its session logs and sockets: every process that wrote them is gone now.
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 class Driver:
