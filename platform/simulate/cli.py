@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-num-batched-tokens", type=int, default=2048, help="a step's token budget")
     d.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a decode replica holds")
     d.add_argument("--cpu-calibration", help="the cpu profile's calibration file (default: the one shipped)")
+    d.add_argument("--this-machine", action="store_true",
+                   help="cpu pools only: every replica on this one machine, as the real app runs here: they and "
+                        "the request path share its cores, and each request's path (HTTP, gateway, Ray calls) costs "
+                        "the latency and CPU time measured here (cpu_host.json, benchmarks/simulator_host.py)")
     slo_args(p)
     a = p.add_argument_group("autoscaling (the joint P:D policy)")
     a.add_argument("--autoscale", action="store_true")
@@ -104,7 +108,7 @@ def workload_args(p: argparse.ArgumentParser) -> None:
 def build(args):
     """(SimConfig, requests, simulated seconds expected) from the parsed flags."""
     from pdserve.autoscale.joint import Slo
-    from pdserve.simulate.hardware import accelerator
+    from pdserve.simulate.hardware import accelerator, load_host
     from pdserve.simulate.model import load_model
     from pdserve.simulate.sim import AutoscaleSpec, PoolSpec, SimConfig
 
@@ -115,6 +119,11 @@ def build(args):
     prefill_acc = accelerator(args.prefill_accelerator or args.accelerator, calibration)
     decode_acc = accelerator(args.decode_accelerator or args.accelerator, calibration)
     on_gpu = "cpu" not in (prefill_acc.name, decode_acc.name)
+    host = None
+    if args.this_machine:
+        if {prefill_acc.name, decode_acc.name} != {"cpu"}:
+            raise ValueError("--this-machine describes this machine: it needs --accelerator cpu for both pools")
+        host = load_host()
     model = load_model(args.model, 2 if on_gpu else None, 2 if on_gpu else None)  # bf16 on GPUs
     autoscale = None
     if args.autoscale:
@@ -128,7 +137,7 @@ def build(args):
                        if args.prefill_replicas else None,
                        slo=Slo(args.ttft_ms / 1000, args.itl_ms / 1000, args.percentile), block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       seed=args.seed, autoscale=autoscale)
+                       seed=args.seed, autoscale=autoscale, host=host)
     requests, expected_s = workload_requests(args)
     return config, requests, expected_s
 

@@ -17,6 +17,11 @@ engine's steps and fits its effective rates (calibration.py): a CPU does not ove
 with arithmetic, and its attention reads KV far below its weight-streaming rate, so the cpu
 profile is additive with an attention bandwidth of its own. The result ships as
 cpu_calibration.json beside this module, with the machine it was measured on.
+
+`Host` is the rest of this machine as the real app ran on it (cpu_host.json, measured by
+`benchmarks/simulator_host.py`): every replica and the request path (HTTP, HAProxy, the gateway,
+Ray's calls and daemons, the benchmark's client) share its cores, which no accelerator profile
+says, and a request's path costs latency and CPU time outside the engines' steps.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 CPU_CALIBRATION = Path(__file__).with_name("cpu_calibration.json")
+CPU_HOST = Path(__file__).with_name("cpu_host.json")
 GB = 1e9
 
 
@@ -69,6 +75,40 @@ def load_cpu(path: Path = CPU_CALIBRATION) -> Accelerator:
         raise ValueError(f"{path}: no CPU calibration ({e.strerror}); run `pdserve simulate calibrate`") from None
     names = {f.name for f in fields(Accelerator)}
     return Accelerator(**{k: v for k, v in data["profile"].items() if k in names})
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine that every simulated replica and the request path share. A replica's own
+    Python (its Ray calls, the outputs it streams, a KV pull's handling) shares a lock with its
+    engine thread, so it lengthens that replica's steps (`decode_*_s`, `prefill_request_s`); the
+    rest of the path (HAProxy, the gateway, Ray's daemons, the client) only takes cores. Engines'
+    steps stretch when more is busy than there are cores (`SharedCores`, replicas.py). A
+    request's first token comes `local_path_s` later than its engine work alone gives (the way in
+    and out), `remote_path_s` when prefilled by the prefill pool (its Ray call, the pull's round
+    trips, the join)."""
+    cores: float
+    idle_cores: float  # cores busy with the app deployed and idle (Ray's daemons, Serve's controller)
+    request_cpu_s: float  # CPU seconds a request costs outside the replicas' processes
+    token_cpu_s: float  # and each streamed token
+    decode_request_s: float  # in the decode replica's process, beyond its engine's steps: a request
+    decode_step_s: float  # what each of its steps takes longer than the engine's own
+    decode_token_s: float  # and each stream of the step
+    prefill_request_s: float  # in the prefill replica's process, a request
+    local_path_s: float
+    remote_path_s: float
+    source: str = ""
+
+
+def load_host(path: Path = CPU_HOST) -> Host:
+    """This machine's `Host` (benchmarks/simulator_host.py writes the file)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: no host measurement ({e.strerror}); run `python benchmarks/simulator_host.py "
+                         "--write`") from None
+    names = {f.name for f in fields(Host)}
+    return Host(**{k: v for k, v in data["host"].items() if k in names})
 
 
 def accelerator(name: str, cpu_calibration: Path | None = None) -> Accelerator:

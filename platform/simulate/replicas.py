@@ -5,8 +5,8 @@ the step budget). `SimDecode` runs continuous batching: every step decodes each 
 once, plus at most one chunk of a locally prefilled prompt; a stream's last step is known when it
 joins (it asks for a fixed number of tokens), so a step costs O(1) bookkeeping plus the streams
 that finish in it, never a walk over the batch. Each step's duration comes from the roofline
-(`StepCost`) and feeds the replica's `CostModel` exactly as a real replica's engine does
-(`on_step(num_decodes, num_prefill_tokens, seconds)`).
+(`StepCost`), stretched on a shared host (`SharedCores`), and feeds the replica's `CostModel`
+exactly as a real replica's engine does (`on_step(num_decodes, num_prefill_tokens, seconds)`).
 
 KV blocks: a decode replica reserves a request's whole length (prompt + output, as the decode
 router counts it) when it admits it and frees them when the request finishes, so the simulation
@@ -18,11 +18,41 @@ back `sim.at` (schedule), `sim.first_token`, `sim.finished`, `sim.prefill_done` 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from pdserve.decode.placement import CostModel
 from pdserve.telemetry.averages import Average
 from pdserve.simulate.roofline import StepCost, prefill_pairs
+
+
+class SharedCores:
+    """The cores of one `Host` (hardware.py) as the engines and the request path use them: an
+    engine step takes `stretch()` times its own time when the engines mid-step, the app's idle
+    load and the path's recent CPU use (`spend`, a rate decayed over `TAU_S`) ask for more cores
+    than there are (each busy thing gets an equal share). The stretch is set when a step starts."""
+
+    TAU_S = 1.0
+
+    def __init__(self, host):
+        self.host = host
+        self.num_busy = 0  # engines mid-step
+        self._path_cores = 0.0  # the path's CPU seconds a second, lately
+        self._at = 0.0
+
+    def _decay(self, now: float) -> None:
+        if now > self._at:
+            self._path_cores *= math.exp((self._at - now) / self.TAU_S)
+            self._at = now
+
+    def spend(self, cpu_s: float, now: float) -> None:
+        self._decay(now)
+        self._path_cores += cpu_s / self.TAU_S
+
+    def stretch(self, now: float) -> float:
+        self._decay(now)
+        demand = self.num_busy + self.host.idle_cores + self._path_cores
+        return demand / self.host.cores if demand > self.host.cores else 1.0
 
 
 class Req:
@@ -47,12 +77,26 @@ class _Replica:
         self.version = 0  # bumped on every change the routers rank by
         self.started_s = 0.0
         self.num_steps = 0
+        self.host = sim.config.host  # its Python beside its engine takes time only on a shared host
+
+    def _shared_stretch(self, now: float) -> float:
+        """How much slower than its own time the step starting now runs (1 off a shared host)."""
+        cores = self.sim.cores
+        if cores is None:
+            return 1.0
+        cores.num_busy += 1
+        return cores.stretch(now)
+
+    def _step_ended(self) -> None:
+        if self.sim.cores is not None:
+            self.sim.cores.num_busy -= 1
 
 
 class SimPrefill(_Replica):
     def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int):
         super().__init__(sim, name, cost, budget)
         self.num_blocks = num_blocks
+        self.request_s = self.host.prefill_request_s if self.host else 0.0
         self.queue: deque[list] = deque()  # [req, remaining tokens, tokens done (cached + computed)]
         self.queued_tokens = 0
         self.prefill_rate = Average(0.0)  # its prompt tokens a second, told with each result (as the real one)
@@ -84,12 +128,14 @@ class SimPrefill(_Replica):
             return
         self.busy, self._plan = True, plan
         tokens = self.budget - left
-        dt = self.cost.seconds(tokens, kv, pairs)
+        finishing = sum(c == entry[1] for entry, c in plan)  # each hands its KV over at the end
+        dt = (self.cost.seconds(tokens, kv, pairs) + finishing * self.request_s) * self._shared_stretch(now)
         self.prefill_rate.add(tokens / dt)
         self.sim.prefill_step(tokens, dt)
         self.sim.at(now + dt, self._end, None)
 
     def _end(self, now: float, _) -> None:
+        self._step_ended()
         self.num_steps += 1
         for entry, c in self._plan:
             entry[1] -= c
@@ -108,6 +154,9 @@ class SimDecode(_Replica):
         # The priors a real replica starts from; its prediction errors dated in simulated time.
         self.cm = CostModel(percentile=sim.config.slo.percentile, clock=lambda: sim.now)
         self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
+        h = self.host
+        self.request_s, self.step_s, self.token_s = (h.decode_request_s, h.decode_step_s, h.decode_token_s) if h \
+            else (0.0, 0.0, 0.0)
         self.num_admitted = 0  # requests holding blocks here
         self.active_blocks = 0  # blocks of the requests whose KV is here (decoding or prefilling here)
         self.blocked: deque[Req] = deque()  # routed here, waiting for blocks or a sequence slot
@@ -165,9 +214,11 @@ class SimDecode(_Replica):
 
     def _start(self, now: float) -> None:
         self.busy = True  # what a finish below sets off (admissions, placements) waits for this step
+        joined = 0
         while self.joining:
             joining, self.joining = self.joining, []
             for req in joining:  # its first token goes out as it joins
+                joined += 1
                 self.sim.first_token(req, now)
                 if req.output == 1:
                     self._finish(req, now)
@@ -188,9 +239,11 @@ class SimDecode(_Replica):
             self.busy = False
             return
         self._decodes, self._chunk, self._started = n, chunk, now
-        self.sim.at(now + self.cost.seconds(n + chunk, kv, pairs), self._end, None)
+        own = self.cost.seconds(n + chunk, kv, pairs) + self.step_s + n * self.token_s + joined * self.request_s
+        self.sim.at(now + own * self._shared_stretch(now), self._end, None)
 
     def _end(self, now: float, _) -> None:
+        self._step_ended()
         dt = now - self._started
         n, chunk = self._decodes, self._chunk
         self.cm.step(n, chunk, dt)

@@ -23,6 +23,12 @@ tick's window and sets each pool's size; new replicas take `replica_start_s` to 
 ones drain (no new requests; they go once idle, checked each tick). Replica-seconds count from a
 replica's request to its removal.
 
+On one shared host (`SimConfig.host`, the cpu profile's machine as the real app runs on it):
+each request reaches the decode router `local_path_s` after it arrives and a remote prefill's KV
+joins `remote_path_s - local_path_s` after its pull (the path's latency outside the engines), and
+the engines' steps stretch when they and the path's CPU use ask for more than the host's cores
+(`SharedCores`).
+
 Events: one per engine step per replica, one per request arrival, prefill completion and KV
 pull, one per autoscaling tick; nothing per token.
 """
@@ -41,9 +47,9 @@ from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Sl
 from pdserve.decode.placement import Load, Target, place
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT
 from pdserve.router.radix_index import RadixIndex
-from pdserve.simulate.hardware import Accelerator
+from pdserve.simulate.hardware import Accelerator, Host
 from pdserve.simulate.model import ModelSpec
-from pdserve.simulate.replicas import Req, SimDecode, SimPrefill
+from pdserve.simulate.replicas import Req, SharedCores, SimDecode, SimPrefill
 from pdserve.simulate.roofline import StepCost
 from pdserve.simulate.routing import DecodeRouter, PrefillRouter
 from pdserve.simulate.stats import LogHistogram, Window
@@ -77,6 +83,7 @@ class SimConfig:
     queue_weight: float = DEFAULT_QUEUE_WEIGHT
     seed: int = 0
     autoscale: AutoscaleSpec | None = None
+    host: Host | None = None  # every replica on this one machine; None: each owns its accelerator
 
 
 def num_kv_blocks(model: ModelSpec, pool: PoolSpec, block_size: int) -> int:
@@ -98,6 +105,8 @@ class Simulation:
         self.kv_bytes = c.model.kv_bytes_per_token
         pools = [c.decode] + ([c.prefill] if c.prefill else [])
         self.link_bytes_per_s = min(p.accelerator.link_bytes_per_s for p in pools)
+        self.cores = SharedCores(c.host) if c.host else None
+        self._join_delay_s = max(0.0, c.host.remote_path_s - c.host.local_path_s) if c.host else 0.0
         self.prefill_router = PrefillRouter(c.block_size, self.rng, c.queue_weight)
         self.decode_router = DecodeRouter(self.rng)
         self.decode_index = RadixIndex()  # what each decode replica's prefix cache holds
@@ -185,6 +194,14 @@ class Simulation:
         self.num_arrived += 1
         self.finish_counts.append(0)
         self._next_arrival()
+        host = self.config.host
+        if host is None:
+            self._enter(now, req)
+            return
+        self.cores.spend(host.request_cpu_s, now)
+        self.at(now + host.local_path_s, self._enter, req)
+
+    def _enter(self, now: float, req: Req) -> None:
         self.pending.append(req)
         self.route_pending(now)
 
@@ -240,7 +257,7 @@ class Simulation:
         d.remote_queued_tokens -= req.uncached
         d.cm.remote_prefill(req.ahead, now - req.dispatched, prefill.prefill_rate.value)
         req.pull_bytes = req.uncached * self.kv_bytes
-        self.at(now + req.pull_bytes / self.link_bytes_per_s, self._pulled, req)
+        self.at(now + req.pull_bytes / self.link_bytes_per_s + self._join_delay_s, self._pulled, req)
 
     def _pulled(self, now: float, req: Req) -> None:
         d = req.decode
@@ -269,6 +286,8 @@ class Simulation:
     def tokens(self, num_streams: int, gap_s: float) -> None:
         """A decode step gave `num_streams` streams a token, `gap_s` after their last one."""
         self.itl.add(gap_s, num_streams)
+        if self.cores is not None:
+            self.cores.spend(num_streams * self.config.host.token_cpu_s, self.now)
         self.window.gap_weight += num_streams
         if gap_s <= self.config.slo.itl_s:
             self.window.gap_weight_within += num_streams

@@ -1,0 +1,100 @@
+"""A shared host in the simulator (`SimConfig.host`): the request path's latency lands on the
+first token by the path taken, engines' steps stretch only when more asks for the cores than
+there are, and every request still finishes once with nothing held."""
+
+import dataclasses
+import math
+
+import pytest
+
+from pdserve.simulate.hardware import Host, load_host
+from pdserve.simulate.replicas import SharedCores
+from pdserve.simulate.sim import Simulation
+from pdserve.simulate.workload import SimRequest, bench_requests
+from tests.unit.simulate.fixtures import config
+from tests.unit.simulate.test_sim import MIX, assert_balanced
+
+ROOMY = Host(cores=64, idle_cores=0.0, request_cpu_s=0.0, token_cpu_s=0.0, decode_request_s=0.0, decode_step_s=0.0,
+             decode_token_s=0.0, prefill_request_s=0.0, local_path_s=0.04, remote_path_s=0.07)
+
+
+def test_shared_cores_stretch_only_past_the_cores():
+    cores = SharedCores(dataclasses.replace(ROOMY, cores=2, idle_cores=0.5))
+    cores.num_busy = 1
+    assert cores.stretch(0.0) == 1.0  # 1.5 cores asked for of 2
+    cores.num_busy = 2
+    assert cores.stretch(0.0) == pytest.approx(2.5 / 2)
+    cores.spend(1.0, 0.0)  # a CPU second of path work just now: a core's worth, decaying
+    assert cores.stretch(0.0) == pytest.approx(3.5 / 2)
+    assert cores.stretch(1.0) == pytest.approx((2.5 + math.exp(-1)) / 2)
+    assert cores.stretch(50.0) == pytest.approx(2.5 / 2)
+
+
+def one(prompt: int, output: int = 8) -> list[SimRequest]:
+    return [SimRequest(0.0, prompt, output)]
+
+
+@pytest.mark.parametrize("prefill", [0, 1], ids=["colocated", "disaggregated"])
+def test_the_path_latency_lands_on_the_first_token_by_the_path_taken(prefill):
+    base = Simulation(config(prefill=prefill, decode=1, ttft_s=30.0))
+    plain = base.run(one(600))
+    sim = Simulation(dataclasses.replace(config(prefill=prefill, decode=1, ttft_s=30.0), host=ROOMY))
+    result = sim.run(one(600))
+    assert result["placements"] == plain["placements"]
+    [where] = {key.split(":")[0] for key in result["placements"]}
+    extra = ROOMY.local_path_s if where == "local" else ROOMY.remote_path_s
+    assert result["ttft_ms"]["p50"] == pytest.approx(plain["ttft_ms"]["p50"] + extra * 1000, rel=0.02)
+    assert result["itl_ms"]["p50"] == pytest.approx(plain["itl_ms"]["p50"], rel=1e-6)  # roomy: no stretch
+
+
+def test_steps_stretch_when_the_engines_outnumber_the_cores():
+    """Two decode replicas streaming at once: on one core each step takes twice as long; on two, as
+    long as alone."""
+    requests = [SimRequest(0.0, 64, 200), SimRequest(0.0, 64, 200)]
+
+    def itl(cores: int) -> float:
+        host = dataclasses.replace(ROOMY, cores=cores, local_path_s=0.0, remote_path_s=0.0)
+        sim = Simulation(dataclasses.replace(config(prefill=0, decode=2), host=host))
+        result = sim.run(iter(requests))
+        assert {r.num_steps > 0 for r in sim.pools["decode"]} == {True}  # each replica took one
+        return result["itl_ms"]["p50"]
+
+    assert itl(1) == pytest.approx(2 * itl(2), rel=0.02)
+
+
+def test_a_replicas_own_python_lengthens_its_steps():
+    """Per decode step, per request joining a decode replica, per prompt a prefill replica hands
+    over: each adds its time once where it happens (a roomy host: nothing stretches)."""
+    plain = Simulation(dataclasses.replace(config(prefill=1, decode=1, ttft_s=30.0), host=ROOMY)).run(one(600, 20))
+    own = dataclasses.replace(ROOMY, decode_step_s=0.002, decode_request_s=0.003, prefill_request_s=0.005)
+    result = Simulation(dataclasses.replace(config(prefill=1, decode=1, ttft_s=30.0), host=own)).run(one(600, 20))
+    assert list(result["placements"]) == ["remote: remote meets the TTFT target"] == list(plain["placements"])
+    assert result["ttft_ms"]["mean"] == pytest.approx(plain["ttft_ms"]["mean"] + 5)  # the prefill replica's
+    # The first decode step carries the join and the step's own cost; every later one the step's.
+    assert result["itl_ms"]["p50"] == pytest.approx(plain["itl_ms"]["p50"] + 2, rel=0.02)
+    assert result["tpot_ms"]["mean"] == pytest.approx(plain["tpot_ms"]["mean"] + 2 + 3 / 19, rel=0.01)
+
+
+def test_the_path_cpu_stretches_steps():
+    busy = dataclasses.replace(ROOMY, cores=1, request_cpu_s=0.0, token_cpu_s=0.002, local_path_s=0.0,
+                               remote_path_s=0.0)
+    quiet = dataclasses.replace(busy, token_cpu_s=0.0)
+    itl = {}
+    for name, host in (("busy", busy), ("quiet", quiet)):
+        sim = Simulation(dataclasses.replace(config(prefill=0, decode=1), host=host))
+        itl[name] = sim.run(iter([SimRequest(0.0, 64, 400)]))["itl_ms"]["p50"]
+    assert itl["busy"] > 1.05 * itl["quiet"]
+
+
+def test_a_shared_host_under_load_leaves_nothing_held():
+    host = dataclasses.replace(ROOMY, cores=2, idle_cores=0.3, request_cpu_s=0.01, token_cpu_s=0.0005)
+    sim = Simulation(dataclasses.replace(config(prefill=2, decode=3, ttft_s=0.3), host=host))
+    result = sim.run(bench_requests(MIX, seed=1, rate=60, duration_s=10))
+    assert_balanced(sim, result)
+    assert sim.cores.num_busy == 0
+
+
+def test_the_shipped_host_measurement_loads():
+    host = load_host()
+    assert host.cores >= 1 and host.local_path_s > 0 and host.remote_path_s > 0
+    assert host.request_cpu_s >= 0 and host.token_cpu_s >= 0 and host.idle_cores >= 0
