@@ -1,28 +1,32 @@
 """What the real app costs on this machine outside its engines' steps: the simulator's `Host`
 (pdserve.simulate.hardware), which `pdserve simulate --this-machine` reads.
 
-    python benchmarks/simulator_host.py            # measure and print
+    python benchmarks/simulator_host.py            # measure and print (3 rounds, ~20 minutes)
     python benchmarks/simulator_host.py --write    # and store it as platform/simulate/cpu_host.json
 
-One request at a time (no queueing, nothing beside it), the same short prompts (64-128 tokens,
-greedy, ignore_eos) with 2 and then 48 output tokens, through:
+One request at a time (no queueing, nothing beside it), greedy, ignore_eos: short prompts
+(64-128 tokens) with 2 and with 48 output tokens, and long ones (1,000-1,100 tokens) with 2,
+through:
 - the offline engine in this process (one thread, as a one-core replica): the engines' own time;
 - the colocated app (one replica of one core, one engine thread): the local path;
 - the disaggregated app as Serving part 2 deploys it (a prefill and a decode replica of one core
   each), every prompt prefilled remotely: the remote path.
-Latency: a path's median TTFT over the offline engine's for the same requests (`local_path_s`,
-`remote_path_s`). CPU, in the disaggregated app: each replica process's CPU seconds
-(/proc/PID/stat) less what it uses idle over the run's length and less its engine's steps as the
-cpu profile times them (cpu_calibration.json) is that replica's own Python (`decode_request_s`,
-`prefill_request_s`); the machine's busy CPU seconds (/proc/stat) less its idle load and less both
-replica processes' is the rest of the path (`request_cpu_s`, `token_cpu_s`: HAProxy, the gateway,
-Ray's daemons, and the benchmark's own client, which the real runs also put on these cores). Per
-request and per token from the runs at 2 and at 48 output tokens. How much of the decode replica's
-Python holds up its steps (it shares the GIL with the engine thread; the rest runs beside it) is
-read from the gaps instead: the median gap over the cpu profile's step, one stream at a time and
-8 streams at once (8 requests of 256 tokens), fitted as a cost per step and one per stream
-(`decode_step_s`, `decode_token_s`). `idle_cores`: the machine's busy cores with the app deployed
-and nothing sent; `cores`: its cores.
+Latency: a path's median TTFT over the offline engine's for the same requests, at the short and
+the long prompts: a cost per request and one per prompt token (`local_path_s`, `remote_path_s`,
+`local_path_s_per_prompt_token`, `remote_path_s_per_prompt_token`: tokenizing, the KV pull,
+the join grow with the prompt). CPU, in the disaggregated app at 2 and 48 output tokens: each
+replica process's CPU seconds (/proc/PID/stat) less what it uses idle over the run's length and
+less its engine's steps as the cpu profile times them (cpu_calibration.json) is that replica's
+own Python (`decode_request_s`, `prefill_request_s`, and per prompt token from the long prompts:
+`decode_s_per_prompt_token`, `prefill_s_per_prompt_token`); the machine's busy CPU seconds (/proc/stat)
+less its idle load and less both replica processes' is the rest of the path (HAProxy, the
+gateway, Ray's daemons, and the benchmark's own client, which the real runs also put on these
+cores). How much of the decode replica's Python holds up its steps (it shares the GIL with the
+engine thread) is read from the gaps: the median gap over the cpu profile's step, one stream at a
+time and 8 streams at once (8 requests of 256 tokens), fitted as a cost per step and one per
+stream (`decode_step_s`, `decode_token_s`); what of its per-token CPU that leaves runs beside the
+engine and joins the rest as cores taken (`request_cpu_s`, `token_cpu_s`). `idle_cores`: the
+machine's busy cores with the app deployed and nothing sent; `cores`: its cores.
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ import statistics
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from machine import machine_line  # this folder's scripts run with it on sys.path
 from serving import PRESET, _free_port, _start_ray, _stream_all
 
-OUTPUTS = (2, 48)
+# name -> (prompt tokens, output tokens), each `--requests` requests sent one at a time
+WORKLOADS = {"short": ("64:128", 2), "stream": ("64:128", 48), "long": ("1000:1100", 2)}
 BATCH, BATCH_OUTPUT = 8, 256  # the run whose gaps are 8 streams' steps
 HOST_FILE = Path(__file__).parents[1] / "platform" / "simulate" / "cpu_host.json"
 
@@ -150,9 +157,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=24, help="requests per output length (default %(default)s)")
     ap.add_argument("--idle-s", type=float, default=10.0, help="how long each app's idle load is measured")
+    ap.add_argument("--rounds", type=int, default=3, help="measure this many times and keep each figure's "
+                                                          "median (default %(default)s)")
     ap.add_argument("--write", action="store_true", help=f"store the result as {HOST_FILE.name}")
     args = ap.parse_args()
+    rounds = [measure(args) for _ in tqdm(range(args.rounds), desc="rounds")]
+    host = {k: statistics.median(r["host"][k] for r in rounds) for k in rounds[0]["host"] if k != "source"}
+    host["source"] = (f"benchmarks/simulator_host.py, {PRESET}, {args.requests} requests per workload, median of "
+                      f"{args.rounds} rounds")
+    report = {"machine": machine_line(), "load_average": os.getloadavg(),
+              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": host, "rounds": rounds}
+    print(json.dumps(report, indent=1))
+    if args.write:
+        HOST_FILE.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {HOST_FILE}")
 
+
+def measure(args) -> dict:
+    """One round: every workload through the offline engine and both apps; the `Host` it gives."""
     import ray
 
     from pdserve.bench.workloads import PromptBuilder, random_workload
@@ -161,7 +183,8 @@ def main() -> None:
 
     model = str(default_model(PRESET))
     builder = PromptBuilder(model)
-    workloads = {n: random_workload(builder, args.requests, "64:128", str(n), seed=n) for n in OUTPUTS}
+    workloads = {name: random_workload(builder, args.requests, prompt, str(out), seed=seed)
+                 for seed, (name, (prompt, out)) in enumerate(WORKLOADS.items())}
     warmup = random_workload(builder, 1, "128", "8", seed=1000)[0]
     batch = random_workload(builder, BATCH, "64:128", str(BATCH_OUTPUT), seed=BATCH_OUTPUT)
     engine = {"num_threads": 1, "max_num_seqs": 64, "split_prompts_to_fill_steps": False}
@@ -178,59 +201,67 @@ def main() -> None:
                 "remote": served(disagg, workloads, builder, warmup, args.idle_s, batch)}
     finally:
         ray.shutdown()
-
-    def ttft_s(metrics: dict) -> float:  # output length -> metrics
-        return statistics.median([metrics[n]["median_ttft_ms"] for n in OUTPUTS]) / 1000
-
+    metrics = {"offline": alone, **{name: {w: app[w][0] for w in WORKLOADS} for name, app in apps.items()}}
     remote = apps["remote"]
-    engine_s = {n: dict(zip(("Prefill", "Decode"), engine_seconds(model, reqs))) for n, reqs in workloads.items()}
 
-    def own_s(n: int) -> dict:
-        """Per request at `n` output tokens: each replica's CPU beyond its engine's steps and its
-        idle load, and the machine's beyond both processes and its idle load."""
-        _, cpu, wall = remote[n]
+    def prompt_len(w: str) -> float:
+        return statistics.mean(len(r.prompt_token_ids) for r in workloads[w])
+
+    def path_s(app: str) -> tuple[float, float]:
+        """(seconds a request, seconds a prompt token) the app's TTFT adds to the engine's."""
+        extra = {w: (metrics[app][w]["median_ttft_ms"] - alone[w]["median_ttft_ms"]) / 1000 for w in ("short", "long")}
+        per_token = max(0.0, (extra["long"] - extra["short"]) / (prompt_len("long") - prompt_len("short")))
+        return extra["short"] - per_token * prompt_len("short"), per_token
+
+    engine_s = {w: dict(zip(("Prefill", "Decode"), engine_seconds(model, reqs))) for w, reqs in workloads.items()}
+
+    def own_s(w: str) -> dict:
+        """Per request of workload `w`: each replica's CPU beyond its engine's steps and its idle
+        load, and the machine's beyond both processes and its idle load."""
+        _, cpu, wall = remote[w]
         busy = {k: v - remote["idle"][k] * wall for k, v in cpu.items()}
-        out = {pool: (busy[pool] - engine_s[n][pool]) / args.requests for pool in ("Prefill", "Decode")}
+        out = {pool: (busy[pool] - engine_s[w][pool]) / args.requests for pool in ("Prefill", "Decode")}
         out["rest"] = (busy["machine"] - busy["Prefill"] - busy["Decode"]) / args.requests
         return out
 
-    short, long_ = OUTPUTS
-    per_token = {k: max(0.0, (own_s(long_)[k] - own_s(short)[k]) / (long_ - short)) for k in ("Decode", "rest")}
-    per_request = {k: max(0.0, own_s(short)[k] - short * per_token.get(k, 0.0)) for k in ("Decode", "rest")}
+    tokens = {w: WORKLOADS[w][1] for w in WORKLOADS}
+    per_token = {k: max(0.0, (own_s("stream")[k] - own_s("short")[k]) / (tokens["stream"] - tokens["short"]))
+                 for k in ("Decode", "rest")}
+    # Each replica's own Python a prompt token (hashing its blocks, exporting or pulling its KV): long against short.
+    per_prompt_token = {pool: max(0.0, (own_s("long")[pool] - own_s("short")[pool])
+                                  / (prompt_len("long") - prompt_len("short"))) for pool in ("Prefill", "Decode")}
+    per_request = {k: max(0.0, own_s("short")[k] - tokens["short"] * per_token[k]
+                          - prompt_len("short") * per_prompt_token.get(k, 0.0)) for k in ("Decode", "rest")}
     # The decode steps' gaps over the profile's steps, at 1 and at BATCH streams (contexts at mid-stream).
     cost = step_cost(model)
 
-    def gap_over_step_s(metrics: dict, reqs: list, streams: int) -> float:
+    def gap_over_step_s(m: dict, reqs: list, streams: int) -> float:
         context = statistics.mean(len(r.prompt_token_ids) + r.max_tokens / 2 for r in reqs)
-        return metrics["median_itl_ms"] / 1000 - cost.seconds(streams, streams * context, streams * context)
+        return m["median_itl_ms"] / 1000 - cost.seconds(streams, streams * context, streams * context)
 
-    one = gap_over_step_s(remote[long_][0], workloads[long_], 1)
+    one = gap_over_step_s(metrics["remote"]["stream"], workloads["stream"], 1)
     many = gap_over_step_s(remote["batch"], batch, BATCH)
     decode_token_s = max(0.0, (many - one) / (BATCH - 1))
+    decode_step_s = max(0.0, one - decode_token_s)
+    beside = max(0.0, per_token["Decode"] - decode_step_s - decode_token_s)  # a token's decode CPU off the step
+    (local_s, local_per_token), (remote_s, remote_per_token) = path_s("local"), path_s("remote")
     host = {"cores": os.cpu_count(), "idle_cores": remote["idle"]["machine"],
-            "request_cpu_s": per_request["rest"], "token_cpu_s": per_token["rest"],
-            "decode_request_s": per_request["Decode"], "decode_step_s": max(0.0, one - decode_token_s),
-            "decode_token_s": decode_token_s,
-            "prefill_request_s": max(0.0, statistics.mean(own_s(n)["Prefill"] for n in OUTPUTS)),
-            "local_path_s": ttft_s({n: apps["local"][n][0] for n in OUTPUTS}) - ttft_s(alone),
-            "remote_path_s": ttft_s({n: remote[n][0] for n in OUTPUTS}) - ttft_s(alone),
-            "source": f"benchmarks/simulator_host.py, {PRESET}, {args.requests} requests per output length"}
-    served_metrics = {name: {n: app[n][0] for n in OUTPUTS} for name, app in apps.items()}
-    report = {"machine": machine_line(), "load_average": os.getloadavg(),
-              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": host,
-              "median_ttft_ms": {name: {n: m[n]["median_ttft_ms"] for n in OUTPUTS}
-                                 for name, m in (("offline", alone), *served_metrics.items())},
-              "median_itl_ms": {name: {n: m[n]["median_itl_ms"] for n in OUTPUTS}
-                                for name, m in (("offline", alone), *served_metrics.items())},
+            "request_cpu_s": per_request["rest"], "token_cpu_s": per_token["rest"] + beside,
+            "decode_request_s": per_request["Decode"], "decode_step_s": decode_step_s, "decode_token_s": decode_token_s,
+            "decode_s_per_prompt_token": per_prompt_token["Decode"],
+            "prefill_request_s": max(0.0, statistics.mean(own_s(w)["Prefill"] for w in ("short", "stream"))
+                                     - prompt_len("short") * per_prompt_token["Prefill"]),
+            "prefill_s_per_prompt_token": per_prompt_token["Prefill"],
+            "local_path_s": local_s, "remote_path_s": remote_s, "local_path_s_per_prompt_token": local_per_token,
+            "remote_path_s_per_prompt_token": remote_per_token}
+    return {"load_average": os.getloadavg(), "host": host, "mean_prompt_tokens": {w: prompt_len(w) for w in WORKLOADS},
+              "median_ttft_ms": {name: {w: m[w]["median_ttft_ms"] for w in WORKLOADS} for name, m in metrics.items()},
+              "median_itl_ms": {name: {w: m[w]["median_itl_ms"] for w in WORKLOADS} for name, m in metrics.items()},
               f"median_itl_ms_{BATCH}_streams": remote["batch"]["median_itl_ms"],
               "gap_over_step_ms": {1: one * 1000, BATCH: many * 1000},
-              "own_cpu_s_per_request": {n: own_s(n) for n in OUTPUTS},
-              "engine_s_per_request": {n: {k: v / args.requests for k, v in engine_s[n].items()} for n in OUTPUTS},
+              "own_cpu_s_per_request": {w: own_s(w) for w in WORKLOADS},
+              "engine_s_per_request": {w: {k: v / args.requests for k, v in engine_s[w].items()} for w in engine_s},
               "idle_cores": {name: app["idle"] for name, app in apps.items()}}
-    print(json.dumps(report, indent=1))
-    if args.write:
-        HOST_FILE.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {HOST_FILE}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def simulate(kind: str, rate: float, seed: int, num_requests: int, this_machine:
 
     cmd = ["pdserve", "simulate", "--accelerator", "cpu", *WORKLOADS[kind], "--num-requests", str(num_requests),
            "--rate", str(rate), "--seed", str(seed), "--arrival-seed", "0", "--tokenizer", str(default_model(PRESET)),
-           "--ttft-ms", str(MIX_SLO["ttft"]), "--itl-ms", str(MIX_SLO["tpot"]), "--max-num-seqs", "64", "--json",
+           "--ttft-ms", str(MIX_SLO["ttft"]), "--itl-ms", str(MIX_SLO["tpot"]), "--max-num-seqs", "64",
+           "--no-split-prompts-to-fill-steps", "--json",
            "--no-progress", *(["--this-machine"] if this_machine else [])]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 

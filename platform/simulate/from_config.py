@@ -3,8 +3,8 @@
 In: a pdserve config file (the YAML `pdserve serve` takes). Out: a `Deployment`: each pool's
 replicas and TP degree (colocated: no prefill pool), the accelerator its `ray_actor_options`'
 `accelerator_type` names (where a profile of that name exists), the decode engine's block size,
-step budget and sequence limit, the SLO and the joint policy's replica budget. It does not load
-the model or start anything.
+step budget and sequence limit, whether the prefilling engine splits prompts to fill its steps,
+the SLO and the joint policy's replica budget. It does not load the model or start anything.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Deployment:
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    split_prompts_to_fill_steps: bool  # the prefill pool's
     slo: tuple[float, float, float] | None  # (ttft_ms, itl_ms, percentile)
     max_total_replicas: int | None
 
@@ -69,4 +70,5 @@ def read(path: str) -> Deployment:
                       decode_tp=decode.tensor_parallel_size, prefill_accelerator=accelerator(config.prefill),
                       decode_accelerator=accelerator(config.decode), block_size=decode.block_size,
                       max_num_batched_tokens=decode.max_num_batched_tokens, max_num_seqs=decode.max_num_seqs,
+                      split_prompts_to_fill_steps=(decode if colocated else prefill).split_prompts_to_fill_steps,
                       slo=slo, max_total_replicas=budget)

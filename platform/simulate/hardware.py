@@ -84,9 +84,9 @@ class Host:
     engine thread, so it lengthens that replica's steps (`decode_*_s`, `prefill_request_s`); the
     rest of the path (HAProxy, the gateway, Ray's daemons, the client) only takes cores. Engines'
     steps stretch when more is busy than there are cores (`SharedCores`, replicas.py). A
-    request's first token comes `local_path_s` later than its engine work alone gives (the way in
-    and out), `remote_path_s` when prefilled by the prefill pool (its Ray call, the pull's round
-    trips, the join)."""
+    request's first token comes `local_path_s` (and a cost per prompt token) later than its engine
+    work alone gives (the way in and out), `remote_path_s` when prefilled by the prefill pool (its
+    Ray call, the pull's round trips, the join)."""
     cores: float
     idle_cores: float  # cores busy with the app deployed and idle (Ray's daemons, Serve's controller)
     request_cpu_s: float  # CPU seconds a request costs outside the replicas' processes
@@ -97,7 +97,21 @@ class Host:
     prefill_request_s: float  # in the prefill replica's process, a request
     local_path_s: float
     remote_path_s: float
+    local_path_s_per_prompt_token: float = 0.0  # tokenizing, and the like
+    remote_path_s_per_prompt_token: float = 0.0  # and the KV pull's handling, the join
+    decode_s_per_prompt_token: float = 0.0  # a request's cost in each replica's process grows with its prompt
+    prefill_s_per_prompt_token: float = 0.0
     source: str = ""
+
+    def local_delay_s(self, prompt_tokens: int) -> float:
+        return self.local_path_s + prompt_tokens * self.local_path_s_per_prompt_token
+
+    def remote_delay_s(self, prompt_tokens: int) -> float:
+        """What a remote prefill adds to the local path's delay besides the prefill replica's own
+        Python (which its steps carry)."""
+        own = self.prefill_request_s + prompt_tokens * self.prefill_s_per_prompt_token
+        return max(0.0, self.remote_path_s - self.local_path_s - own + prompt_tokens
+                   * (self.remote_path_s_per_prompt_token - self.local_path_s_per_prompt_token))
 
 
 def load_host(path: Path = CPU_HOST) -> Host:

@@ -1,8 +1,9 @@
 """The simulated engine replicas: their queues, batches and KV blocks, one event per engine step.
 
 `SimPrefill` runs chunked prefill (first come, first served; each step packs prompt chunks up to
-the step budget). `SimDecode` runs continuous batching: every step decodes each running stream
-once, plus at most one chunk of a locally prefilled prompt; a stream's last step is known when it
+the step budget, or only whole prompts beside another as the engine does with
+`split_prompts_to_fill_steps` off). `SimDecode` runs continuous batching: every step decodes each
+running stream once, plus at most one chunk of a locally prefilled prompt; a stream's last step is known when it
 joins (it asks for a fixed number of tokens), so a step costs O(1) bookkeeping plus the streams
 that finish in it, never a walk over the batch. Each step's duration comes from the roofline
 (`StepCost`), stretched on a shared host (`SharedCores`), and feeds the replica's `CostModel`
@@ -96,7 +97,8 @@ class SimPrefill(_Replica):
     def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int):
         super().__init__(sim, name, cost, budget)
         self.num_blocks = num_blocks
-        self.request_s = self.host.prefill_request_s if self.host else 0.0
+        self.request_s, self.per_prompt_token_s = (self.host.prefill_request_s, self.host.prefill_s_per_prompt_token) \
+            if self.host else (0.0, 0.0)
         self.queue: deque[list] = deque()  # [req, remaining tokens, tokens done (cached + computed)]
         self.queued_tokens = 0
         self.prefill_rate = Average(0.0)  # its prompt tokens a second, told with each result (as the real one)
@@ -117,6 +119,8 @@ class SimPrefill(_Replica):
         left, plan, kv, pairs = self.budget, [], 0, 0.0
         for entry in self.queue:
             c = min(entry[1], left)
+            if c < entry[1] and plan and not self.sim.config.split_prompts_to_fill_steps:
+                break  # as the engine: a prompt that would not finish starts in a step of its own
             plan.append((entry, c))
             kv += entry[2] + c
             pairs += prefill_pairs(entry[2], c)
@@ -128,8 +132,10 @@ class SimPrefill(_Replica):
             return
         self.busy, self._plan = True, plan
         tokens = self.budget - left
-        finishing = sum(c == entry[1] for entry, c in plan)  # each hands its KV over at the end
-        dt = (self.cost.seconds(tokens, kv, pairs) + finishing * self.request_s) * self._shared_stretch(now)
+        # Each prompt it finishes hands its KV over at the end of the step.
+        own = sum(self.request_s + entry[0].prompt * self.per_prompt_token_s for entry, c in plan if c == entry[1]) \
+            if self.host else 0.0
+        dt = (self.cost.seconds(tokens, kv, pairs) + own) * self._shared_stretch(now)
         self.prefill_rate.add(tokens / dt)
         self.sim.prefill_step(tokens, dt)
         self.sim.at(now + dt, self._end, None)
@@ -155,8 +161,9 @@ class SimDecode(_Replica):
         self.cm = CostModel(percentile=sim.config.slo.percentile, clock=lambda: sim.now)
         self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
         h = self.host
-        self.request_s, self.step_s, self.token_s = (h.decode_request_s, h.decode_step_s, h.decode_token_s) if h \
-            else (0.0, 0.0, 0.0)
+        self.request_s, self.step_s, self.token_s, self.per_prompt_token_s = (
+            (h.decode_request_s, h.decode_step_s, h.decode_token_s, h.decode_s_per_prompt_token) if h
+            else (0.0, 0.0, 0.0, 0.0))
         self.num_admitted = 0  # requests holding blocks here
         self.active_blocks = 0  # blocks of the requests whose KV is here (decoding or prefilling here)
         self.blocked: deque[Req] = deque()  # routed here, waiting for blocks or a sequence slot
@@ -214,11 +221,11 @@ class SimDecode(_Replica):
 
     def _start(self, now: float) -> None:
         self.busy = True  # what a finish below sets off (admissions, placements) waits for this step
-        joined = 0
+        joined = 0.0  # the joining requests' own time here
         while self.joining:
             joining, self.joining = self.joining, []
             for req in joining:  # its first token goes out as it joins
-                joined += 1
+                joined += self.request_s + req.prompt * self.per_prompt_token_s
                 self.sim.first_token(req, now)
                 if req.output == 1:
                     self._finish(req, now)
@@ -239,7 +246,7 @@ class SimDecode(_Replica):
             self.busy = False
             return
         self._decodes, self._chunk, self._started = n, chunk, now
-        own = self.cost.seconds(n + chunk, kv, pairs) + self.step_s + n * self.token_s + joined * self.request_s
+        own = self.cost.seconds(n + chunk, kv, pairs) + self.step_s + n * self.token_s + joined
         self.sim.at(now + own * self._shared_stretch(now), self._end, None)
 
     def _end(self, now: float, _) -> None:

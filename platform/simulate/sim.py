@@ -24,8 +24,9 @@ ones drain (no new requests; they go once idle, checked each tick). Replica-seco
 replica's request to its removal.
 
 On one shared host (`SimConfig.host`, the cpu profile's machine as the real app runs on it):
-each request reaches the decode router `local_path_s` after it arrives and a remote prefill's KV
-joins `remote_path_s - local_path_s` after its pull (the path's latency outside the engines), and
+each request reaches the decode router the local path's delay after it arrives and a remote
+prefill's KV joins what the remote path adds after its pull (the path's latency outside the
+engines: `Host.local_delay_s`, `remote_delay_s`), and
 the engines' steps stretch when they and the path's CPU use ask for more than the host's cores
 (`SharedCores`).
 
@@ -80,6 +81,7 @@ class SimConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    split_prompts_to_fill_steps: bool = True  # the engine option: off, a prompt that would not finish starts alone
     queue_weight: float = DEFAULT_QUEUE_WEIGHT
     seed: int = 0
     autoscale: AutoscaleSpec | None = None
@@ -106,7 +108,6 @@ class Simulation:
         pools = [c.decode] + ([c.prefill] if c.prefill else [])
         self.link_bytes_per_s = min(p.accelerator.link_bytes_per_s for p in pools)
         self.cores = SharedCores(c.host) if c.host else None
-        self._join_delay_s = max(0.0, c.host.remote_path_s - c.host.local_path_s) if c.host else 0.0
         self.prefill_router = PrefillRouter(c.block_size, self.rng, c.queue_weight)
         self.decode_router = DecodeRouter(self.rng)
         self.decode_index = RadixIndex()  # what each decode replica's prefix cache holds
@@ -199,7 +200,7 @@ class Simulation:
             self._enter(now, req)
             return
         self.cores.spend(host.request_cpu_s, now)
-        self.at(now + host.local_path_s, self._enter, req)
+        self.at(now + host.local_delay_s(req.prompt), self._enter, req)
 
     def _enter(self, now: float, req: Req) -> None:
         self.pending.append(req)
@@ -257,7 +258,8 @@ class Simulation:
         d.remote_queued_tokens -= req.uncached
         d.cm.remote_prefill(req.ahead, now - req.dispatched, prefill.prefill_rate.value)
         req.pull_bytes = req.uncached * self.kv_bytes
-        self.at(now + req.pull_bytes / self.link_bytes_per_s + self._join_delay_s, self._pulled, req)
+        delay = self.config.host.remote_delay_s(req.prompt) if self.config.host else 0.0
+        self.at(now + req.pull_bytes / self.link_bytes_per_s + delay, self._pulled, req)
 
     def _pulled(self, now: float, req: Req) -> None:
         d = req.decode

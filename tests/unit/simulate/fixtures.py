@@ -14,7 +14,8 @@ ACCELERATOR = Accelerator("test", 1e12, 1e14, 1e10, 1e11, 8e9, step_overhead_s=1
 
 
 def config(prefill: int = 2, decode: int = 3, autoscale: AutoscaleSpec | None = None, seed: int = 0,
-           ttft_s: float = 1.0, itl_s: float = 0.05) -> SimConfig:
+           ttft_s: float = 1.0, itl_s: float = 0.05, split: bool = True) -> SimConfig:
     return SimConfig(model=MODEL, decode=PoolSpec(ACCELERATOR, decode),
                      prefill=PoolSpec(ACCELERATOR, prefill) if prefill else None, slo=Slo(ttft_s, itl_s, 99.0),
-                     max_num_batched_tokens=1024, max_num_seqs=64, seed=seed, autoscale=autoscale)
+                     max_num_batched_tokens=1024, max_num_seqs=64, seed=seed, autoscale=autoscale,
+                     split_prompts_to_fill_steps=split)
