@@ -26,7 +26,10 @@ engine thread) is read from the gaps: the median gap over the cpu profile's step
 time and 8 streams at once (8 requests of 256 tokens), fitted as a cost per step and one per
 stream (`decode_step_s`, `decode_token_s`); what of its per-token CPU that leaves runs beside the
 engine and joins the rest as cores taken (`request_cpu_s`, `token_cpu_s`). `idle_cores`: the
-machine's busy cores with the app deployed and nothing sent; `cores`: its cores.
+machine's busy cores with the app deployed and nothing sent. `cores`: what the machine's cores
+give two engines at once: its core count over how much slower a one-thread engine's prefill runs
+while another process decodes (two engines share caches and memory bandwidth even on cores of
+their own).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,6 +82,58 @@ def idle(seconds: float, pids: dict[str, int] | None = None) -> dict:
     """Cores busy while nothing is sent: the machine's and each of `pids`'."""
     _, cpu, wall = timed(lambda: time.sleep(seconds), pids)
     return {k: v / wall for k, v in cpu.items()}
+
+
+# A one-thread engine decoding 8 streams of 100-token prompts until killed, in a process of its own.
+DECODE_LOOP = """
+import sys
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+engine = LLM(sys.argv[1], num_threads=1, max_num_seqs=64).engine
+vocab, k = engine.tokenizer.vocab_size, 0
+while True:
+    while len(engine.scheduler.running) + len(engine.scheduler.waiting) < 8:
+        k += 1
+        engine.add_request(f"d{k}", [5 + (7919 * k + 31 * t) % (vocab - 5) for t in range(100)],
+                           SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    engine.step()
+    if k == 8:
+        print("decoding", flush=True)
+"""
+
+
+def co_running_slowdown(model: str, repeats: int = 5) -> dict:
+    """A 1,024-token prefill's median time beside a decoding engine over its median time alone
+    (both one thread, each in its own process), taking turns: alone, beside, alone, ..."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = LLM(model, num_threads=1, max_num_seqs=64).engine
+    vocab, serial = engine.tokenizer.vocab_size, [0]
+
+    def prefill_s() -> float:
+        serial[0] += 1
+        engine.add_request(f"p{serial[0]}", [5 + (7919 * serial[0] + 31 * t) % (vocab - 5) for t in range(1024)],
+                           SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t
+
+    prefill_s()  # warm-up
+    times: dict[str, list[float]] = {"alone": [], "beside": []}
+    for _ in range(repeats):
+        times["alone"].append(prefill_s())
+        decoder = subprocess.Popen([sys.executable, "-c", DECODE_LOOP, model], stdout=subprocess.PIPE, text=True)
+        try:
+            decoder.stdout.readline()  # decoding
+            times["beside"].append(prefill_s())
+        finally:
+            decoder.kill()
+            decoder.wait()
+    engine.shutdown()
+    return {"slowdown": statistics.median(times["beside"]) / statistics.median(times["alone"]),
+            "prefill_s": times}
 
 
 def step_cost(model: str):
@@ -161,12 +218,17 @@ def main() -> None:
                                                           "median (default %(default)s)")
     ap.add_argument("--write", action="store_true", help=f"store the result as {HOST_FILE.name}")
     args = ap.parse_args()
+    from pdserve.engine.checkpoint import default_model
+
+    co_running = co_running_slowdown(str(default_model(PRESET)))
     rounds = [measure(args) for _ in tqdm(range(args.rounds), desc="rounds")]
     host = {k: statistics.median(r["host"][k] for r in rounds) for k in rounds[0]["host"] if k != "source"}
+    host["cores"] = os.cpu_count() / max(1.0, co_running["slowdown"])
     host["source"] = (f"benchmarks/simulator_host.py, {PRESET}, {args.requests} requests per workload, median of "
                       f"{args.rounds} rounds")
     report = {"machine": machine_line(), "load_average": os.getloadavg(),
-              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": host, "rounds": rounds}
+              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": host,
+              "co_running": co_running, "rounds": rounds}
     print(json.dumps(report, indent=1))
     if args.write:
         HOST_FILE.write_text(json.dumps(report, indent=1) + "\n")
