@@ -3,9 +3,9 @@
 `SimPrefill` runs chunked prefill (first come, first served; each step packs prompt chunks up to
 the step budget, or only whole prompts beside another as the engine does with
 `split_prompts_to_fill_steps` off). `SimDecode` runs continuous batching: every step decodes each
-running stream once, plus at most one chunk of a locally prefilled prompt; a stream's last step is known when it
-joins (it asks for a fixed number of tokens), so a step costs O(1) bookkeeping plus the streams
-that finish in it, never a walk over the batch. Each step's duration comes from the roofline
+running stream once, plus at most one chunk of a locally prefilled prompt; a stream's last step
+is known when it joins (it asks for a fixed number of tokens), so a step costs O(1) bookkeeping
+plus the streams that finish in it, never a walk over the batch. Each step's duration comes from the roofline
 (`StepCost`), stretched on a shared host (`SharedCores`), and feeds the replica's `CostModel`
 exactly as a real replica's engine does (`on_step(num_decodes, num_prefill_tokens, seconds)`).
 

@@ -24,10 +24,10 @@ ones drain (no new requests; they go once idle, checked each tick). Replica-seco
 replica's request to its removal.
 
 On one shared host (`SimConfig.host`, the cpu profile's machine as the real app runs on it):
-each request reaches the decode router the local path's delay after it arrives and a remote
+each request reaches the decode router the local path's delay after it arrives, a remote
 prefill's KV joins what the remote path adds after its pull (the path's latency outside the
-engines: `Host.local_delay_s`, `remote_delay_s`), and
-the engines' steps stretch when they and the path's CPU use ask for more than the host's cores
+engines: `Host.local_delay_s`, `remote_delay_s`), each replica's own Python lengthens its steps,
+and the steps stretch when the engines and the path's CPU use ask for more than the host's cores
 (`SharedCores`).
 
 Events: one per engine step per replica, one per request arrival, prefill completion and KV
