@@ -1,7 +1,7 @@
 """What the real app costs on this machine outside its engines' steps: the simulator's `Host`
 (pdserve.simulate.hardware), which `pdserve simulate --this-machine` reads.
 
-    python benchmarks/simulator_host.py            # measure and print (3 rounds, ~20 minutes)
+    python benchmarks/simulator_host.py            # measure and print (3 rounds, ~12 minutes)
     python benchmarks/simulator_host.py --write    # and store it as platform/simulate/cpu_host.json
 
 One request at a time (no queueing, nothing beside it), greedy, ignore_eos: short prompts
@@ -144,12 +144,12 @@ def step_cost(model: str):
     return StepCost(load_model(model), load_cpu())
 
 
-def engine_seconds(model: str, reqs) -> tuple[float, float]:
+def engine_seconds(cost, reqs) -> tuple[float, float]:
     """(prefill, decode) seconds the engine's steps take for `reqs` one at a time, as the cpu
-    profile times them: a prompt's one prefill step, then a decode step per later token."""
+    profile (`cost`, a StepCost) times them: a prompt's one prefill step, then a decode step per
+    later token."""
     from pdserve.simulate.roofline import prefill_pairs
 
-    cost = step_cost(model)
     prefill = decode = 0.0
     for r in reqs:
         p = len(r.prompt_token_ids)
@@ -158,7 +158,7 @@ def engine_seconds(model: str, reqs) -> tuple[float, float]:
     return prefill, decode
 
 
-def offline(model: str, workloads: dict[int, list], warmup) -> dict:
+def offline(model: str, workloads: dict[str, list], warmup) -> dict:
     """The engine alone, in this process, one request at a time: each workload timed without the
     engine's start and shutdown."""
     from pdserve.bench.metrics import compute_metrics
@@ -182,7 +182,7 @@ def offline(model: str, workloads: dict[int, list], warmup) -> dict:
         engine.shutdown()
 
 
-def served(config, workloads: dict[int, list], builder, warmup, idle_s: float, batch: list | None = None) -> dict:
+def served(config, workloads: dict[str, list], builder, warmup, idle_s: float, batch: list | None = None) -> dict:
     """Deploy `config`; measure its idle load, then each workload one request at a time (CPU by
     the machine and by each engine replica's process), then `batch` all at once."""
     from ray import serve
@@ -212,7 +212,7 @@ def served(config, workloads: dict[int, list], builder, warmup, idle_s: float, b
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=24, help="requests per output length (default %(default)s)")
+    ap.add_argument("--requests", type=int, default=24, help="requests per workload (default %(default)s)")
     ap.add_argument("--idle-s", type=float, default=10.0, help="how long each app's idle load is measured")
     ap.add_argument("--rounds", type=int, default=3, help="measure this many times and keep each figure's "
                                                           "median (default %(default)s)")
@@ -222,8 +222,8 @@ def main() -> None:
 
     co_running = co_running_slowdown(str(default_model(PRESET)))
     rounds = [measure(args) for _ in tqdm(range(args.rounds), desc="rounds")]
-    host = {k: statistics.median(r["host"][k] for r in rounds) for k in rounds[0]["host"] if k != "source"}
-    host["cores"] = os.cpu_count() / max(1.0, co_running["slowdown"])
+    host = {"cores": os.cpu_count() / max(1.0, co_running["slowdown"]),
+            **{k: statistics.median(r["host"][k] for r in rounds) for k in rounds[0]["host"]}}
     host["source"] = (f"benchmarks/simulator_host.py, {PRESET}, {args.requests} requests per workload, median of "
                       f"{args.rounds} rounds")
     report = {"machine": machine_line(), "load_average": os.getloadavg(),
@@ -275,7 +275,8 @@ def measure(args) -> dict:
         per_token = max(0.0, (extra["long"] - extra["short"]) / (prompt_len("long") - prompt_len("short")))
         return extra["short"] - per_token * prompt_len("short"), per_token
 
-    engine_s = {w: dict(zip(("Prefill", "Decode"), engine_seconds(model, reqs))) for w, reqs in workloads.items()}
+    cost = step_cost(model)
+    engine_s = {w: dict(zip(("Prefill", "Decode"), engine_seconds(cost, reqs))) for w, reqs in workloads.items()}
 
     def own_s(w: str) -> dict:
         """Per request of workload `w`: each replica's CPU beyond its engine's steps and its idle
@@ -295,8 +296,6 @@ def measure(args) -> dict:
     per_request = {k: max(0.0, own_s("short")[k] - tokens["short"] * per_token[k]
                           - prompt_len("short") * per_prompt_token.get(k, 0.0)) for k in ("Decode", "rest")}
     # The decode steps' gaps over the profile's steps, at 1 and at BATCH streams (contexts at mid-stream).
-    cost = step_cost(model)
-
     def gap_over_step_s(m: dict, reqs: list, streams: int) -> float:
         context = statistics.mean(len(r.prompt_token_ids) + r.max_tokens / 2 for r in reqs)
         return m["median_itl_ms"] / 1000 - cost.seconds(streams, streams * context, streams * context)
@@ -307,7 +306,7 @@ def measure(args) -> dict:
     decode_step_s = max(0.0, one - decode_token_s)
     beside = max(0.0, per_token["Decode"] - decode_step_s - decode_token_s)  # a token's decode CPU off the step
     (local_s, local_per_token), (remote_s, remote_per_token) = path_s("local"), path_s("remote")
-    host = {"cores": os.cpu_count(), "idle_cores": remote["idle"]["machine"],
+    host = {"idle_cores": remote["idle"]["machine"],
             "request_cpu_s": per_request["rest"], "token_cpu_s": per_token["rest"] + beside,
             "decode_request_s": per_request["Decode"], "decode_step_s": decode_step_s, "decode_token_s": decode_token_s,
             "decode_s_per_prompt_token": per_prompt_token["Decode"],
@@ -317,13 +316,13 @@ def measure(args) -> dict:
             "local_path_s": local_s, "remote_path_s": remote_s, "local_path_s_per_prompt_token": local_per_token,
             "remote_path_s_per_prompt_token": remote_per_token}
     return {"load_average": os.getloadavg(), "host": host, "mean_prompt_tokens": {w: prompt_len(w) for w in WORKLOADS},
-              "median_ttft_ms": {name: {w: m[w]["median_ttft_ms"] for w in WORKLOADS} for name, m in metrics.items()},
-              "median_itl_ms": {name: {w: m[w]["median_itl_ms"] for w in WORKLOADS} for name, m in metrics.items()},
-              f"median_itl_ms_{BATCH}_streams": remote["batch"]["median_itl_ms"],
-              "gap_over_step_ms": {1: one * 1000, BATCH: many * 1000},
-              "own_cpu_s_per_request": {w: own_s(w) for w in WORKLOADS},
-              "engine_s_per_request": {w: {k: v / args.requests for k, v in engine_s[w].items()} for w in engine_s},
-              "idle_cores": {name: app["idle"] for name, app in apps.items()}}
+            "median_ttft_ms": {name: {w: m[w]["median_ttft_ms"] for w in WORKLOADS} for name, m in metrics.items()},
+            "median_itl_ms": {name: {w: m[w]["median_itl_ms"] for w in WORKLOADS} for name, m in metrics.items()},
+            f"median_itl_ms_{BATCH}_streams": remote["batch"]["median_itl_ms"],
+            "gap_over_step_ms": {1: one * 1000, BATCH: many * 1000},
+            "own_cpu_s_per_request": {w: own_s(w) for w in WORKLOADS},
+            "engine_s_per_request": {w: {k: v / args.requests for k, v in engine_s[w].items()} for w in engine_s},
+            "idle_cores": {name: app["idle"] for name, app in apps.items()}}
 
 
 if __name__ == "__main__":
