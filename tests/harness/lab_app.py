@@ -54,7 +54,7 @@ class LabCluster:
         deleted, its replicas gone, the links without faults and Redis empty: the next app starts as
         on a new lab."""
         try:
-            yield self.cluster, self.driver, deploy(self.lab, self.driver, model, **config)
+            yield self.cluster, self.driver, deploy(self.cluster, self.driver, model, **config)
         finally:
             try:
                 undeploy(self.cluster, self.driver)
@@ -75,16 +75,15 @@ class LabCluster:
         self.driver = self.cluster = self.redis = None
 
 
-def deploy(lab: Lab, driver: Driver, model: str, **config) -> str:
+def deploy(cluster: RayLab, driver: Driver, model: str, **config) -> str:
     """The app deployed on the lab's cluster and serving: its base URL. `config` adds to the app's config."""
-    http_port = 18000 + int(lab.tag) % 1000
     config = {"name": APP, "model": model, "engine": ENGINE, "slo": REMOTE_PREFILL_SLO,
               "prefill": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_prefill": 0.001}}},
               "decode": {"ray_actor_options": {"num_cpus": 1, "resources": {"pdserve_decode": 0.001}}},
               "transfer": {"shared_memory": False, "lease_s": 10},
               "gateway": {"request_timeout_s": REQUEST_TIMEOUT_S}, **config}
-    driver.call("deploy", config=config, http_port=http_port)
-    base = f"http://{lab.head_ip}:{http_port}"
+    driver.call("deploy", config=config, http_port=cluster.http_port)
+    base = f"http://{cluster.lab.head_ip}:{cluster.http_port}"
     wait_until_serving(base, 240)
     return base
 

@@ -44,6 +44,9 @@ class RayLab:
         self.temp_dir = tempfile.mkdtemp(prefix=f"pdlab{lab.tag}-")
         self.gcs_port = _free_port(lab.head_ip)
         self.address = f"{lab.head_ip}:{self.gcs_port}"
+        # Serve's HTTP port, one for the cluster's life (its proxies outlive an app). From the kernel's
+        # ephemeral range: a fixed port under 20000 can be held by one of Ray's workers (10002-19999).
+        self.http_port = _free_port(lab.head_ip)
         ports = {flag: str(_free_port(lab.head_ip)) for flag in (
             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
             "--runtime-env-agent-port", "--ray-client-server-port")}
