@@ -80,14 +80,14 @@ async def relay(delay_s: float, client_reader, client_writer) -> None:
 
 async def main(port: int, delay_s: float) -> None:
     server = await asyncio.start_server(lambda r, w: relay(delay_s, r, w), "127.0.0.1", port)
-    print("ready", flush=True)
+    print("ready", server.sockets[0].getsockname()[1], flush=True)  # the port taken (0: the kernel picks)
     async with server:
         await server.serve_forever()
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, default=0, help="default: one the kernel picks (printed)")
     ap.add_argument("--delay-ms", type=float, required=True)
     args = ap.parse_args()
     asyncio.run(main(args.port, args.delay_ms / 1e3))

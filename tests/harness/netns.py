@@ -235,11 +235,13 @@ class Lab:
         """Delay every TCP connection `node` opens to `peer` from now on by `ms` each way, through
         a relay in `node`'s namespace (tests/harness/delay_relay.py; this kernel has no netem).
         Connections open before keep their path: call it before the traffic starts."""
-        port = 15000 + len(self._relays)
-        relay = subprocess.Popen(node.command([sys.executable, "-m", "tests.harness.delay_relay", "--port", str(port),
+        # Its port from the kernel: a fixed one can be held by a Ray worker of the node (10002-19999).
+        relay = subprocess.Popen(node.command([sys.executable, "-m", "tests.harness.delay_relay",
                                                "--delay-ms", str(ms)]),
                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        if relay.stdout.readline().strip() != "ready":
+        ready, _, port = relay.stdout.readline().strip().partition(" ")
+        if ready != "ready":
+            relay.kill()
             raise RuntimeError(f"the delay relay in {node.netns} did not start")
         self._relays.append((node, port, relay))
         _nft(node.netns, f"table ip pdserve_delay_{port} {{\n"
