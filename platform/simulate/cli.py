@@ -55,7 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--downscale-delay-s", type=float, default=30.0,
                    help="how long a pool's want stays low before it shrinks (default %(default)s)")
     a.add_argument("--replica-start-s", type=float, default=30.0, help="a new replica's start-up time")
-    workload_args(p)
+    workload_args(p).add_argument(
+        "--warmup", metavar="PROMPT:OUTPUT", type=_warmup,
+        help="first serve one request of these lengths alone, as benchmarks/serving.py warms its app up (the "
+             "replicas' cost models start from what it measured); the result leaves it out")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
     o.add_argument("--result-file", help="also write the JSON result here")
@@ -82,7 +85,8 @@ def slo_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--percentile", type=float, default=99.0, help="share of requests that must meet it (percent)")
 
 
-def workload_args(p: argparse.ArgumentParser) -> None:
+def workload_args(p: argparse.ArgumentParser):
+    """The workload flags' group (returned: a command adds its own)."""
     w = p.add_argument_group("workload (as pdserve bench)")
     w.add_argument("--workload", choices=["random", "shared-prefix", "long-prompt-mix", "replay"], default="random")
     w.add_argument("--num-requests", type=int, help="this many requests at --rate (the bench's own draw)")
@@ -106,6 +110,19 @@ def workload_args(p: argparse.ArgumentParser) -> None:
                                                     "draws its mix with one seed and its arrivals with 0)")
     w.add_argument("--tokenizer", help="the bench's --tokenizer: the same draw as a bench run that built its "
                                        "prompts with it")
+    return w
+
+
+def _warmup(text: str):
+    from pdserve.simulate.workload import SimRequest
+
+    try:
+        prompt, output = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give PROMPT_TOKENS:OUTPUT_TOKENS, e.g. 128:32") from None
+    if prompt < 1 or output < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both lengths must be at least 1")
+    return SimRequest(0.0, prompt, output)
 
 
 def build(args):
@@ -207,7 +224,7 @@ def _simulate(args) -> int:
         bar.update(round(t, 1) - bar.n)
 
     try:
-        result = sim.run(requests, progress)
+        result = sim.run(requests, progress, [args.warmup] if args.warmup else [])
     finally:
         bar.close()
     result["config"] = describe(config)

@@ -41,7 +41,7 @@ import itertools
 from collections import deque
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo
@@ -133,7 +133,7 @@ class Simulation:
         self.num_arrived = self.num_finished = self.num_good = 0
         self.finish_counts = bytearray()  # per request id: how many times it finished
         self.placements: dict[str, int] = {}
-        self.end_s = 0.0
+        self.start_s = self.end_s = 0.0  # the measured run's (after any warm-up)
         self.num_events = 0
         self._arrivals = None
         self.scaler = (JointScaler(c.slo, c.autoscale.max_total_replicas, c.autoscale.downscale_delay_s,
@@ -153,13 +153,35 @@ class Simulation:
     def at(self, t: float, fn, arg) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, arg))
 
-    def run(self, requests: Iterable[SimRequest], progress=None) -> dict:
-        """Run to the last request's end; `progress(simulated_s)` is called every few thousand events."""
+    def run(self, requests: Iterable[SimRequest], progress=None, warmup: Iterable[SimRequest] = ()) -> dict:
+        """Run to the last request's end; `progress(simulated_s)` is called every few thousand events.
+
+        `warmup`: requests served one at a time before `requests`, as a benchmark warms an app up
+        (benchmarks/serving.py sends one): the replicas keep what their cost models and caches
+        learned from them, and the result starts after them (`requests`' arrival times count from
+        the last one's end)."""
         started = time.perf_counter()
-        self._arrivals = iter(requests)
-        self._next_arrival()
+        warmup = list(warmup)
+        for s in warmup:
+            self._serve(iter([replace(s, arrival_s=self.now)]), None)
+        if warmup:
+            self._measure_from(t0 := self.now)
+            requests = (replace(s, arrival_s=t0 + s.arrival_s) for s in requests)
         if self.scaler:
-            self.at(self.config.autoscale.tick_s, self._tick, None)
+            self.at(self.now + self.config.autoscale.tick_s, self._tick, None)
+        self._serve(iter(requests), progress)
+        self._count(self.end_s)
+        for pool in ("prefill", "decode"):
+            for r in self.pools[pool]:
+                self.lifetimes.append((pool, r.started_s, self.end_s))
+        for r in self.draining:
+            self.lifetimes.append((r.pool, r.started_s, self.end_s))
+        return self.result(time.perf_counter() - started)
+
+    def _serve(self, arrivals, progress) -> None:
+        """Run the events until every one of `arrivals` has arrived and finished."""
+        self._arrivals = arrivals
+        self._next_arrival()
         events, pop = self._events, heapq.heappop
         n = 0
         while events:
@@ -170,15 +192,20 @@ class Simulation:
             if self._arrivals is None and self.num_finished == self.num_arrived:
                 break
             if progress is not None and not n & 4095:
-                progress(t)
-        self.num_events = n
-        self._count(self.end_s)
-        for pool in ("prefill", "decode"):
-            for r in self.pools[pool]:
-                self.lifetimes.append((pool, r.started_s, self.end_s))
-        for r in self.draining:
-            self.lifetimes.append((r.pool, r.started_s, self.end_s))
-        return self.result(time.perf_counter() - started)
+                progress(t - self.start_s)
+        self.num_events += n
+
+    def _measure_from(self, now: float) -> None:
+        """What the result reports counts from `now` (the warm-up's requests all finished)."""
+        self._count(now)
+        self.replica_seconds = dict.fromkeys(self.replica_seconds, 0.0)
+        for r in self.pools["prefill"] + self.pools["decode"]:
+            r.started_s = now
+        self.ttft, self.itl, self.tpot = LogHistogram(), LogHistogram(), LogHistogram()
+        self.window, self.placements = Window(), {}
+        self.num_arrived = self.num_finished = self.num_good = 0  # request ids start again
+        self.finish_counts = bytearray()
+        self.start_s = self.end_s = now
 
     def _next_arrival(self) -> None:
         nxt = next(self._arrivals, None)
@@ -415,16 +442,17 @@ class Simulation:
             return {k: None if v is None else v * 1000 for k, v in out.items()}
 
         total = sum(self.replica_seconds.values())
+        simulated_s = self.end_s - self.start_s
         return {
-            "num_requests": self.num_arrived, "completed": self.num_finished, "simulated_s": self.end_s,
+            "num_requests": self.num_arrived, "completed": self.num_finished, "simulated_s": simulated_s,
             "slo": {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000, "percentile": slo.percentile},
             "ttft_ms": ms(self.ttft), "itl_ms": ms(self.itl), "tpot_ms": ms(self.tpot),
             "slo_attainment": self.num_good / self.num_arrived if self.num_arrived else None,
-            "goodput_rps": self.num_good / self.end_s if self.end_s > 0 else None,
+            "goodput_rps": self.num_good / simulated_s if simulated_s > 0 else None,
             "replica_seconds": {**self.replica_seconds, "total": total},
             "goodput_per_replica": self.num_good / total if total > 0 else None,
             "placements": dict(sorted(self.placements.items())),
             "final_replicas": {pool: len(rs) for pool, rs in self.pools.items()},
             "num_events": self.num_events, "wall_s": wall_s,
-            "real_time_ratio": self.end_s / wall_s if wall_s > 0 else None,
+            "real_time_ratio": simulated_s / wall_s if wall_s > 0 else None,
         }

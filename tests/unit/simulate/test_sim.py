@@ -88,3 +88,24 @@ def test_a_request_asking_for_one_token_finishes_as_it_joins():
     result = sim.run(iter([SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 2)]))
     assert_balanced(sim, result)
     assert sim.itl.total == 1  # one gap: the second request's second token
+
+
+def test_a_warmup_teaches_the_replicas_and_the_result_starts_after_it():
+    requests = list(bench_requests(MIX, seed=7, num_requests=40, rate=10))
+    cold = Simulation(config(prefill=1, decode=1))
+    cold_result = cold.run(iter(requests))
+    warm = Simulation(config(prefill=1, decode=1))
+    result = warm.run(iter(requests), warmup=[SimRequest(0.0, 128, 32)])
+    assert_balanced(warm, result)
+    assert result["num_requests"] == cold_result["num_requests"] == len(requests)
+    assert sum(result["placements"].values()) == len(requests)  # the warm-up's placement is not counted
+    assert warm.start_s > 0 and warm.pools["decode"][0].started_s == warm.start_s
+    # The run's clock starts after the warm-up: the same arrivals span about the same time.
+    assert result["simulated_s"] == pytest.approx(cold_result["simulated_s"], rel=0.2)
+    assert result["replica_seconds"]["total"] == pytest.approx(2 * result["simulated_s"])
+
+    # What the replicas know when the first request comes: the warm-up's steps and remote prefill.
+    only = Simulation(config(prefill=1, decode=1))
+    assert only.run(iter([]), warmup=[SimRequest(0.0, 128, 32)])["num_requests"] == 0
+    cm = only.pools["decode"][0].cm
+    assert cm.decode_step.num_samples >= 31 and cm.remote_rate.num_samples == 1 and cm.link.num_samples == 1
