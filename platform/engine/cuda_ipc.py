@@ -57,6 +57,11 @@ class CudaRegion:
                    bool(d["event_sync_required"]))
 
 
+def is_gone(region: CudaRegion) -> bool:
+    """Whether the process that shared `region` on this host has exited (another host's: False)."""
+    return region.host == host_id() and not os.path.exists(f"/proc/{region.pid}")
+
+
 def _uuid(device: int) -> str:
     import torch
 

@@ -135,6 +135,20 @@ def map_region(region: SharedRegion) -> mmap.mmap | None:
         os.close(fd)
 
 
+def is_gone(region: SharedRegion) -> bool:
+    """Whether the process that shared `region` on this host has exited: its fd no longer names the
+    region's file (a region of another host: False, nothing of it is mapped here)."""
+    if region.host != host_id():
+        return False
+    try:
+        st = os.stat(f"/proc/{region.pid}/fd/{region.fd}")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no permission: not ours to judge
+        return False
+    return (st.st_dev, st.st_ino) != region.file_id
+
+
 def seals(fd: int) -> int:
     """The seals on a memfd (`SEALS` on a KV cache's)."""
     return fcntl.fcntl(fd, _F_GET_SEALS)

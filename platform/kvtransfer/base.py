@@ -36,11 +36,13 @@ from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run,
 from pdserve.kvtransfer.lease_board import BoardView, token_digest
 from pdserve.engine import cuda_ipc
 from pdserve.engine.cuda_ipc import CudaRegion
+from pdserve.engine import shared_memory
 from pdserve.engine.shared_memory import SharedRegion, locate, map_region
 
 log = logging.getLogger(__name__)
 
 _MAX_SOURCES = 16  # exporters' caches an importer keeps mapped (a replaced replica's goes first)
+_SWEEP_S = 10.0  # how often at most an importer looks for mapped exporters that have exited
 
 
 class KVExporter:
@@ -215,6 +217,7 @@ class KVImporter(ABC):
         # Exporters' caches mapped from shared memory (None: not mappable from here), and their lease boards.
         self._sources: OrderedDict[SharedRegion | CudaRegion, np.ndarray | torch.Tensor | None] = OrderedDict()
         self._boards: OrderedDict[SharedRegion, BoardView] = OrderedDict()
+        self._swept_at = time.monotonic()
 
     def pull(self, handle: p.KVHandle, dst_block_ids: list[int], timeout_s: float = 10.0,
              on_failure: Callable[[list[int]], None] | None = None, first_block: int = 0, ack: bool = True) -> None:
@@ -253,6 +256,8 @@ class KVImporter(ABC):
         region = handle.cache_region
         if region is None or isinstance(region, CudaRegion) != self.kv.is_cuda:
             return None
+        if region not in self._sources or time.monotonic() - self._swept_at > _SWEEP_S:
+            self._let_go_of_exited_exporters()  # a new exporter is often an exited one's replacement
         if region in self._sources:
             self._sources.move_to_end(region)
             return self._sources[region]
@@ -274,6 +279,16 @@ class KVImporter(ABC):
         while len(self._sources) > _MAX_SOURCES:
             self._sources.popitem(last=False)
         return source
+
+    def _let_go_of_exited_exporters(self) -> None:
+        """Unmap the caches and lease boards of exporters whose process has exited. A mapping keeps
+        what it maps in memory (a memfd is freed with its last mapping): a killed, replaced or
+        removed prefill replica's whole cache would otherwise stay for as long as this held it."""
+        self._swept_at = time.monotonic()
+        for regions in (self._sources, self._boards):
+            for region in [r for r in regions
+                           if (cuda_ipc.is_gone if isinstance(r, CudaRegion) else shared_memory.is_gone)(r)]:
+                del regions[region]
 
     def forget_cache(self, handle: p.KVHandle) -> None:
         """Unmap the exporter's cache and board (it may be gone)."""

@@ -7,6 +7,7 @@ what an attacker would: a plain socket for tcp, a UCX endpoint for ucx.
 tests/integration/kvtransfer/test_tcp_hostile_peers.py goes further against the tcp listener."""
 
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -579,6 +580,35 @@ def test_a_dead_exporters_cache_is_unmapped(importer, backend):
         assert freed == _dst(3) and second.cache_region not in importer._sources
     finally:
         victim.stop()
+
+
+def _mapped_inodes() -> set[int]:
+    """The inodes of the memfds this process maps (a KV cache's, a lease board's)."""
+    with open("/proc/self/maps") as f:
+        return {int(line.split()[4]) for line in f if "/memfd:" in line}
+
+
+@TCP_ONLY  # KVImporter.mapped_cache's bookkeeping, the same on both backends
+def test_an_exited_exporters_cache_is_unmapped_without_another_pull_from_it(importer):
+    """A prefill replica killed (or removed) while nothing is pulled from it: no pull fails to tell
+    the importer. The first pull from another exporter (its replacement) lets go of the exited
+    one's cache and board, so the memory they hold goes back to the system."""
+    victim, replacement = Exporter("tcp", shared=True), Exporter("tcp", shared=True)
+    try:
+        handle = victim.export("before-death", 40)
+        importer.pull(handle, _dst(3))
+        dead = {handle.cache_region.file_id[1], handle.lease_board.file_id[1]}
+        assert dead <= _mapped_inodes()
+        victim.proc.kill()
+        victim.proc.join(10)
+        importer.pull(replacement.export("elsewhere", 40), _dst(3))
+        assert importer.num_shared_memory_pulls == 2
+        assert handle.cache_region not in importer._sources and handle.lease_board not in importer._boards
+        gc.collect()
+        assert not dead & _mapped_inodes()
+    finally:
+        victim.stop()
+        replacement.stop()
 
 
 def test_exporter_reports_healthy_until_closed(backend):

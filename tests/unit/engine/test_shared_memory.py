@@ -1,13 +1,14 @@
 """Shared-memory tensors: what a KV cache lives in so another process on this host can map it.
 (Another process mapping it, and failing to write into it: tests/integration/engine/test_shared_memory.py.)"""
 
+import dataclasses
 import gc
 import os
 
 import torch
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.shared_memory import host_id, locate, map_region, shared_zeros
+from pdserve.engine.shared_memory import host_id, is_gone, locate, map_region, shared_zeros
 
 
 def test_a_shared_tensor_is_zeros_and_found_by_its_region():
@@ -29,6 +30,17 @@ def test_its_memory_and_fd_go_with_the_last_view():
     del view
     gc.collect()
     assert not os.path.exists(f"/proc/self/fd/{region.fd}") or map_region(region) is None
+
+
+def test_a_region_is_gone_once_its_fd_names_nothing_or_another_file():
+    t = shared_zeros((1024,), torch.float32)
+    region = locate(t)
+    assert not is_gone(region)
+    assert is_gone(dataclasses.replace(region, file_id=(region.file_id[0], region.file_id[1] + 1)))  # fd reused
+    assert not is_gone(dataclasses.replace(region, host="elsewhere", pid=2 ** 22 + 1))  # nothing of it here
+    del t
+    gc.collect()
+    assert is_gone(region)
 
 
 def test_a_cpu_kv_cache_is_in_shared_memory():
