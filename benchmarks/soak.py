@@ -12,7 +12,8 @@ YAML) on 127.0.0.1 behind Ray Serve's proxy on a free port, then drives pdserve.
 client timeouts, hostile bodies from tests/fakes/hostile_requests.py) at `--concurrency`. Every
 `--kill-every` requests one engine replica's process gets SIGKILL, prefill and decode in turn,
 while the load goes on; Serve replaces it. Every `--rss-period-s` each replica's (and the
-gateway's) RSS is read from /proc with the number of requests done by then. At the end: wait for
+gateway's) RSS is read from /proc (in all, and its private part) with the number of requests
+done by then. At the end: wait for
 the replicas to hold nothing (up to `transfer.lease_s` + 30 s: a dead decode replica's leases
 expire), then print the outcomes, the kills, each process's RSS growth per 10,000 requests after
 its first `--warmup` requests (a least-squares slope), and what is still held; one JSON line, and
@@ -59,7 +60,10 @@ def _hostile_corpus(model: str) -> list[tuple]:
 def rss_growth(samples: list[dict], starts: dict[int, int], warmup: int, min_span: int) -> list[dict]:
     """Per process (pid): its RSS after its first `warmup` requests (counted from `starts[pid]`,
     the request count when it started), as a least-squares slope in MiB per 10,000 requests;
-    None where fewer than `min_span` requests remain after the warm-up."""
+    None where fewer than `min_span` requests remain after the warm-up. Where the samples carry
+    `anon_bytes` (the private part), its slope too (`anon_mib_per_10k`): a decode replica's RSS
+    also counts the pages of prefill replicas' caches it has read, which grow after a prefill
+    replica is replaced (up to that cache's size) without being anyone's leak."""
     by_pid: dict[int, list[dict]] = {}
     for s in samples:
         by_pid.setdefault(s["pid"], []).append(s)
@@ -69,27 +73,31 @@ def rss_growth(samples: list[dict], starts: dict[int, int], warmup: int, min_spa
         warm = [s for s in series if s["requests"] - start >= warmup]
         row = {"deployment": series[0]["deployment"], "pid": pid, "from_request": start,
                "to_request": series[-1]["requests"], "num_samples": len(warm), "rss_first_mib": None,
-               "rss_last_mib": None, "mib_per_10k": None}
+               "rss_last_mib": None, "mib_per_10k": None, "anon_mib_per_10k": None}
         if warm:
             row.update(rss_first_mib=warm[0]["rss_bytes"] / 2**20, rss_last_mib=warm[-1]["rss_bytes"] / 2**20)
         span = warm[-1]["requests"] - warm[0]["requests"] if warm else 0
         if len(warm) >= 3 and span >= min_span:
-            xs = [s["requests"] for s in warm]
-            ys = [s["rss_bytes"] for s in warm]
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            row["mib_per_10k"] = slope * 10_000 / 2**20
+            row["mib_per_10k"] = _slope_mib_per_10k(warm, "rss_bytes")
+            if all("anon_bytes" in s for s in warm):
+                row["anon_mib_per_10k"] = _slope_mib_per_10k(warm, "anon_bytes")
         rows.append(row)
     return sorted(rows, key=lambda r: (r["deployment"], r["from_request"]))
+
+
+def _slope_mib_per_10k(samples: list[dict], key: str) -> float:
+    xs, ys = [s["requests"] for s in samples], [s[key] for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs) * 10_000 / 2**20
 
 
 class Sampler:
     """Reads every known replica's RSS every `period_s` (a thread), tagged with the requests done."""
 
     def __init__(self, pids: dict[str, int], done: list[int], period_s: float):
-        from pdserve.bench.soak import rss_bytes
+        from pdserve.bench.soak import rss_parts
 
-        self.pids, self.done, self.period_s, self._rss = dict(pids), done, period_s, rss_bytes
+        self.pids, self.done, self.period_s, self._rss = dict(pids), done, period_s, rss_parts
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -101,7 +109,8 @@ class Sampler:
                 rss = self._rss(pid)
                 if rss is not None:
                     self.samples.append({"requests": self.done[0], "deployment": deployment, "pid": pid,
-                                         "rss_bytes": rss})
+                                         "rss_bytes": rss["rss"], "anon_bytes": rss["anon"],
+                                         "shmem_bytes": rss["shmem"]})
 
     def stop(self) -> None:
         self._stop.set()
@@ -216,13 +225,13 @@ def main() -> int:
         for k in record["kills"]:
             print(f"| {k['at_request']} | {k['deployment']} | "
                   f"{k.get('replaced_after_s', float('nan')):.1f}{' ' + k['error'] if 'error' in k else ''} |")
-    print(f"\n| process | requests | RSS after warm-up (MiB) | last (MiB) | growth per 10,000 requests (MiB) |"
-          "\n|---|---|---|---|---|")
+    print(f"\n| process | requests | RSS after warm-up (MiB) | last (MiB) | growth per 10,000 requests (MiB) "
+          "| private (anon) growth per 10,000 (MiB) |\n|---|---|---|---|---|---|")
     for g in record["rss_growth"]:
-        first, last, slope = g["rss_first_mib"], g["rss_last_mib"], g["mib_per_10k"]
+        first, last, slope, anon = g["rss_first_mib"], g["rss_last_mib"], g["mib_per_10k"], g["anon_mib_per_10k"]
         print(f"| {g['deployment']} pid {g['pid']} | {g['from_request']}-{g['to_request']} | "
               f"{'-' if first is None else f'{first:.1f}'} | {'-' if last is None else f'{last:.1f}'} | "
-              f"{'-' if slope is None else f'{slope:+.2f}'} |")
+              f"{'-' if slope is None else f'{slope:+.2f}'} | {'-' if anon is None else f'{anon:+.2f}'} |")
     print(f"\nthe last decode replica's counts: {record.get('decode_counts')}")
     print("\nheld at the end: " + ("nothing" if not record["held"] else "; ".join(record["held"])))
     for line in r["unaccounted"]:

@@ -325,16 +325,30 @@ def wait_for_replacement(app: str, deployment: str, dead_pid: int, timeout_s: fl
         time.sleep(0.5)
 
 
-def rss_bytes(pid: int) -> int | None:
-    """A process's resident set (Linux /proc), None once it is gone."""
+_RSS_FIELDS = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+
+
+def rss_parts(pid: int) -> dict[str, int] | None:
+    """A process's resident set in bytes (Linux /proc), None once it is gone: `rss` in all, `anon`
+    its private memory (where a leak grows), `shmem` the shared memory it has touched (its own KV
+    cache, and the prefill replicas' caches a decode replica reads from: as large as those caches
+    at most, and gone with the mapping), `file` mapped files."""
+    parts = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                key = _RSS_FIELDS.get(line.split(None, 1)[0]) if line.strip() else None
+                if key:
+                    parts[key] = int(line.split()[1]) * 1024
     except OSError:
         return None
-    return None
+    return parts if "rss" in parts else None
+
+
+def rss_bytes(pid: int) -> int | None:
+    """A process's resident set (Linux /proc), None once it is gone."""
+    parts = rss_parts(pid)
+    return None if parts is None else parts["rss"]
 
 
 # The disaggregated tiny app a soak runs against by default (benchmarks/soak.py, tests/e2e/test_soak.py):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections import Counter
 
+import torch
 from aiohttp import web
 
 from pdserve.bench import soak
+from pdserve.engine.shared_memory import shared_zeros
 from tests.fakes.hostile_requests import hostile_requests
 
 
@@ -136,3 +139,13 @@ def test_drive_classifies_each_answer():
     assert result.num_requests == 9 and result.counts[soak.UNACCOUNTED] == 2
     assert any("#3" in u and "500" in u for u in result.unaccounted)
     assert any("#8" in u and "no answer within" in u for u in result.unaccounted)
+
+
+def test_a_processs_resident_set_splits_into_private_and_shared_memory():
+    before = soak.rss_parts(os.getpid())
+    cache = shared_zeros((8, 2**20), torch.uint8)  # 8 MiB, every page taken at once
+    after = soak.rss_parts(os.getpid())
+    assert after["rss"] == after["anon"] + after["file"] + after["shmem"]
+    assert after["shmem"] - before["shmem"] >= 8 * 2**20 - 2**16
+    assert soak.rss_bytes(os.getpid()) >= after["shmem"] and soak.rss_parts(2**22 + 1) is None
+    del cache
