@@ -268,15 +268,17 @@ def read_accounting(app: str, pools: Sequence[str] = ("Prefill", "Decode"), gate
             row = {"pid": s["pid"], **{k: s[k] for k in ZERO_FIELDS if k in s}}
             if "num_kv_blocks" in s:
                 row["num_used_kv_blocks"] = s["num_kv_blocks"] - s["num_free_kv_blocks"]
-            if "num_output_connections" in s:
-                row["num_output_connections"] = s["num_output_connections"]
+            for key in ("num_output_connections", "num_mapped_kv_caches"):
+                if key in s:
+                    row[key] = s[key]
             rows.append(row)
         out[deployment] = rows
     return out
 
 
-def held(accounting: dict, gateway: str = "Gateway", decode: str = "Decode") -> list[str]:
-    """What the replicas still hold that they should not, once nothing runs (empty: nothing)."""
+def held(accounting: dict, gateway: str = "Gateway", decode: str = "Decode", prefill: str = "Prefill") -> list[str]:
+    """What the replicas still hold that they should not, once nothing runs (empty: nothing): a
+    connection per peer and a mapped cache per live prefill replica are allowed."""
     num_gateways, num_decodes = len(accounting.get(gateway, [])), len(accounting.get(decode, []))
     problems = []
     for deployment, rows in accounting.items():
@@ -288,6 +290,8 @@ def held(accounting: dict, gateway: str = "Gateway", decode: str = "Decode") -> 
                     limit = num_decodes if deployment == gateway else num_gateways
                     if value <= limit:
                         continue
+                if key == "num_mapped_kv_caches" and value <= len(accounting.get(prefill, [])):
+                    continue
                 problems.append(f"{deployment} pid {row['pid']}: {key} = {value}")
     return problems
 

@@ -333,7 +333,8 @@ class DecodeServer:
                 "num_failed_pulls": self.num_failed_pulls, "num_open_kv_pulls": self.num_open_kv_pulls,
                 "num_in_flight_requests": self.num_in_flight_requests,
                 "num_shared_memory_pulls": self.importer.num_shared_memory_pulls if self.importer else 0,
-                "num_board_reads": self.importer.num_board_reads if self.importer else 0}
+                "num_board_reads": self.importer.num_board_reads if self.importer else 0,
+                "num_mapped_kv_caches": self.importer.num_mapped_caches if self.importer else 0}
 
     def shutdown(self) -> None:
         if self.importer is not None:

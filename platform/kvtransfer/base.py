@@ -280,6 +280,12 @@ class KVImporter(ABC):
             self._sources.popitem(last=False)
         return source
 
+    @property
+    def num_mapped_caches(self) -> int:
+        """Exporters' caches this process maps (at most one per live prefill replica on this host,
+        once a pull has come after any that exited)."""
+        return sum(source is not None for source in list(self._sources.values()))
+
     def _let_go_of_exited_exporters(self) -> None:
         """Unmap the caches and lease boards of exporters whose process has exited. A mapping keeps
         what it maps in memory (a memfd is freed with its last mapping): a killed, replaced or

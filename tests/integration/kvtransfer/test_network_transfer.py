@@ -597,12 +597,14 @@ def test_an_exited_exporters_cache_is_unmapped_without_another_pull_from_it(impo
     try:
         handle = victim.export("before-death", 40)
         importer.pull(handle, _dst(3))
+        assert importer.num_mapped_caches == 1
         dead = {handle.cache_region.file_id[1], handle.lease_board.file_id[1]}
         assert dead <= _mapped_inodes()
         victim.proc.kill()
         victim.proc.join(10)
         importer.pull(replacement.export("elsewhere", 40), _dst(3))
         assert importer.num_shared_memory_pulls == 2
+        assert importer.num_mapped_caches == 1  # the replacement's only
         assert handle.cache_region not in importer._sources and handle.lease_board not in importer._boards
         gc.collect()
         assert not dead & _mapped_inodes()

@@ -52,12 +52,14 @@ def test_statuses_and_stream_errors_are_classified():
 
 def test_held_names_what_is_left_and_allows_one_connection_per_peer():
     accounting = {"Prefill": [{"pid": 1, "num_used_kv_blocks": 0, "num_kv_leases": 2, "num_open_kv_reads": 0}],
-                  "Decode": [{"pid": 2, "num_used_kv_blocks": 3, "num_output_connections": 1}],
+                  "Decode": [{"pid": 2, "num_used_kv_blocks": 3, "num_output_connections": 1,
+                              "num_mapped_kv_caches": 2}],
                   "Gateway": [{"pid": 3, "num_pending_sequences": 0, "num_output_connections": 2}]}
     assert soak.held(accounting) == ["Prefill pid 1: num_kv_leases = 2", "Decode pid 2: num_used_kv_blocks = 3",
+                                     "Decode pid 2: num_mapped_kv_caches = 2",  # one prefill replica lives
                                      "Gateway pid 3: num_output_connections = 2"]
     accounting["Prefill"][0]["num_kv_leases"] = accounting["Decode"][0]["num_used_kv_blocks"] = 0
-    accounting["Gateway"][0]["num_output_connections"] = 1
+    accounting["Gateway"][0]["num_output_connections"] = accounting["Decode"][0]["num_mapped_kv_caches"] = 1
     assert soak.held(accounting) == []
 
 
