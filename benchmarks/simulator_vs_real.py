@@ -8,7 +8,7 @@ replayed in simulation, draw by draw, and the four latency figures side by side.
 
 Each real draw (`RATE req/s, mix seed S` or `..., shared prefixes seed S`) is simulated with the
 same requests and arrival times (`pdserve simulate`, bench's generators and seeds, the tokenizer
-the real prompts were built with), on the cpu profile alone (`sim`: each replica its own core, no
+the real prompts were built with) after the same warm-up request, on the cpu profile alone (`sim`: each replica its own core, no
 request path) and on this machine (`--this-machine`: cpu_host.json's shared cores and path).
 Prints a markdown table: each figure simulated / real and the difference.
 """
@@ -29,6 +29,7 @@ WORKLOADS = {
     "shared prefixes": ["--workload", "shared-prefix", "--num-tenants", "8", "--system-prompt-len", "1000",
                         "--question-len", "32:96", "--output-len", "48"],
 }
+WARMUP = "128:32"  # serving.py's `warmup`: each app serves one request alone before its draw
 FIGURES = (("p50 TTFT", "ttft_ms", "p50", "median_ttft_ms"), ("p99 TTFT", "ttft_ms", "p99", "p99_ttft_ms"),
            ("p50 ITL", "itl_ms", "p50", "median_itl_ms"), ("p99 ITL", "itl_ms", "p99", "p99_itl_ms"))
 
@@ -39,7 +40,7 @@ def simulate(kind: str, rate: float, seed: int, num_requests: int, this_machine:
     cmd = ["pdserve", "simulate", "--accelerator", "cpu", *WORKLOADS[kind], "--num-requests", str(num_requests),
            "--rate", str(rate), "--seed", str(seed), "--arrival-seed", "0", "--tokenizer", str(default_model(PRESET)),
            "--ttft-ms", str(MIX_SLO["ttft"]), "--itl-ms", str(MIX_SLO["tpot"]), "--max-num-seqs", "64",
-           "--no-split-prompts-to-fill-steps", "--json",
+           "--no-split-prompts-to-fill-steps", "--warmup", WARMUP, "--json",
            "--no-progress", *(["--this-machine"] if this_machine else [])]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
