@@ -5,12 +5,15 @@ resident memory grew.
     python benchmarks/soak.py                                   # 100,000 requests, a kill every 10,000 (hours)
     python benchmarks/soak.py --requests 20000 --kill-every 5000
     python benchmarks/soak.py --requests 2000 --kill-every 0    # no kills: memory alone
+    python benchmarks/soak.py --requests 24000 --kill-every 2000 --kill-pools Decode
+                                    # the prefill replica lives through 11 decode replicas
 
 Starts a local Ray and the disaggregated tiny app (pdserve.bench.soak.SOAK_CONFIG, or `--config`
 YAML) on 127.0.0.1 behind Ray Serve's proxy on a free port, then drives pdserve.bench.soak's mix
 (completions and chats, whole and streamed, shared prefixes, client cancellations mid-stream,
 client timeouts, hostile bodies from tests/fakes/hostile_requests.py) at `--concurrency`. Every
-`--kill-every` requests one engine replica's process gets SIGKILL, prefill and decode in turn,
+`--kill-every` requests one engine replica's process gets SIGKILL, prefill and decode in turn
+(or only the `--kill-pools` named),
 while the load goes on; Serve replaces it. Every `--rss-period-s` each replica's (and the
 gateway's) RSS is read from /proc (in all, and its private part) with the number of requests
 done by then. At the end: wait for
@@ -123,6 +126,9 @@ def main() -> int:
     ap.add_argument("--kill-every", type=int, default=10_000,
                     help="SIGKILL one engine replica (prefill, decode, in turn) every this many requests; 0: never "
                          "(default %(default)s)")
+    ap.add_argument("--kill-pools", default=",".join(POOLS), type=lambda text: text.split(","),
+                    help="the pools whose replicas are killed, in turn (default %(default)s; one: the other pool's "
+                         "replica lives through every kill, what its memory keeps of dead peers)")
     ap.add_argument("--config", help="a pdserve YAML config of a disaggregated app (default: "
                                      "pdserve.bench.soak.SOAK_CONFIG, the tiny model)")
     ap.add_argument("--concurrency", type=int, default=12, help="requests in flight at once (default %(default)s)")
@@ -135,6 +141,8 @@ def main() -> int:
     ap.add_argument("--out", default="soak.json", help="where the whole record goes (default %(default)s)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (a log file)")
     args = ap.parse_args()
+    if not args.kill_pools or set(args.kill_pools) - set(POOLS):
+        ap.error(f"--kill-pools: name some of {', '.join(POOLS)}")
 
     import ray
     from ray import serve
@@ -157,7 +165,7 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app, base, model = config.name, f"http://127.0.0.1:{port}", config.served_model_name
     record: dict = {"benchmark": "soak", "machine": machine_line(), "command": " ".join(["python", *sys.argv]),
-                    "requests": args.requests, "kill_every": args.kill_every, "concurrency": args.concurrency,
+                    "requests": args.requests, "kill_every": args.kill_every, "kill_pools": args.kill_pools, "concurrency": args.concurrency,
                     "seed": args.seed, "warmup": args.warmup, "mix": args.mix}
     try:
         serve.run(build(config), name=app, route_prefix="/")
@@ -188,7 +196,7 @@ def main() -> int:
                 num_unaccounted[0] += 1
                 bar.set_postfix_str(f"unaccounted {num_unaccounted[0]}", refresh=False)
             if args.kill_every and done[0] % args.kill_every == 0 and done[0] < args.requests:
-                deployment = POOLS[(done[0] // args.kill_every - 1) % 2]
+                deployment = args.kill_pools[(done[0] // args.kill_every - 1) % len(args.kill_pools)]
                 killers.append(threading.Thread(target=kill, args=(done[0], deployment), daemon=True))
                 killers[-1].start()
 
