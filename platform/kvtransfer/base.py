@@ -34,9 +34,8 @@ from pdserve.kvtransfer import protocol as p
 from pdserve.kvtransfer.blocks import (BufferPool, Lease, LeaseTable, block_run, cache_bits, copy_blocks,
                                        gather_blocks, scatter_blocks, slab_view)
 from pdserve.kvtransfer.lease_board import BoardView, token_digest
-from pdserve.engine import cuda_ipc
+from pdserve.engine import cuda_ipc, shared_memory
 from pdserve.engine.cuda_ipc import CudaRegion
-from pdserve.engine import shared_memory
 from pdserve.engine.shared_memory import SharedRegion, locate, map_region
 
 log = logging.getLogger(__name__)
