@@ -8,9 +8,10 @@ replayed in simulation, draw by draw, and the four latency figures side by side.
 
 Each real draw (`RATE req/s, mix seed S` or `..., shared prefixes seed S`) is simulated with the
 same requests and arrival times (`pdserve simulate`, bench's generators and seeds, the tokenizer
-the real prompts were built with) after the same warm-up request, on the cpu profile alone (`sim`: each replica its own core, no
-request path) and on this machine (`--this-machine`: cpu_host.json's shared cores and path).
-Prints a markdown table: each figure simulated / real and the difference.
+the real prompts were built with) after the same warm-up request, on the cpu profile alone
+(`sim`: each replica its own core, no request path) and on this machine (`--this-machine`:
+cpu_host.json's shared cores and path). Prints a markdown table: each figure simulated / real and
+the difference.
 """
 
 from __future__ import annotations

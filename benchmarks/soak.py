@@ -13,14 +13,13 @@ YAML) on 127.0.0.1 behind Ray Serve's proxy on a free port, then drives pdserve.
 (completions and chats, whole and streamed, shared prefixes, client cancellations mid-stream,
 client timeouts, hostile bodies from tests/fakes/hostile_requests.py) at `--concurrency`. Every
 `--kill-every` requests one engine replica's process gets SIGKILL, prefill and decode in turn
-(or only the `--kill-pools` named),
-while the load goes on; Serve replaces it. Every `--rss-period-s` each replica's (and the
-gateway's) RSS is read from /proc (in all, and its private part) with the number of requests
-done by then. At the end: wait for
-the replicas to hold nothing (up to `transfer.lease_s` + 30 s: a dead decode replica's leases
-expire), then print the outcomes, the kills, each process's RSS growth per 10,000 requests after
-its first `--warmup` requests (a least-squares slope), and what is still held; one JSON line, and
-the whole record to `--out`. Exits 1 if any request is unaccounted for or anything is held.
+(or only the `--kill-pools` named), while the load goes on; Serve replaces it. Every
+`--rss-period-s` each replica's (and the gateway's) RSS is read from /proc (in all, and its
+private part) with the number of requests done by then. At the end: wait for the replicas to
+hold nothing (up to `transfer.lease_s` + 30 s: a dead decode replica's leases expire), then print
+the outcomes, the kills, each process's RSS growth per 10,000 requests after its first `--warmup`
+requests (a least-squares slope), and what is still held; one JSON line, and the whole record to
+`--out`. Exits 1 if any request is unaccounted for or anything is held.
 
 The hostile corpus assumes a context of a few hundred tokens (it expects a 400 for 1,000 prompt
 tokens): a `--config` with a longer one answers some of its bodies 200 (unaccounted).
@@ -165,8 +164,8 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app, base, model = config.name, f"http://127.0.0.1:{port}", config.served_model_name
     record: dict = {"benchmark": "soak", "machine": machine_line(), "command": " ".join(["python", *sys.argv]),
-                    "requests": args.requests, "kill_every": args.kill_every, "kill_pools": args.kill_pools, "concurrency": args.concurrency,
-                    "seed": args.seed, "warmup": args.warmup, "mix": args.mix}
+                    "requests": args.requests, "kill_every": args.kill_every, "kill_pools": args.kill_pools,
+                    "concurrency": args.concurrency, "seed": args.seed, "warmup": args.warmup, "mix": args.mix}
     try:
         serve.run(build(config), name=app, route_prefix="/")
         pids = {d: soak.replica_stats(app, d, num_calls=1)[0]["pid"] for d in (*POOLS, "Gateway")}

@@ -341,9 +341,10 @@ def rss_parts(pid: int) -> dict[str, int] | None:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                key = _RSS_FIELDS.get(line.split(None, 1)[0]) if line.strip() else None
+                fields = line.split()
+                key = _RSS_FIELDS.get(fields[0]) if fields else None
                 if key:
-                    parts[key] = int(line.split()[1]) * 1024
+                    parts[key] = int(fields[1]) * 1024
     except OSError:
         return None
     return parts if "rss" in parts else None

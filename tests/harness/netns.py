@@ -243,7 +243,7 @@ class Lab:
         if ready != "ready":
             relay.kill()
             raise RuntimeError(f"the delay relay in {node.netns} did not start")
-        self._relays.append((node, port, relay))
+        self._relays.append((node, int(port), relay))
         _nft(node.netns, f"table ip pdserve_delay_{port} {{\n"
                          f"  chain out {{ type nat hook output priority -100;\n"
                          f"    ip daddr {peer.ip} meta l4proto tcp meta mark != {DELAY_MARK} redirect to :{port}; }}\n"
