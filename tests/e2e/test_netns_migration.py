@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.harness import netns
-from tests.harness.lab_app import ENGINE, LONG_PROMPT, REQUEST_TIMEOUT_S, complete, holds_nothing, replica_pids
+from tests.harness.lab_app import ENGINE, LONG_PROMPT, complete, holds_nothing, replica_pids
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"netns lab: {netns.unavailable()}")
 
@@ -25,18 +25,24 @@ NUM_STREAMS = 16
 # ~65 tokens: prefilled on the prefill node (the app's target has it so), short enough to leave
 # most of a sequence to outputs.
 PROMPT = " ".join(LONG_PROMPT.split()[:12])
-# Long enough that 16 streams last a few seconds here (the gateway's SSE work is the bound), so the
-# kill lands mid-stream; well within the gateway's deadline (REQUEST_TIMEOUT_S) with a migration.
-MAX_TOKENS = 900
+# As long as the model's context allows: 16 streams last about 5 s here (the gateway's SSE work is
+# the bound), so every stream has started before any ends even when a start is seconds late on a
+# loaded machine (CI once saw a stream end, at 900 tokens, before another had started), and the
+# kill lands mid-stream.
+MAX_TOKENS = 1900
+# Well past how long the streams take with a migration on a loaded machine.
+STREAM_DEADLINE_S = 60.0
 # Prompt and outputs fit a sequence; all 16 streams fit one decode replica (after the kill).
-LAB_ENGINE = {**ENGINE, "max_model_len": 1024, "num_kv_blocks": 2560, "max_num_batched_tokens": 1024}
+LAB_ENGINE = {**ENGINE, "max_model_len": 2048, "num_kv_blocks": 16 * 2048 // ENGINE["block_size"] + 64,
+              "max_num_batched_tokens": 1024}
 
 
 @pytest.fixture(scope="module")
 def migration_lab_app(tiny_llama, netns_lab):
     # Two decode replicas on the decode node (two logical CPUs): half a CPU each.
     decode = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "resources": {"pdserve_decode": 0.001}}}
-    with netns_lab.app(tiny_llama, engine=LAB_ENGINE, decode=decode) as app:
+    gateway = {"request_timeout_s": STREAM_DEADLINE_S}
+    with netns_lab.app(tiny_llama, engine=LAB_ENGINE, decode=decode, gateway=gateway) as app:
         yield app
 
 
@@ -57,7 +63,7 @@ def _stream(base: str, i: int, salt: str, num_events: list[int]) -> dict:
     body = {"prompt": f"stream {i}: {PROMPT}", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, "cache_salt": salt}
     out = {"status": None, "text": "", "finishes": [], "errors": [], "done": False}
-    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=(10, REQUEST_TIMEOUT_S + 15)) as r:
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=(10, STREAM_DEADLINE_S + 15)) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
             out["errors"].append(r.text[:300])
@@ -67,6 +73,7 @@ def _stream(base: str, i: int, salt: str, num_events: list[int]) -> dict:
                 continue
             data = raw.decode()[len("data: "):]
             num_events[i] += 1
+            out.setdefault("first_event_at", time.monotonic())
             if data == "[DONE]":
                 out["done"] = True
                 break
@@ -83,7 +90,8 @@ def _stream(base: str, i: int, salt: str, num_events: list[int]) -> dict:
 def _run_streams(base: str, salt: str, during=None) -> tuple[list[dict], float]:
     """The 16 streams at once, under `cache_salt` `salt` (nothing cached: each prompt prefilled on the
     prefill node and its KV pulled); `during(num_events)` runs once every stream has had 3 events.
-    Their results, and how long the slowest took."""
+    Their results (a stream that ended while another had not started is shown with the error), and
+    how long the slowest took."""
     num_events = [0] * NUM_STREAMS
     start = time.monotonic()
     with cf.ThreadPoolExecutor(NUM_STREAMS) as pool:
@@ -92,10 +100,14 @@ def _run_streams(base: str, salt: str, during=None) -> tuple[list[dict], float]:
             deadline = time.monotonic() + 30
             while min(num_events) < 3:
                 assert time.monotonic() < deadline, f"not every stream started within 30 s: {num_events}"
-                assert not any(f.done() for f in futures), "a stream ended before every stream had started"
+                ended = {j: f.result() for j, f in enumerate(futures) if f.done()}
+                assert not ended, (f"streams ended before every stream had 3 events {num_events}: "
+                                   f"{ {j: {**r, 'text': len(r['text'])} for j, r in ended.items()} }")
                 time.sleep(0.01)
             during(num_events)
-        results = [f.result(timeout=REQUEST_TIMEOUT_S + 30) for f in futures]
+        results = [f.result(timeout=STREAM_DEADLINE_S + 30) for f in futures]
+    starts = sorted(round(r.get("first_event_at", start) - start, 2) for r in results)
+    print(f"{salt}: first events after (s): {starts}")
     return results, time.monotonic() - start
 
 
