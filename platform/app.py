@@ -36,22 +36,25 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 # Environment of every pdserve replica, under what a pool's ray_actor_options.runtime_env sets.
 # Each streamed token crosses Ray Serve's event loops in the engine replica and in the gateway;
 # with Serve's defaults that is three threads per process, each hop a wake-up and a GIL hand-off
-# that a 2-core machine takes from the engine. These two keep a replica's user code and its
+# that a 2-core machine takes from the engine. The first two keep a replica's user code and its
 # handles' router on Serve's own loop (measured: about a fifth less gateway CPU per token).
-SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# And glibc's malloc keeps at most two arenas (its default: up to 8 per core, one for each thread that
+# contends): a replica's threads (Ray's, the engine loop's, the event loop's, the gateway's
+# tokenizer pool's) allocate and free by turns, and with an arena each the freed memory stayed
+# scattered over them. Measured by benchmarks/soak.py on the tiny app (RESULTS.md, #42), with
+# no Python object and nothing in the replicas' accounting growing (tracemalloc, replica stats):
+# the decode replica's RSS grew 12-13 MiB per 10,000 requests, 2.2-2.8 with two arenas; the
+# gateway's, with a decode replica killed every 2,000 requests, 13 MiB per 10,000 (malloc's free
+# memory 11 -> 47 MiB, what it had in use flat at 138), 1.6 with two arenas.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             "MALLOC_ARENA_MAX": "2"}
 # Engine replicas let an idle OpenMP thread spin for 2,000 rounds (tens of microseconds) before it
 # sleeps, instead of libgomp's default 300,000: long enough to bridge the gaps between a prefill
 # step's parallel regions (one per kernel), short enough that between steps the core goes back to
 # the gateway and Serve. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) made every region a futex
 # wake-up: when decode steps were OpenMP regions too, the engine alone took 9.2 ms against 6.0 ms
 # per batch-1 step. (Decode steps now run on the decoder's own threads: cpu_decoder_threads.c.)
-# And glibc's malloc keeps at most two arenas (its default: up to 8 per core, one for each thread that
-# contends): an engine replica's threads (Ray's, the engine loop's, the event loop's) allocate and
-# free by turns, and with an arena each the freed memory stayed scattered over them. Measured by
-# benchmarks/soak.py on the tiny app: the decode replica's RSS grew 12-13 MiB per 10,000 requests,
-# steadily, with no Python object and nothing in its accounting growing (tracemalloc, replica
-# stats); with two arenas it grew 2.2-2.8 MiB per 10,000 over 30,000 requests (RESULTS.md, #42).
-ENGINE_ENV = {**SERVE_ENV, "GOMP_SPINCOUNT": "2000", "MALLOC_ARENA_MAX": "2"}
+ENGINE_ENV = {**SERVE_ENV, "GOMP_SPINCOUNT": "2000"}
 
 
 def with_env(ray_actor_options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
