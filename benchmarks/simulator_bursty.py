@@ -49,30 +49,24 @@ def main() -> None:
     from pdserve.simulate.hardware import accelerator
     from pdserve.simulate.model import load_model
     from pdserve.simulate.sim import AutoscaleSpec, PoolSpec, SimConfig, Simulation
-    from pdserve.simulate.workload import WorkloadSpec, bench_requests
+    from pdserve.simulate.workload import WorkloadSpec, alternating_steps, bench_requests, mean_rate
 
     started = time.perf_counter()
     acc = accelerator(args.accelerator)
     spec = WorkloadSpec("random", args.input_len, args.output_len)
-    steps, t, high = [], 0.0, False
-    while t < args.duration:
-        steps.append((t, args.high if high else args.low))
-        t, high = t + args.period, not high
-    average = sum(min(args.period, args.duration - s) * r for s, r in steps) / args.duration
+    steps = alternating_steps(args.low, args.high, args.period, args.duration)
+    average = mean_rate(steps, args.duration)
     base = SimConfig(model=load_model(args.model, 2, 2), decode=PoolSpec(acc, 1), prefill=None,
                      slo=Slo(args.ttft_ms / 1000, args.itl_ms / 1000, 99.0), max_num_seqs=256, seed=args.seed)
     def smallest_split(rate: float) -> tuple[dict, int]:
         """`pdserve plan`'s search at `rate`, disaggregated splits only (the joint policy sizes two
         pools), stopping at the first GPU count with a split that meets the SLO."""
         requests = list(bench_requests(spec, args.seed, rate=rate, duration_s=args.plan_duration))
-        splits = plan.candidates(base, [acc], [1], args.max_total_replicas, colocated=False)
-        tried = 0
-        for gpus in sorted({c.num_gpus for c in splits}):
-            rows, best = plan.search(base, [c for c in splits if c.num_gpus == gpus], requests)
-            tried += len(rows)
-            if best:
-                return best, tried
-        raise SystemExit(f"no split of up to {args.max_total_replicas} replicas meets the SLO at {rate:g} req/s")
+        best, tried = plan.smallest(base, plan.candidates(base, [acc], [1], args.max_total_replicas, colocated=False),
+                                    requests)
+        if best is None:
+            raise SystemExit(f"no split of up to {args.max_total_replicas} replicas meets the SLO at {rate:g} req/s")
+        return best, tried
 
     at_average, tried_average = smallest_split(average)
     at_peak, tried_peak = smallest_split(max(args.low, args.high))

@@ -87,6 +87,18 @@ def search(base: SimConfig, pool: list[Candidate], requests: list,
     return rows, best
 
 
+def smallest(base: SimConfig, pool: list[Candidate], requests: list) -> tuple[dict | None, int]:
+    """The search by GPU count, fewest first, stopping at the first count with a split that meets
+    the SLO: (its best split or None, how many splits were simulated)."""
+    tried = 0
+    for gpus in sorted({c.num_gpus for c in pool}):
+        rows, best = search(base, [c for c in pool if c.num_gpus == gpus], requests)
+        tried += len(rows)
+        if best:
+            return best, tried
+    return None, tried
+
+
 def meets(row: dict, slo) -> bool:
     """Attainment at the SLO's percentile, and the gaps' tail at that percentile within the ITL target."""
     itl = row["itl_ms"].get(f"p{slo.percentile:g}")

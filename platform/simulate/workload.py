@@ -18,6 +18,7 @@ request's own and can never be a cache hit.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -114,6 +115,26 @@ def parse_rate_steps(text: str) -> list[tuple[float, float]]:
             or any(r <= 0 for _, r in steps):
         raise ValueError(f"rate steps {text!r}: times must start at 0 and rise, rates be positive")
     return steps
+
+
+def alternating_steps(low: float, high: float, period_s: float, duration_s: float) -> list[tuple[float, float]]:
+    """Rate steps for a bursty load: `low` requests/s, then `high`, in turn, each for `period_s`."""
+    if min(low, high) <= 0 or period_s <= 0 or duration_s <= 0:
+        raise ValueError("rates, period and duration must be positive")
+    return [(i * period_s, high if i % 2 else low) for i in range(math.ceil(duration_s / period_s))]
+
+
+def mean_rate(steps: list[tuple[float, float]], duration_s: float) -> float:
+    """The average requests/s of `steps` over [0, duration_s)."""
+    bounds = [s[0] for s in steps[1:]] + [duration_s]
+    return sum(max(0.0, min(end, duration_s) - start) * rate for (start, rate), end in zip(steps, bounds)) / duration_s
+
+
+def arrival_times(steps: list[tuple[float, float]], duration_s: float, seed: int) -> list[float]:
+    """The arrival times `bench_requests` gives a stream of `steps` with this seed (a real run
+    sends its requests at the times the simulation replays)."""
+    rng = np.random.default_rng([seed, 1])
+    return [t for times in _poisson_times(steps, duration_s, rng) for t in times.tolist()]
 
 
 def _poisson_times(steps: list[tuple[float, float]], duration_s: float,

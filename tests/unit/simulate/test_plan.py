@@ -24,6 +24,18 @@ def test_it_recommends_the_fewest_gpus_that_meet_the_slo():
     assert [r["num_gpus"] for r in front] == [1, 2, 3]
 
 
+def test_the_smallest_search_stops_at_the_first_gpu_count_that_meets_the_slo():
+    base = config(ttft_s=2.0, itl_s=0.05)
+    requests = list(bench_requests(WorkloadSpec("random", "64:512", "8:64"), 0, num_requests=150, rate=30))
+    pool = plan.candidates(base, [ACCELERATOR], [1], max_gpus=3)
+    _, best = plan.search(base, pool, requests)
+    smallest, tried = plan.smallest(base, pool, requests)
+    assert smallest["candidate"] == best["candidate"]
+    assert tried == sum(c.num_gpus <= best["num_gpus"] for c in pool) < len(pool)
+    impossible = config(ttft_s=1e-6, itl_s=1e-6)
+    assert plan.smallest(impossible, pool, requests) == (None, len(pool))
+
+
 def test_the_recommended_config_is_a_valid_pdserve_config():
     base = config()
     candidate = plan.candidates(base, [ACCELERATOR], [2], max_gpus=4, colocated=False)[0]

@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.bench import workloads as bench
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.simulate.workload import (CountingBuilder, SimRequest, WorkloadSpec, bench_requests, parse_rate_steps,
-                                       trace_requests)
+from pdserve.simulate.workload import (CountingBuilder, SimRequest, WorkloadSpec, alternating_steps, arrival_times,
+                                       bench_requests, mean_rate, parse_rate_steps, trace_requests)
 
 SPECS = [WorkloadSpec("random", "16:256", "8:64"), WorkloadSpec("shared-prefix", output_len="4:32"),
          WorkloadSpec("long-prompt-mix", "64:128", "48", long_len="1024:1536", long_fraction=0.2)]
@@ -53,3 +53,13 @@ def test_a_trace_is_read_in_arrival_order(tmp_path):
     path.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 1, "prefix_id": 1}))
     with pytest.raises(ValueError, match="trace.jsonl:1"):
         list(trace_requests(str(path)))
+
+
+def test_a_bursty_load_alternates_its_rates_and_replays_the_simulators_times():
+    steps = alternating_steps(50, 200, 10, 35)
+    assert steps == [(0, 50), (10, 200), (20, 50), (30, 200)]
+    assert mean_rate(steps, 35) == pytest.approx((10 * 50 + 10 * 200 + 10 * 50 + 5 * 200) / 35)
+    times = arrival_times(steps, 35, seed=4)
+    assert times == [r.arrival_s for r in bench_requests(SPECS[0], 4, rate_steps=steps, duration_s=35)]
+    with pytest.raises(ValueError):
+        alternating_steps(0, 200, 10, 35)
