@@ -86,7 +86,13 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
         options = {"placement_group_bundles": rank_bundles(pool.ray_actor_options, ranks),
                    "placement_group_strategy": "PACK"}
     if pool.autoscaling is not None:
-        options["autoscaling_config"] = _autoscaling_config(pool.autoscaling, pool.num_replicas, deployment)
+        spec = pool.autoscaling
+        if config.joint_autoscaling:
+            # JointSloPolicy waits downscale_delay_s itself, then steps down one decision and holds
+            # again: Serve waiting too (it applies each deployment's delays to an application
+            # policy's decisions) would restart its wait on every held tick, and never shrink a pool.
+            spec = spec.model_copy(update={"downscale_delay_s": 0.0})
+        options["autoscaling_config"] = _autoscaling_config(spec, pool.num_replicas, deployment)
     else:
         options["num_replicas"] = pool.num_replicas
     return {**options, "name": deployment,

@@ -30,7 +30,11 @@ what it wants (at least one replica each).
 
 Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
 has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
-then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A load that
+then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A pool with
+replicas still starting never shrinks, and its wait begins once they serve: its want is measured
+on the replicas serving, without the ones on their way (on real Serve, the pool grew for a missed
+target, the want fell back to the load while the replica started, and the pool shrank and grew by
+turns). A load that
 swings back and forth between two levels therefore holds the pool at the higher one instead of
 following it (Ray Serve drains the replicas removed).
 """
@@ -125,8 +129,8 @@ class _Damper:
         self.downscale_delay_s = downscale_delay_s
         self.low_since: float | None = None
 
-    def next(self, current: int, want: int, now_s: float) -> int:
-        if want >= current * (1 - DEADBAND):  # more, or inside the dead band: never less
+    def next(self, current: int, want: int, now_s: float, starting: bool = False) -> int:
+        if starting or want >= current * (1 - DEADBAND):  # more, inside the dead band, or starting: never less
             self.low_since = None
             return max(current, want)
         if self.low_since is None:
@@ -150,6 +154,6 @@ class JointScaler:
 
     def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float) -> tuple[int, int]:
         p, d = wanted(prefill, decode, self.slo, self.replica_start_s)
-        p = self._prefill.next(prefill.num_replicas, p, now_s)
-        d = self._decode.next(decode.num_replicas, d, now_s)
+        p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
+        d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
         return within_budget(p, d, self.max_total_replicas)

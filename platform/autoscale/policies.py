@@ -11,6 +11,7 @@ counted (`pdserve_autoscaling_decisions`); only that, in the Serve controller, t
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -179,4 +180,9 @@ class JointSloPolicy:
                               _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
                               _mean(d_ctx, "residence_s"), _total(d_ctx, "num_in_flight_requests") or 0.0)
         p, d = self.scaler.decide(prefill, decode, time.monotonic())
-        return {p_id: _decided(p_ctx, _bounded(p_ctx, p))[0], d_id: _decided(d_ctx, _bounded(d_ctx, d))[0]}, {}
+        targets = (_bounded(p_ctx, p), _bounded(d_ctx, d))
+        if targets != (prefill.num_replicas, decode.num_replicas):  # what it saw, in the controller's log
+            logging.getLogger("ray.serve").info("JointSloPolicy: prefill %d -> %d (%s), decode %d -> %d (%s)",
+                                                prefill.num_replicas, targets[0], prefill, decode.num_replicas,
+                                                targets[1], decode)
+        return {p_id: _decided(p_ctx, targets[0])[0], d_id: _decided(d_ctx, targets[1])[0]}, {}

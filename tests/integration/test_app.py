@@ -41,6 +41,10 @@ def test_pools_get_their_policy_and_bounds(tiny_llama):
     assert a["policy"] == {"policy_function": "pdserve.autoscale.policies:PrefillQueuePolicy",
                            "policy_kwargs": {"target_queued_tokens": 512, "target_ongoing_requests": 8}}
     assert _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["num_replicas"] == 1
+    # With slo, the joint policy waits the delay itself: Serve waiting on top would never shrink a pool.
+    joint = ServeConfig(model=tiny_llama, slo={}, prefill={"autoscaling": auto}, decode={"autoscaling": auto})
+    for pool, name in ((joint.prefill, "Prefill"), (joint.decode, "Decode")):
+        assert _pool_options(joint, pool, name, PREFIX_AWARE_ROUTER)["autoscaling_config"]["downscale_delay_s"] == 0
 
 
 def test_replicas_run_on_serves_own_loop_and_engines_spin_briefly_unless_configured(tiny_llama):

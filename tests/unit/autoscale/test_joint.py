@@ -106,6 +106,18 @@ def test_it_scales_down_only_after_a_sustained_drop_and_in_bounded_steps():
     assert history == [20, 20, 20, 10, 10, 10, 5, 5, 5, 3, 3, 3]
 
 
+def test_a_pool_with_replicas_starting_never_shrinks_and_waits_a_whole_delay_after():
+    """Its want counts the replicas serving only: shrinking then undoes the growth on its way."""
+    scaler = JointScaler(SLO, max_total_replicas=100, downscale_delay_s=3)
+    d, history = 4, []
+    for tick in range(10):
+        starting = 2 if tick < 4 else 0
+        _, d = scaler.decide(prefill(1, 0), DecodeSignal(d, 0.1, num_starting=starting), now_s=tick)  # wants 1
+        history.append(d)
+    # Starting until t=3; low from t=4: held until 3 s have passed, then halved.
+    assert history == [4, 4, 4, 4, 4, 4, 4, 2, 2, 2]
+
+
 def test_a_want_inside_the_dead_band_holds():
     scaler = JointScaler(SLO, max_total_replicas=100, downscale_delay_s=0)
     # 10 replicas; 72,000 tokens/s wants 9, 10% below: inside the band, held. 64,000 wants 8: down.
