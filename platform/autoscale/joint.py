@@ -30,13 +30,12 @@ what it wants (at least one replica each).
 
 Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
 has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
-then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A pool with
-replicas still starting never shrinks, and its wait begins once they serve: its want is measured
-on the replicas serving, without the ones on their way (on real Serve, the pool grew for a missed
-target, the want fell back to the load while the replica started, and the pool shrank and grew by
-turns). A load that
+then by at most MAX_STEP_DOWN of its size, the next step down another delay later. A load that
 swings back and forth between two levels therefore holds the pool at the higher one instead of
-following it (Ray Serve drains the replicas removed).
+following it (Ray Serve drains the replicas removed). A pool with replicas still starting never
+shrinks, and its wait begins once they serve: its want is measured on the replicas serving,
+without the ones on their way (on real Serve, the pool grew for a missed target, the want fell
+back to the load while the replica started, and the pool shrank and grew by turns).
 """
 
 from __future__ import annotations
