@@ -12,10 +12,11 @@ finds (#46), each beside its simulation.
    step (the arrival times the simulator gives --seed); the requests are `pdserve bench`'s random
    workload (--input-len, --output-len: chat-sized prompts, long answers), sent at their times
    by its runner through HAProxy and the gateway to serve-llama-40m (fp32, as the cpu profile
-   was calibrated). A decode replica holds --max-num-seqs sequences: on a GPU its KV memory
-   bounds the streams it holds, and that bound, not compute, is what a decode pool is sized by;
-   on this machine's two cores more replicas add no compute, so a pool that grows could not
-   show anything else.
+   was calibrated). Each engine runs --max-num-seqs sequences at once: standing for the KV
+   memory that bounds a GPU replica's streams, the bound a decode pool is sized by, since on
+   this machine's two cores more replicas add no compute. (The simulator holds a decode replica
+   to it; the real one also takes requests prefilled elsewhere beyond it, up to its KV blocks:
+   RESULTS.md, the 41st session.)
 3. The setups, one after the other on one Ray: the average's fixed split, the peak's (where one
    meets the SLO there) and joint autoscaling as a user writes it (`slo`, both pools autoscaling
    from one replica, `max_total_replicas`: pdserve.autoscale.policies.JointSloPolicy). Each
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=240.0, help="seconds of the trace")
     ap.add_argument("--input-len", default="64:128", help="prompt tokens (a range draws uniformly)")
     ap.add_argument("--output-len", default="128:384", help="output tokens")
-    ap.add_argument("--max-num-seqs", type=int, default=8, help="sequences a replica holds (its KV budget)")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="the engines' max_num_seqs (default %(default)s)")
     ap.add_argument("--max-total-replicas", type=int, default=4)
     ap.add_argument("--downscale-delay-s", type=float, default=20.0,
                     help="joint autoscaling: how long a pool's want stays low before it shrinks")
