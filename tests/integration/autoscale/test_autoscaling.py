@@ -182,18 +182,15 @@ def test_pool_ratio_policy_runs_at_application_level(ray_session, tiny_llama):
         serve.delete("ratio")
 
 
-def test_joint_policy_grows_both_pools_when_the_latency_target_is_missed_and_shrinks_them_after(ray_session,
-                                                                                                tiny_llama):
+def test_joint_policy_grows_both_pools_when_the_latency_target_is_missed(ray_session, tiny_llama):
     """Deployed through Serve's config path, with a latency target no replica meets (1 ms to the
     first token, 1 ms between tokens): the decode replica reports its attainment (0) through
-    Serve's autoscaling stats, and the joint policy grows both pools, within the budget. Once the
-    load stops, both pools shrink back to one replica after the policy's downscale delay (Serve
-    applies no delay of its own on top: its wait restarted on every tick the policy held)."""
+    Serve's autoscaling stats, and the joint policy grows both pools, within the budget."""
     from ray import serve
 
     from pdserve.launch import deploy
 
-    auto = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 4,
+    auto = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 600,
             "look_back_period_s": 1}
     small = {"ray_actor_options": {"num_cpus": 0.2}, "autoscaling": auto}
     cfg = ServeConfig(name="joint", model=tiny_llama, engine=ENGINE, transfer={"host": "127.0.0.1"},
@@ -215,9 +212,30 @@ def test_joint_policy_grows_both_pools_when_the_latency_target_is_missed_and_shr
         assert grown, f"the joint policy did not grow both pools (decode attainment: {stats['ttft_attainment']}, " \
                       f"{stats['itl_attainment']})"
         assert stats["num_remote_prefills"] + stats["num_local_prefills"] >= 2
-        shrunk = wait_for(lambda: running_replicas("joint", "Prefill") == 1
-                          and running_replicas("joint", "Decode") == 1, 90)
-        assert shrunk, (f"the pools did not shrink once idle: {running_replicas('joint', 'Prefill')} prefill, "
-                        f"{running_replicas('joint', 'Decode')} decode replicas")
     finally:
         serve.delete("joint")
+
+
+def test_joint_policy_shrinks_idle_pools_after_its_delay(ray_session, tiny_llama):
+    """Two replicas a pool and no load: both shrink to one once the policy's downscale delay has
+    passed. (Serve applies each deployment's delays to an application policy's decisions: with
+    the pools' own delay as well, Serve's wait restarted on every tick the policy held between its
+    steps, and no pool ever shrank.)"""
+    from ray import serve
+
+    from pdserve.launch import deploy
+
+    auto = {"min_replicas": 1, "max_replicas": 2, "downscale_delay_s": 3, "look_back_period_s": 1}
+    two = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.2}, "autoscaling": auto}
+    cfg = ServeConfig(name="joint-idle", model=tiny_llama, engine=ENGINE, transfer={"host": "127.0.0.1"},
+                      prefill=two, decode=two, gateway={"port": 0}, slo={"ttft_ms": 1000, "itl_ms": 100},
+                      max_total_replicas=4)
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    deploy(cfg)
+    try:
+        shrunk = wait_for(lambda: running_replicas("joint-idle", "Prefill") == 1
+                          and running_replicas("joint-idle", "Decode") == 1, 90)
+        assert shrunk, (f"idle pools did not shrink: {running_replicas('joint-idle', 'Prefill')} prefill, "
+                        f"{running_replicas('joint-idle', 'Decode')} decode replicas")
+    finally:
+        serve.delete("joint-idle")
