@@ -126,10 +126,10 @@ def real_run(config, requests, builder, warmup, steps, port: int) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     deploy(config)
     clock = ReplicaClock(config.name)
+    clock.start()  # (its figures are counted from the first request on)
     try:
         settings = RunSettings(base_url=f"http://127.0.0.1:{port}", slo=MIX_SLO, seed=0)
         run_benchmark([warmup], replace(settings, concurrency=1), builder, progress=False)
-        clock.start()
         start = time.perf_counter()
         records, duration, _ = run_on_client_loop(run_requests(requests, settings, builder, progress=True))
         end = time.perf_counter()
