@@ -151,8 +151,11 @@ class JointScaler:
         self.slo, self.max_total_replicas, self.replica_start_s = slo, max_total_replicas, replica_start_s
         self._prefill, self._decode = _Damper(downscale_delay_s), _Damper(downscale_delay_s)
 
-    def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float) -> tuple[int, int]:
+    def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float,
+               max_prefill: int | None = None, max_decode: int | None = None) -> tuple[int, int]:
+        """Both pools' next sizes. A pool's own ceiling (`max_prefill`, `max_decode`) applies
+        before the budget is split, so a share one pool cannot take stays with the other."""
         p, d = wanted(prefill, decode, self.slo, self.replica_start_s)
         p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
         d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
-        return within_budget(p, d, self.max_total_replicas)
+        return within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas)

@@ -179,7 +179,8 @@ class JointSloPolicy:
                               max(0.0, d_ctx.total_num_requests - running), self.max_num_seqs,
                               _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
                               _mean(d_ctx, "residence_s"), _total(d_ctx, "num_in_flight_requests") or 0.0)
-        p, d = self.scaler.decide(prefill, decode, time.monotonic())
+        p, d = self.scaler.decide(prefill, decode, time.monotonic(), p_ctx.capacity_adjusted_max_replicas,
+                                  d_ctx.capacity_adjusted_max_replicas)
         targets = (_bounded(p_ctx, p), _bounded(d_ctx, d))
         if targets != (prefill.num_replicas, decode.num_replicas):  # what it saw, in the controller's log
             logging.getLogger("ray.serve").info("JointSloPolicy: prefill %d -> %d (%s), decode %d -> %d (%s)",

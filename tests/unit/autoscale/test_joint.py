@@ -130,6 +130,16 @@ def test_the_decision_keeps_to_the_budget():
     assert sum(scaler.decide(prefill(4, 400_000), decode(4, 1.0, attainment=0.5), now_s=0)) == 8
 
 
+def test_a_share_a_pool_cannot_take_stays_with_the_other():
+    """Prefill wants 10 and may run 2, decode wants 2, the budget is 4: 2 + 2, not a proportional
+    3 + 1 that the prefill pool's ceiling then cuts to 2 + 1 (a replica of the budget lost, and
+    the decode pool shrunk at once)."""
+    scaler = JointScaler(SLO, max_total_replicas=4, downscale_delay_s=600)
+    assert scaler.decide(prefill(1, 80_000), decode(2, 0.4, attainment=0.5), now_s=0) == (3, 1)
+    assert scaler.decide(prefill(1, 80_000), decode(2, 0.4, attainment=0.5), now_s=1, max_prefill=2,
+                         max_decode=2) == (2, 2)
+
+
 def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     """`JointSloPolicy` on stand-ins for Ray Serve's contexts (the policy's decisions are counted
     in Ray's metrics: kept here instead)."""
