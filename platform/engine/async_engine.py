@@ -68,7 +68,7 @@ class AsyncLLMEngine:
         s = e.scheduler
         hits, computed = s.num_prefix_hit_tokens, s.num_computed_prompt_tokens
         return {"healthy": self.is_healthy, "num_unfinished_requests": e.num_unfinished_requests,
-                "num_waiting": len(s.waiting), "num_running": len(s.running),
+                "num_waiting": s.num_waiting, "num_running": len(s.running),
                 "queued_prefill_tokens": s.num_queued_prefill_tokens(),
                 "num_kv_blocks": e.block_pool.num_blocks, "num_free_kv_blocks": e.num_free_kv_blocks,
                 "num_preemptions": s.num_preemptions, "num_aborted_requests": s.num_aborted,

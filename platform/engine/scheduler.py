@@ -27,7 +27,11 @@ not started in a step that already prefills another prompt: the budget left over
 with its first chunk. Where a step's time grows with its tokens and a larger step buys no
 efficiency (a CPU), filling only delays the first prompt's first token by the second's chunk.
 
-Input: `Request`s (via `add`/`abort`). Output: a tensor-free `SchedulerOutput` for the runner.
+A request prefilled elsewhere (`add_running`: its prompt's KV imported into its blocks) waits in
+a queue of its own for a sequence slot, holding its blocks, and joins the running batch ahead of
+the prompts waiting: it needs no prefill, only a slot (`max_num_seqs` bounds every step's batch).
+
+Input: `Request`s (via `add`/`add_running`/`abort`). Output: a tensor-free `SchedulerOutput` for the runner.
 It does not know about tensors, models or sampling.
 """
 
@@ -85,6 +89,7 @@ class Scheduler:
         self.split_prompts_to_fill_steps = split_prompts_to_fill_steps
         self.clock = clock  # arrival times, for prompts that yield to decodes
         self.waiting: deque[Request] = deque()
+        self.ready: deque[Request] = deque()  # prefilled elsewhere, KV in their blocks: waiting for a slot
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Prefill tokens computed vs. served from the prefix cache, for tests and metrics.
@@ -108,6 +113,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.ready:
+            self.ready.remove(req)
         self.kv.free(request_id)
         if not req.is_finished:
             req.finish("abort")
@@ -115,10 +122,11 @@ class Scheduler:
         return req
 
     def add_running(self, request: Request) -> None:
-        """Join a request whose prompt KV is already in its blocks (imported from a prefill replica)."""
-        request.status = RequestStatus.RUNNING
+        """A request whose prompt KV is already in its blocks (imported from a prefill replica):
+        it joins the running batch at the first step with a sequence slot free."""
+        request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.running.append(request)
+        self.ready.append(request)
         self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
 
     def finish(self, req: Request, keep_blocks: bool = False) -> None:
@@ -130,7 +138,12 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.ready) + len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted and not running: prompts waiting, and prefilled ones waiting for a slot."""
+        return len(self.waiting) + len(self.ready)
 
     def num_queued_prefill_tokens(self) -> int:
         """Prompt tokens (and resumed outputs) admitted but not computed yet (prefix hits of waiting
@@ -170,8 +183,23 @@ class Scheduler:
                 continue
             break
 
+        # No admissions in a step that had to preempt: the pool is full. Prefilled requests first.
+        while self.ready and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.ready[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                if not self.running:  # nothing will free a block: the newest prefilled one recomputes later
+                    victim = self.ready.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim.request_id)
+                break
+            self.ready.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+
         is_long_running = any(self._is_long(r.num_tokens - r.num_computed_tokens) for r in self.running)
-        # No admissions in a step that had to preempt: the pool is full.
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[j]

@@ -119,3 +119,30 @@ def test_a_prefilled_request_without_room_decodes_only_after_recomputing(tiny_ll
             tokens += out.new_token_ids
     assert tokens == expected.token_ids
     assert decode.block_pool.num_free_blocks == 8
+
+
+def test_prefilled_requests_beyond_max_num_seqs_wait_their_turn_and_decode_as_a_colocated_run(tiny_llama):
+    """A decode engine of 2 sequence slots takes over 4 prompts another engine prefilled: at most 2
+    run in any step, the others wait holding their KV, and each gives a colocated run's tokens."""
+    prompts = [list(range(5 + 40 * i, 45 + 40 * i)) for i in range(4)]
+    expected = [c.token_ids for c in LLM(tiny_llama).generate(prompts, GREEDY)]
+    prefill, decode = LLM(tiny_llama).engine, LLM(tiny_llama, max_num_seqs=2).engine
+    tokens = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
+        first = None
+        while first is None:
+            first = next(iter(prefill.step()), None)
+        num_local, dst = decode.add_prefilled_request(f"r{i}", prompt, GREEDY, first)
+        decode.kv_cache.kv[:, :, dst] = prefill.kv_cache.kv[:, :, first.kv_block_ids[num_local:]]
+        prefill.release_kv(f"r{i}")
+        decode.start_prefilled_request(f"r{i}")
+        tokens[f"r{i}"] = list(first.new_token_ids)
+    most_running = 0
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+        most_running = max(most_running, len(decode.scheduler.running))
+    assert most_running == 2
+    assert [tokens[f"r{i}"] for i in range(4)] == expected
+    assert decode.block_pool.num_free_blocks == decode.block_pool.num_blocks

@@ -144,3 +144,49 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert s.abort("waiting").finish_reason == "abort"
     assert s.abort("unknown") is None and s.abort("running") is None
     assert s.kv.pool.num_free_blocks == 8 and s.num_unfinished == 0 and s.num_aborted == 2
+
+
+def _prefilled(s, rid, n, first=100):
+    """A request whose `n`-token prompt another engine prefilled: its KV in its blocks here, its
+    first output sampled there."""
+    req = _req(rid, n, first=first)
+    assert s.kv.allocate(rid, req.num_prefill_tokens)
+    req.append_token(7)
+    req.num_computed_tokens = req.num_prefill_tokens
+    s.add_running(req)
+    return req
+
+
+def test_prefilled_requests_wait_for_a_sequence_slot_holding_their_blocks_and_join_before_prompts():
+    s = _sched(max_num_seqs=2)
+    s.add(_req("a", 3))
+    s.add(_req("b", 3, first=300))
+    _run_step(s)
+    _prefilled(s, "p1", 5, first=500)
+    _prefilled(s, "p2", 5, first=600)
+    s.add(_req("c", 3, first=900))
+    # Two running of two slots: the prefilled pair waits (a prompt too), their blocks held.
+    assert _run_step(s)[0] == [("a", 3, 1), ("b", 3, 1)]
+    assert (len(s.running), s.num_waiting, s.num_unfinished) == (2, 3, 5)
+    assert s.kv.block_tables["p1"] and s.kv.block_tables["p2"]
+    s.abort("a")
+    # A slot frees: the first prefilled request decodes from its first output, before the prompt.
+    assert _run_step(s)[0] == [("b", 4, 1), ("p1", 5, 1)]
+    s.abort("b")
+    assert _run_step(s)[0] == [("p1", 6, 1), ("p2", 5, 1)]
+    # An abort while it waits frees its blocks.
+    _prefilled(s, "p3", 5, first=700)
+    s.abort("p3")
+    assert "p3" not in s.kv.block_tables and "p3" not in s.requests and not s.ready
+
+
+def test_prefilled_requests_that_hold_every_block_with_nothing_running_recompute_the_newest():
+    """Nothing running will free a block: the first in line cannot take its next token's block
+    while the others hold theirs, so the newest gives its blocks back and recomputes later."""
+    s = _sched(num_blocks=4, block_size=4, max_num_seqs=1)
+    _prefilled(s, "p1", 8)  # 2 full blocks; its next token needs a third
+    _prefilled(s, "p2", 8, first=500)
+    tokens, out = _run_step(s)
+    assert (tokens, out.preempted) == ([], ["p2"])
+    assert list(s.waiting) == [s.requests["p2"]] and "p2" not in s.kv.block_tables
+    assert _run_step(s)[0] == [("p1", 8, 1)]
