@@ -55,6 +55,9 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         # request id -> (the caller's event loop, the stream's queue, its forward or None)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Forward | None]] = {}
+        # Resumed requests' first outputs, held until the request joins the batch (loop thread only).
+        self._held_firsts: dict[str, RequestOutput] = {}
+        engine.on_join = self._release_firsts
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine-loop", daemon=True)
         self._thread.start()
 
@@ -94,9 +97,11 @@ class AsyncLLMEngine:
                      forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
         place (or, with `recompute`, could not be pulled); it opens with `first` when given (the
-        prefill's output, not yet sent). Its deadline is the one given to `add_prefilled_request`."""
+        prefill's output, not yet sent): as the request joins the batch (it may wait for a sequence
+        slot), so the stream runs at the batch's pace from its first token; with `recompute`, at
+        once. Its deadline is the one given to `add_prefilled_request`."""
         return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute,
-                                       first=first, forward=forward)
+                                       first=first, hold_first=not recompute, forward=forward)
 
     async def prepare(self, params: SamplingParams) -> None:
         """Compile the request's structured output on a worker thread unless the engine has it
@@ -153,17 +158,19 @@ class AsyncLLMEngine:
         self._has_work.set()
 
     async def _open_stream(self, request_id: str, add: Callable, *args, first: RequestOutput | None = None,
-                           forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
+                           hold_first: bool = False, forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         if not self.is_healthy:
             raise EngineDeadError("the engine loop is not running; retry on another replica") from self._error
         queue: asyncio.Queue = asyncio.Queue()
-        if first is not None:
+        if first is not None and not hold_first:
             queue.put_nowait(first)
         loop = asyncio.get_running_loop()
 
         def open_():
             add(*args)
             self._streams[request_id] = (loop, queue, forward)
+            if first is not None and hold_first:
+                self._held_firsts[request_id] = first
 
         try:
             await self.call(open_)
@@ -175,7 +182,15 @@ class AsyncLLMEngine:
 
     def _drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._held_firsts.pop(request_id, None)
         self.engine.abort_request(request_id)
+
+    def _release_firsts(self, request_ids: list[str]) -> None:
+        """The held first outputs of requests joining the batch, before the step runs (loop thread;
+        a closed caller's streams are dropped after the step, not inside it)."""
+        items = [(self._streams.get(rid), self._held_firsts.pop(rid)) for rid in request_ids
+                 if rid in self._held_firsts]
+        self._hand_off(items, drop_closed=False)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -206,6 +221,7 @@ class AsyncLLMEngine:
         with self._lock:
             aborted = self.engine.abort_request(request_id)
             stream = self._streams.get(request_id)
+            self._held_firsts.pop(request_id, None)
         if aborted and stream is not None:
             loop, queue, _ = stream
             out = RequestOutput(request_id, [], "", True, "abort")
@@ -233,31 +249,42 @@ class AsyncLLMEngine:
                     is_idle = not self.engine.has_unfinished_requests()
                     if not is_idle:
                         outputs = self.engine.step()
-                        targets = [(self._streams.get(o.request_id), o) for o in outputs]
+                        # A held first output goes before the request's next (it recomputed instead of
+                        # joining): none is lost.
+                        targets = [(self._streams.get(o.request_id), held) for o in outputs
+                                   if (held := self._held_firsts.pop(o.request_id, None)) is not None]
+                        targets += [(self._streams.get(o.request_id), o) for o in outputs]
                         # Requests the step ended with an error (aborted already): each stream raises its own.
-                        targets += [(self._streams.get(rid), e) for rid, e in self.engine.take_failed_requests()]
+                        for rid, e in self.engine.take_failed_requests():
+                            self._held_firsts.pop(rid, None)
+                            targets.append((self._streams.get(rid), e))
                 if is_idle:
                     self._has_work.wait(timeout=0.5)
                     self._has_work.clear()
                     continue
-                # One hand-off per event loop and step: its streams wake in the same loop turn, so
-                # what they pass on (a replica's output connection) leaves as one message.
-                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                for stream, out in targets:
-                    if stream is not None:
-                        loop, queue, forward = stream
-                        by_loop.setdefault(loop, []).append((queue, forward, out))
-                for loop, items in by_loop.items():
-                    try:
-                        loop.call_soon_threadsafe(_deliver, items)
-                    except RuntimeError:  # that caller's event loop is closed: nobody reads these
-                        self._drop_streams_of(loop)
+                self._hand_off(targets)
         except BaseException as e:  # noqa: BLE001 - any failure kills the replica's engine
             log.exception("engine loop died")
             self._error = e
             dead = EngineDeadError("the engine loop died; retry on another replica")
             dead.__cause__ = e  # logged above; not in the message, which clients may see
             self._fail_all(dead)
+
+    def _hand_off(self, targets: list, drop_closed: bool = True) -> None:
+        """Outputs (or errors) to their streams: one hand-off per event loop, so its streams wake in
+        the same loop turn and what they pass on (a replica's output connection) leaves as one
+        message."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, out in targets:
+            if stream is not None:
+                loop, queue, forward = stream
+                by_loop.setdefault(loop, []).append((queue, forward, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that caller's event loop is closed: nobody reads these
+                if drop_closed:
+                    self._drop_streams_of(loop)
 
     def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
         """Abort the requests streaming to `loop` (closed), freeing their KV."""
@@ -285,6 +312,7 @@ class AsyncLLMEngine:
                 if future is not None:
                     _settle_soon(loop, future, None, error)
             streams = list(self._streams.items())
+            self._held_firsts.clear()
             for request_id, _ in streams:
                 self.engine.abort_request(request_id)
         for _, (loop, queue, _) in streams:

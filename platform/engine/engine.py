@@ -121,6 +121,8 @@ class LLMEngine:
         # Told (sequences decoded, prompt tokens computed, seconds) after every step: a decode
         # replica's placement cost model learns its step times from it.
         self.on_step: Callable[[int, int, float], None] | None = None
+        # Told the requests prefilled elsewhere that join the batch in a step, before it runs.
+        self.on_join: Callable[[list[str]], None] | None = None
         log.info("engine ready: %s (%s, %d layers), %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
                  "loaded in %.1fs", config.model, self.arch.model_type, self.arch.num_layers, num_blocks,
                  config.block_size, num_blocks * bytes_per_block / 2**20, self.max_model_len,
@@ -365,6 +367,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if plan.joined and self.on_join is not None:
+            self.on_join(plan.joined)
         for p in self._local_workers:  # a collective with a dead rank would wait, not fail
             if not p.is_alive():
                 raise RuntimeError(f"worker rank {p.name} exited with {p.exitcode}; this engine cannot step")

@@ -67,6 +67,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)  # prefilled elsewhere, in the batch from this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -196,6 +197,7 @@ class Scheduler:
             self.ready.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            out.joined.append(req.request_id)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
 

@@ -13,6 +13,7 @@ from pdserve.errors import InvalidRequestError
 from tests.harness.waiting import until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture
@@ -215,3 +216,64 @@ def test_a_stream_whose_event_loop_closed_is_dropped_and_the_engine_keeps_servin
     asyncio.run(async_engine.call(lambda: None))  # queued calls (the drop) have run
     assert "orphan" not in async_engine._streams
     assert async_engine.engine.block_pool.num_free_blocks == 128
+
+
+def test_a_prefilled_request_waiting_for_a_slot_streams_its_first_token_as_it_joins(tiny_llama, monkeypatch):
+    """A decode engine of one sequence slot, running a request: a request prefilled elsewhere
+    waits for the slot, and its first token (the prefill's) is handed to its stream as it joins
+    the batch, after the running request ended, not before, so its stream runs at the batch's
+    pace from token one; its tokens are a colocated run's. One aborted while it waits ends with
+    nothing but the abort, its blocks freed."""
+    from pdserve.engine import async_engine
+
+    handed = []  # (request id, tokens, finished) in the order the engine hands outputs to streams
+    deliver = async_engine._deliver
+
+    def recording(items):
+        handed.extend((out.request_id, list(out.new_token_ids), out.finished) for _, _, out in items)  # (merged later)
+        deliver(items)
+
+    monkeypatch.setattr(async_engine, "_deliver", recording)
+    decode = AsyncLLMEngine(LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=128, max_num_seqs=1)))
+    prefill = LLMEngine(EngineConfig(model=tiny_llama, num_kv_blocks=128))
+    prompt_a, prompt_b = _prompts(2)
+    [expected_b] = [o.token_ids for o in LLM(tiny_llama).generate([prompt_b], GREEDY)]
+
+    def prefilled_elsewhere(rid, prompt):
+        prefill.add_request(rid, prompt, GREEDY, prefill_only=True)
+        first = None
+        while first is None:
+            first = next(iter(prefill.step()), None)
+        return rid, prompt, first
+
+    async def resumed(rid, prompt, first):  # (quick: a's 300 tokens take far longer)
+        num_local, dst = await decode.call(decode.engine.add_prefilled_request, rid, prompt, GREEDY, first)
+        decode.engine.kv_cache.kv[:, :, dst] = prefill.kv_cache.kv[:, :, first.kv_block_ids[num_local:]]
+        prefill.release_kv(rid)
+        first.finished, first.kv_block_ids = False, None  # as the prefill replica sends it on
+        return await decode.resume(rid, first=first)
+
+    async def tokens(stream):
+        return [t async for out in stream for t in out.new_token_ids]
+
+    b, c = prefilled_elsewhere("b", prompt_b), prefilled_elsewhere("c", prompt_b[:12])
+    marks = []
+
+    async def main():
+        stream_a = await decode.generate("a", prompt_a, LONG)
+        first_a = await anext(stream_a)
+        stream_b, stream_c = await resumed(*b), await resumed(*c)
+        decode.abort("c")
+        marks.append(len(handed))  # what had been handed out when b began to wait
+        return first_a.new_token_ids + await tokens(stream_a), *await asyncio.gather(tokens(stream_b),
+                                                                                    tokens(stream_c))
+
+    try:
+        tokens_a, tokens_b, tokens_c = asyncio.run(main())
+        assert len(tokens_a) == LONG.max_tokens and tokens_b == expected_b and tokens_c == []
+        a_ended = next(i for i, (rid, _, finished) in enumerate(handed) if rid == "a" and finished)
+        b_first = next(i for i, (rid, _, _) in enumerate(handed) if rid == "b")
+        assert marks[0] <= a_ended < b_first and handed[b_first][1] == expected_b[:1]
+        assert decode.engine.block_pool.num_free_blocks == 128
+    finally:
+        decode.shutdown()
