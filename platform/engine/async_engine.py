@@ -252,7 +252,8 @@ class AsyncLLMEngine:
                         # A held first output goes before the request's next (it recomputed instead of
                         # joining): none is lost.
                         targets = [(self._streams.get(o.request_id), held) for o in outputs
-                                   if (held := self._held_firsts.pop(o.request_id, None)) is not None]
+                                   if (held := self._held_firsts.pop(o.request_id, None)) is not None] \
+                            if self._held_firsts else []
                         targets += [(self._streams.get(o.request_id), o) for o in outputs]
                         # Requests the step ended with an error (aborted already): each stream raises its own.
                         for rid, e in self.engine.take_failed_requests():
