@@ -10,6 +10,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from tests.harness.prefilled import prefill_first
 from tests.harness.waiting import until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -240,11 +241,7 @@ def test_a_prefilled_request_waiting_for_a_slot_streams_its_first_token_as_it_jo
     [expected_b] = [o.token_ids for o in LLM(tiny_llama).generate([prompt_b], GREEDY)]
 
     def prefilled_elsewhere(rid, prompt):
-        prefill.add_request(rid, prompt, GREEDY, prefill_only=True)
-        first = None
-        while first is None:
-            first = next(iter(prefill.step()), None)
-        return rid, prompt, first
+        return rid, prompt, prefill_first(prefill, rid, prompt, GREEDY)
 
     async def resumed(rid, prompt, first):  # (quick: a's 300 tokens take far longer)
         num_local, dst = await decode.call(decode.engine.add_prefilled_request, rid, prompt, GREEDY, first)

@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
+from tests.harness.prefilled import prefill_first
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
@@ -100,10 +101,7 @@ def test_a_prefilled_request_without_room_decodes_only_after_recomputing(tiny_ll
     prompt = list(range(5, 5 + 64))  # 4 blocks
     [expected] = LLM(tiny_llama).generate([prompt], GREEDY)
     prefill = LLM(tiny_llama).engine
-    prefill.add_request("x", prompt, GREEDY, prefill_only=True)
-    first = None
-    while first is None:
-        first = next(iter(prefill.step()), None)
+    first = prefill_first(prefill, "x", prompt, GREEDY)
     prefill.release_kv("x")
 
     decode = LLM(tiny_llama, num_kv_blocks=8).engine
@@ -129,10 +127,7 @@ def test_prefilled_requests_beyond_max_num_seqs_wait_their_turn_and_decode_as_a_
     prefill, decode = LLM(tiny_llama).engine, LLM(tiny_llama, max_num_seqs=2).engine
     tokens = {}
     for i, prompt in enumerate(prompts):
-        prefill.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
-        first = None
-        while first is None:
-            first = next(iter(prefill.step()), None)
+        first = prefill_first(prefill, f"r{i}", prompt, GREEDY)
         num_local, dst = decode.add_prefilled_request(f"r{i}", prompt, GREEDY, first)
         decode.kv_cache.kv[:, :, dst] = prefill.kv_cache.kv[:, :, first.kv_block_ids[num_local:]]
         prefill.release_kv(f"r{i}")

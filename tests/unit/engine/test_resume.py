@@ -13,6 +13,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
+from tests.harness.prefilled import prefill_first
 
 PROMPT_TEXT = "the quick brown fox jumps over"
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0)
@@ -131,10 +132,7 @@ def test_a_resumed_request_prefilled_by_one_engine_continues_exactly_on_another(
     block_size = prefill.kv_cache.block_size
     for k in (1, 11, len(whole) - 2):
         rid = f"pd-from-{k}"
-        prefill.add_request(rid, prompt, SEEDED, prefill_only=True, output_token_ids=token_ids[:k])
-        first = None
-        while first is None:
-            first = next(iter(prefill.step()), None)
+        first = prefill_first(prefill, rid, prompt, SEEDED, output_token_ids=token_ids[:k])
         assert (first.new_token_ids, first.new_text) == (whole[k].new_token_ids, whole[k].new_text)
         assert first.num_output_tokens == k + 1
         assert len(first.kv_block_ids) == -(-(len(prompt) + k) // block_size)  # the prompt's and outputs' KV

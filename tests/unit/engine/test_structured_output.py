@@ -20,6 +20,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, needs_only_argmax
 from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.errors import InvalidRequestError
+from tests.harness.prefilled import prefill_first
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -109,10 +110,7 @@ def test_the_matcher_crosses_from_prefill_to_decode_with_the_first_token(tiny_ll
     whole = _run(engine, "whole", params)
     prefill, decode = LLM(tiny_llama).engine, LLM(tiny_llama).engine
     ids = engine.tokenizer.encode(PROMPT)
-    prefill.add_request("x", ids, params, prefill_only=True)
-    first = None
-    while first is None:
-        first = next(iter(prefill.step()), None)
+    first = prefill_first(prefill, "x", ids, params)
     prefill.release_kv("x")
     _, blocks = decode.add_prefilled_request("x", ids, params, first)
     decode.start_prefilled_request("x", recompute=True)  # no KV copy here: the decode engine recomputes
