@@ -97,9 +97,9 @@ class AsyncLLMEngine:
                      forward: Forward | None = None) -> AsyncIterator[RequestOutput]:
         """The stream of a request set up with `engine.add_prefilled_request` once its KV is in
         place (or, with `recompute`, could not be pulled); it opens with `first` when given (the
-        prefill's output, not yet sent): as the request joins the batch (it may wait for a sequence
-        slot), so the stream runs at the batch's pace from its first token; with `recompute`, at
-        once. Its deadline is the one given to `add_prefilled_request`."""
+        prefill's output, not yet sent): at once, or, when the request must wait for a sequence
+        slot, as it joins the batch, so the stream runs at the batch's pace from its first token
+        (with `recompute`, at once). Its deadline is the one given to `add_prefilled_request`."""
         return await self._open_stream(request_id, self.engine.start_prefilled_request, request_id, recompute,
                                        first=first, hold_first=not recompute, forward=forward)
 
@@ -169,8 +169,11 @@ class AsyncLLMEngine:
         def open_():
             add(*args)
             self._streams[request_id] = (loop, queue, forward)
-            if first is not None and hold_first:
-                self._held_firsts[request_id] = first
+            if first is not None and hold_first:  # (it waits for a slot: else it joins at the next step)
+                if self.engine.scheduler.waits_for_a_slot(request_id):
+                    self._held_firsts[request_id] = first
+                else:
+                    queue.put_nowait(first)  # (nobody reads the queue yet: from any thread)
 
         try:
             await self.call(open_)

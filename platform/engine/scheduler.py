@@ -141,6 +141,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.ready) + len(self.running)
 
+    def waits_for_a_slot(self, request_id: str) -> bool:
+        """Whether a request prefilled elsewhere will not join at the next step: the batch's free
+        sequence slots go to those before it."""
+        ready = [r.request_id for r in self.ready]
+        return request_id in ready and ready.index(request_id) >= self.max_num_seqs - len(self.running)
+
     @property
     def num_waiting(self) -> int:
         """Requests admitted and not running: prompts waiting, and prefilled ones waiting for a slot."""
