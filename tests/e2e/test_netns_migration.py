@@ -51,11 +51,13 @@ def _decode_stats(driver, pids: set[int], timeout_s: float = 30) -> dict[int, di
     found: dict[int, dict] = {}
     deadline = time.monotonic() + timeout_s
     while True:
-        for s in driver.call("replica_stats", app="lab", pool="Decode"):
+        answer = driver.call("replica_stats", app="lab", pool="Decode")
+        for s in answer["stats"]:
             found[s["pid"]] = s
         if pids <= found.keys():
             return {pid: found[pid] for pid in pids}
-        assert time.monotonic() < deadline, f"decode replicas {pids - found.keys()} gave no stats in {timeout_s} s"
+        assert time.monotonic() < deadline, \
+            f"decode replicas {pids - found.keys()} gave no stats in {timeout_s} s; the last calls': {answer['errors']}"
 
 
 def _stream(base: str, i: int, salt: str, num_events: list[int]) -> dict:

@@ -1,13 +1,15 @@
 """The lab cluster's driver (tests/harness/ray_lab.py): `python -m tests.harness.ray_driver ADDRESS`,
 then one JSON command per stdin line, one JSON reply per stdout line ({"result": ...} or
 {"error": "..."}). Commands: deploy {config, http_port}, delete {app}, stats {app, pool} (one
-replica's, the handle's pick), replica_stats {app, pool, num_calls} (several calls at once: a list,
-a pool's replicas each answering one or more; a test keys them by "pid")."""
+replica's, the handle's pick), replica_stats {app, pool, num_calls, timeout_s} (several calls at
+once: {"stats": a list, a pool's replicas each answering one or more, a test keys them by "pid";
+"errors": the calls' that did not answer})."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 
 
@@ -37,19 +39,28 @@ def main(address: str) -> None:
     def stats(app: str, pool: str) -> dict:
         return serve.get_deployment_handle(pool, app).stats.remote().result(timeout_s=30)
 
-    def replica_stats(app: str, pool: str, num_calls: int = 8) -> list[dict]:
+    def replica_stats(app: str, pool: str, num_calls: int = 8, timeout_s: float = 10) -> dict:
         # Calls in flight at once: the handle's router counts them against the replica it sent
         # them to and picks the least loaded one for the next, so they spread over the replicas
-        # (one call at a time would go to the same replica each time).
+        # (one call at a time would go to the same replica each time). All of them within
+        # `timeout_s`: a caller polls again rather than wait out each call's own timeout.
         handle = serve.get_deployment_handle(pool, app)
         responses = [handle.stats.remote() for _ in range(num_calls)]
-        answers = []
+        deadline = time.monotonic() + timeout_s
+        answers, errors = [], []
         for response in responses:
             try:
-                answers.append(response.result(timeout_s=30))
-            except Exception:  # noqa: BLE001 - a replica that just died: the others still answer
-                pass
-        return answers
+                answers.append(response.result(timeout_s=max(0.01, deadline - time.monotonic())))
+            except Exception as e:  # noqa: BLE001 - a replica that just died: the others still answer
+                response.cancel()
+                errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+        if not answers:
+            # CI once saw every call of a round time out (and the next round's too) on a handle made
+            # just after the previous app of the same name was deleted: the next round gets a new
+            # handle, and the caller sees the errors and Serve's view of the app.
+            _get_global_client().shutdown_cached_handles()
+            errors.append(f"status: {serve.status().applications.get(app)}")
+        return {"stats": answers, "errors": errors}
 
     ops = {"deploy": deploy, "delete": delete, "stats": stats, "replica_stats": replica_stats}
     for line in sys.stdin:
