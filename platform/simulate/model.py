@@ -87,7 +87,7 @@ def from_arch(arch, name: str, weight_bytes_per_param: float | None = None,
               kv_bytes_per_value: float | None = None) -> ModelSpec:
     """A `ModelSpec` from a `ModelArch`; bytes per weight and per KV value default to the model's dtype."""
     h, layers = arch.hidden_size, arch.num_layers
-    dtype_bytes = arch.dtype.itemsize
+    dtype_bytes = arch.dtype_bytes
     if arch.is_mla:
         q_width = arch.num_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim)
         q = h * arch.q_lora_rank + arch.q_lora_rank * q_width if arch.q_lora_rank else h * q_width

@@ -119,3 +119,12 @@ def test_messages_between_pools_load_no_engine():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ("['pdserve.engine.cuda_ipc', 'pdserve.engine.outputs', "
                                   "'pdserve.engine.sampling_params', 'pdserve.engine.shared_memory']")
+
+
+def test_the_gateway_and_the_simulator_load_no_torch():
+    """The gateway (tokenizing, templating, streaming) and `pdserve simulate` / `plan` read model
+    configs but touch no tensor: torch (~190 MiB of a process, a second to import) stays out."""
+    code = ("import sys, pdserve.gateway.deployment, pdserve.simulate.cli, pdserve.simulate.plan_cli\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

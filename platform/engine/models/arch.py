@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.models.quantization import Fp8BlockScheme, parse_quantization
 from pdserve.errors import ModelLoadError, UnsupportedModelError
@@ -21,15 +20,27 @@ SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama",
                          "mixtral": "mixtral", "qwen3_moe": "mixtral",
                          "gemma3_text": "gemma3", "gemma3": "gemma3", "deepseek_v3": "deepseek_v3"}
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# A config's dtype names -> torch's. torch is imported only where a dtype object is asked for:
+# reading a config (the gateway, `pdserve simulate` and `plan` do) must not load it.
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def dtype_name(name: str) -> str:
+    """torch's name of the dtype a config calls `name` (UnsupportedModelError for one not supported)."""
     try:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:
         raise UnsupportedModelError(f"dtype {name!r} is not supported (use float32, bfloat16 or float16)") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, dtype_name(name))
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ class ModelArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    dtype: torch.dtype
+    dtype_name: str  # the checkpoint's (float32, bfloat16, float16): `dtype` is torch's
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
@@ -101,6 +112,14 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype_name)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype_name]
 
     @property
     def context_len(self) -> int:
@@ -178,7 +197,6 @@ class ModelArch:
         if (model_type.startswith("qwen") and not cfg.get("use_sliding_window", False)) or gemma:
             window = None
         moe = _moe_fields(cfg, model_type, source)
-        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         return cls(
             model_type=model_type,
             vocab_size=need("vocab_size"),
@@ -194,7 +212,7 @@ class ModelArch:
             max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            dtype=parse_dtype(str(dtype_name)),
+            dtype_name=dtype_name(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,

@@ -26,11 +26,12 @@ Knows nothing of models, files or devices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from pdserve.errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 SCALE_SUFFIX = "_scale_inv"
 SUPPORTED = "quant_method fp8 with fmt e4m3, block-wise weight_block_size [m, n] and dynamic activations"
@@ -83,6 +84,8 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_ro
                          dtype: torch.dtype) -> torch.Tensor:
     """`weight` (float8, [..., rows, cols]) times its per-block `scale_inv` ([..., ceil(rows/block_rows),
     ceil(cols/block_cols)]), in `dtype`. Computed in fp32, in place on one fp32 copy of the weight."""
+    import torch  # (here: reading a config's quantization_config, as the gateway does, must not load it)
+
     rows, cols = weight.shape[-2:]
     num_col_blocks = -(-cols // block_cols)
     out = weight.to(torch.float32)
@@ -105,6 +108,8 @@ def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], scheme: 
     tensor of the checkpoint by name (None if it holds none); `keep(name)` False marks a tensor
     the model will skip (DeepSeek's multi-token-prediction layer): passed on as stored, not
     dequantized. `ModelLoadError` names a missing, misshapen or orphaned scale."""
+    import torch
+
     fp8_names: set[str] = set()
     scale_names: list[str] = []
     for name, tensor in weights:
