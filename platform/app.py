@@ -97,7 +97,7 @@ def _pool_options(config: ServeConfig, pool: PoolConfig, deployment: str, defaul
         options["num_replicas"] = pool.num_replicas
     return {**options, "name": deployment,
             "ray_actor_options": with_env(pool.ray_actor_options, ENGINE_ENV),
-            "max_ongoing_requests": pool.max_ongoing_requests, "max_queued_requests": pool.max_queued_requests,
+            "max_ongoing_requests": config.max_ongoing_requests(pool), "max_queued_requests": pool.max_queued_requests,
             "health_check_period_s": pool.health_check_period_s,
             "request_router_config": RequestRouterConfig(
                 request_router_class=pool.request_router_class or default_router, request_router_kwargs=kwargs,

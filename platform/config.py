@@ -158,6 +158,17 @@ class AutoscalingSpec(BaseModel):
         return self
 
 
+# What a pool's replica accepts at once unless its config says (`ServeConfig.max_ongoing_requests`): a
+# whole batch (fewer, and a decode replica never fills one: a config with max_num_seqs 256 ran 64) and
+# at least this many, so that past a small batch prompts are prefilled elsewhere while they wait for
+# a sequence slot on the replica instead of in their callers' queues.
+MIN_MAX_ONGOING_REQUESTS = 64
+
+
+def default_max_ongoing_requests(max_num_seqs: int) -> int:
+    return max(MIN_MAX_ONGOING_REQUESTS, max_num_seqs)
+
+
 class PoolConfig(BaseModel):
     """One Ray Serve deployment of engine replicas (prefill, decode or unified)."""
 
@@ -168,7 +179,9 @@ class PoolConfig(BaseModel):
         default_factory=lambda: {"num_cpus": 1},
         description="Per replica: num_cpus, num_gpus, accelerator_type, resources ({custom: amount}), ... "
                     "Different options per pool put prefill and decode on different node types.")
-    max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica accepts at once.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests a replica accepts at once (more wait in their callers' queues). Default: "
+                                "its engine's max_num_seqs, and at least 64. Below max_num_seqs it caps the batch.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Ray Serve checks a replica (a dead "
                                                                  "engine loop or rank worker fails the check).")
     max_queued_requests: int = Field(
@@ -437,6 +450,12 @@ class ServeConfig(BaseModel):
         if self.model is None and not unresolved_ok:
             raise ValueError("resolve the model first (pdserve.app.resolve_model)")
         return EngineConfig(model=self.model or "-", **_merged(self.engine, pool.engine))
+
+    def max_ongoing_requests(self, pool: PoolConfig) -> int:
+        """What a replica of `pool` accepts at once: its `max_ongoing_requests`, else the default
+        that follows its engine's max_num_seqs."""
+        return pool.max_ongoing_requests or default_max_ongoing_requests(
+            self.engine_config(pool, unresolved_ok=True).max_num_seqs)
 
     @field_validator("prefill", "decode")
     @classmethod

@@ -51,3 +51,13 @@ def test_scale_to_zero_must_be_asked_for():
     ServeConfig(prefill={"autoscaling": {"min_replicas": 0, "scale_to_zero": True}})
     with pytest.raises(ValidationError, match="exceeds max_replicas"):
         ServeConfig(decode={"autoscaling": {"min_replicas": 5, "max_replicas": 2}})
+
+
+def test_a_replica_accepts_a_whole_batch_unless_told_otherwise():
+    """The llama3-8b-h100-a100 example's decode pool (max_num_seqs 256) ran at most 64 sequences a
+    replica when max_ongoing_requests was 64 whatever the batch."""
+    cfg = ServeConfig(engine={"max_num_seqs": 8, "max_num_batched_tokens": 512},
+                      decode={"engine": {"max_num_seqs": 256}}, prefill={"max_ongoing_requests": 4})
+    assert cfg.max_ongoing_requests(cfg.decode) == 256
+    assert cfg.max_ongoing_requests(cfg.prefill) == 4  # said: kept, below the batch too
+    assert ServeConfig().max_ongoing_requests(ServeConfig().decode) == 64  # a small batch: at least 64
