@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--max-num-batched-tokens", type=int, default=2048, help="a step's token budget")
     d.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a decode replica holds")
+    d.add_argument("--max-ongoing-requests", type=int,
+                   help="most requests a decode replica takes at once (default: max-num-seqs, at least 64)")
     d.add_argument("--no-split-prompts-to-fill-steps", dest="split_prompts_to_fill_steps", action="store_false",
                    help="the engine option off (as on CPU pools): a prompt that would not finish in a step starts "
                         "only in one that prefills nothing else")
@@ -157,6 +159,7 @@ def build(args):
                        if args.prefill_replicas else None,
                        slo=Slo(args.ttft_ms / 1000, args.itl_ms / 1000, args.percentile), block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       max_ongoing_requests=args.max_ongoing_requests,
                        split_prompts_to_fill_steps=args.split_prompts_to_fill_steps, seed=args.seed,
                        autoscale=autoscale, host=host)
     requests, expected_s = workload_requests(args)
@@ -175,7 +178,7 @@ def _from_config(args) -> None:
     args.prefill_accelerator = dep.prefill_accelerator or args.prefill_accelerator
     args.decode_accelerator = dep.decode_accelerator or args.decode_accelerator
     args.block_size, args.max_num_batched_tokens = dep.block_size, dep.max_num_batched_tokens
-    args.max_num_seqs = dep.max_num_seqs
+    args.max_num_seqs, args.max_ongoing_requests = dep.max_num_seqs, dep.max_ongoing_requests
     args.split_prompts_to_fill_steps = dep.split_prompts_to_fill_steps
     if dep.slo is not None:
         args.ttft_ms, args.itl_ms, args.percentile = dep.slo

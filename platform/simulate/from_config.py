@@ -32,6 +32,7 @@ class Deployment:
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    max_ongoing_requests: int  # the decode pool's
     split_prompts_to_fill_steps: bool  # the prefill pool's
     slo: tuple[float, float, float] | None  # (ttft_ms, itl_ms, percentile)
     max_total_replicas: int | None
@@ -70,5 +71,6 @@ def read(path: str) -> Deployment:
                       decode_tp=decode.tensor_parallel_size, prefill_accelerator=accelerator(config.prefill),
                       decode_accelerator=accelerator(config.decode), block_size=decode.block_size,
                       max_num_batched_tokens=decode.max_num_batched_tokens, max_num_seqs=decode.max_num_seqs,
+                      max_ongoing_requests=resolved.max_ongoing_requests(config.decode),
                       split_prompts_to_fill_steps=(decode if colocated else prefill).split_prompts_to_fill_steps,
                       slo=slo, max_total_replicas=budget)

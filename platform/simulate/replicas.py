@@ -9,12 +9,17 @@ plus the streams that finish in it, never a walk over the batch. Each step's dur
 (`StepCost`), stretched on a shared host (`SharedCores`), and feeds the replica's `CostModel`
 exactly as a real replica's engine does (`on_step(num_decodes, num_prefill_tokens, seconds)`).
 
-KV blocks: a decode replica reserves a request's whole length (prompt + output, as the decode
-router counts it) when it admits it and frees them when the request finishes, so the simulation
-never preempts (the real scheduler admits on the prompt and preempts when short: at high
-occupancy the simulation is the more conservative). Prefill replicas' blocks and leases are not
-modelled. They know nothing of routing or placement: the `Simulation` calls them and they call
-back `sim.at` (schedule), `sim.first_token`, `sim.finished`, `sim.prefill_done` and `sim.changed`.
+A decode replica takes up to `max_ongoing_requests` requests (Ray Serve's bound; the rest wait
+for a replica with room) and places each at once. Its engine holds what the real one holds, when
+it holds it: a remotely prefilled request's blocks from its import (before the pull; none free: it
+recomputes here), a sequence slot (of `max_num_seqs`) once it joins the batch, waiting pulled in
+`ready` meanwhile, ahead of local prompts; a local prompt takes its slot and blocks as its first
+chunk starts. Blocks are a request's whole length (prompt + output, as the decode router counts
+it), so the simulation never preempts (the real scheduler takes blocks as the sequence grows and
+preempts when short: at high occupancy the simulation is the more conservative). Prefill
+replicas' blocks and leases are not modelled. They know nothing of routing or placement: the
+`Simulation` calls them and they call back `sim.at` (schedule), `sim.first_token`, `sim.finished`,
+`sim.prefill_done` and `sim.changed`.
 """
 
 from __future__ import annotations
@@ -155,23 +160,26 @@ class SimPrefill(_Replica):
 
 
 class SimDecode(_Replica):
-    def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int, max_num_seqs: int):
+    def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int, max_num_seqs: int,
+                 max_ongoing_requests: int):
         super().__init__(sim, name, cost, budget)
         # The priors a real replica starts from; its prediction errors dated in simulated time.
         self.cm = CostModel(percentile=sim.config.slo.percentile, clock=lambda: sim.now)
-        self.num_blocks, self.used_blocks, self.max_num_seqs = num_blocks, 0, max_num_seqs
+        self.num_blocks, self.max_num_seqs, self.max_ongoing_requests = num_blocks, max_num_seqs, max_ongoing_requests
         h = self.host
         self.request_s, self.step_s, self.token_s, self.per_prompt_token_s = (
             (h.decode_request_s, h.decode_step_s, h.decode_token_s, h.decode_s_per_prompt_token) if h
             else (0.0, 0.0, 0.0, 0.0))
-        self.num_admitted = 0  # requests holding blocks here
-        self.active_blocks = 0  # blocks of the requests whose KV is here (decoding or prefilling here)
-        self.blocked: deque[Req] = deque()  # routed here, waiting for blocks or a sequence slot
+        self.num_in_flight = 0  # requests routed here and not finished (what max_ongoing_requests bounds)
+        self.routed_blocks = 0  # their blocks, as the decode router counts what it sent
+        self.used_blocks = 0  # blocks the engine holds (imported or prefilling here, waiting, decoding)
         self.num_running = 0
         self.context_tokens = 0  # KV tokens of the running streams (what a decode step reads)
         self.finishing: dict[int, list[Req]] = {}  # step number -> streams whose last token it makes
-        self.joining: list[Req] = []  # KV here, joining the batch at the next step
-        self.local: deque[list] = deque()  # [req, remaining, done, chunk tokens (0: budget), pause until]
+        self.ready: deque[Req] = deque()  # pulled, holding blocks, waiting for a sequence slot
+        self.joining: list[Req] = []  # holding a slot, joining the batch at the next step
+        # [req, remaining, done, chunk tokens (0: budget), pause until, holds a slot and blocks]
+        self.local: deque[list] = deque()
         self.local_queued_tokens = 0
         self.remote_queued_tokens = 0  # uncached tokens of this replica's prompts with the prefill pool
         self._decodes = self._chunk = 0
@@ -183,44 +191,51 @@ class SimDecode(_Replica):
 
     @property
     def is_idle(self) -> bool:
-        return not (self.busy or self.num_admitted or self.blocked)
+        return not (self.busy or self.num_in_flight)
 
-    def can_admit(self, req: Req) -> bool:
-        return (not self.blocked and req.blocks <= self.num_blocks - self.used_blocks
-                and self.num_admitted < self.max_num_seqs)
+    @property
+    def has_room(self) -> bool:
+        return self.num_in_flight < self.max_ongoing_requests
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequence slots held: the batch, those joining it, a local prompt prefilling."""
+        return self.num_running + len(self.joining) + bool(self.local and self.local[0][5])
 
     def route(self, req: Req, now: float) -> None:
-        """A request the decode router chose this replica for."""
+        """A request the decode router chose this replica for: placed at once."""
         req.decode, req.routed = self, now
         self.sim.window.num_routed += 1
-        self.blocked.append(req)
-        self._admit(now)
-
-    def _admit(self, now: float) -> None:
-        while self.blocked and self.blocked[0].blocks <= self.num_blocks - self.used_blocks \
-                and self.num_admitted < self.max_num_seqs:
-            req = self.blocked.popleft()
-            self.used_blocks += req.blocks
-            self.num_admitted += 1
-            self.sim.admitted(req, self, now)
+        self.num_in_flight += 1
+        self.routed_blocks += req.blocks
         self.sim.changed(self)
+        self.sim.place_prefill(req, self, now)
+
+    def reserve(self, req: Req) -> bool:
+        """Blocks for a remotely prefilled request's KV, before its pull (False: none free)."""
+        if req.blocks > self.num_blocks - self.used_blocks:
+            return False
+        self.used_blocks += req.blocks
+        return True
 
     def prefill_locally(self, req: Req, chunk_tokens: int, pause_until: float, now: float) -> None:
-        self.active_blocks += req.blocks
-        self.local.append([req, req.uncached, req.prompt - req.uncached, chunk_tokens, pause_until])
+        self.local.append([req, req.uncached, req.prompt - req.uncached, chunk_tokens, pause_until, False])
         self.local_queued_tokens += req.uncached
         if not self.busy:
             self._start(now)
 
     def join(self, req: Req, now: float) -> None:
-        """The request's KV is here (pulled): it joins the batch at the next step."""
-        self.active_blocks += req.blocks
-        self.joining.append(req)
+        """The request's KV is here (pulled): it joins the batch at the next step with a slot free."""
+        self.ready.append(req)
         if not self.busy:
             self._start(now)
 
     def _start(self, now: float) -> None:
         self.busy = True  # what a finish below sets off (admissions, placements) waits for this step
+        free = self.max_num_seqs - self.num_seqs
+        while self.ready and free > 0:  # pulled requests take free slots first, as the scheduler's `ready`
+            self.joining.append(self.ready.popleft())
+            free -= 1
         joined = 0.0  # the joining requests' own time here
         while self.joining:
             joining, self.joining = self.joining, []
@@ -236,7 +251,10 @@ class SimDecode(_Replica):
         n, chunk, kv, pairs = self.num_running, 0, self.context_tokens, float(self.context_tokens)
         if self.local:
             head = self.local[0]
-            if not n or now >= head[4]:  # a pause yields to decodes only while there are any
+            if not head[5] and n < self.max_num_seqs and head[0].blocks <= self.num_blocks - self.used_blocks:
+                head[5] = True  # admitted: a slot and its blocks
+                self.used_blocks += head[0].blocks
+            if head[5] and (not n or now >= head[4]):  # a pause yields to decodes only while there are any
                 # The step's budget goes to the decodes first (the scheduler's order), then the chunk.
                 chunk = max(0, min(head[1], head[3] if n and head[3] else self.budget, self.budget - n))
                 if chunk:
@@ -275,8 +293,8 @@ class SimDecode(_Replica):
 
     def _finish(self, req: Req, now: float) -> None:
         self.used_blocks -= req.blocks
-        self.active_blocks -= req.blocks
-        self.num_admitted -= 1
+        self.routed_blocks -= req.blocks
+        self.num_in_flight -= 1
         self.sim.finished(req, now)
-        self._admit(now)
+        self.sim.changed(self)
         self.sim.route_pending(now)

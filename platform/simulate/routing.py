@@ -116,7 +116,9 @@ class PrefillRouter:
 class DecodeRouter:
     def __init__(self, rng: random.Random):
         self.rng = rng
-        self._heap = _LazyHeap(lambda r: (r.used_blocks - r.num_blocks, r.num_admitted), rng)
+        # (requests in flight, not running sequences, break ties: they change on routing and
+        # finishing only, not every step)
+        self._heap = _LazyHeap(lambda r: (r.routed_blocks - r.num_blocks, r.num_in_flight), rng)
 
     @property
     def replicas(self) -> list:
@@ -135,9 +137,10 @@ class DecodeRouter:
             self._heap.push(replica)
 
     def choose(self, blocks_needed: int):
-        candidates = self._heap.first(NUM_LEAST_LOADED)
+        candidates = [r for r in self._heap.first(NUM_LEAST_LOADED) if r.has_room]
         if not candidates:
             return None
-        loads = {r.name: DecodeLoad(r.num_blocks - r.used_blocks, r.num_blocks, r.num_admitted) for r in candidates}
+        loads = {r.name: DecodeLoad(r.num_blocks - r.routed_blocks, r.num_blocks, r.num_in_flight)
+                 for r in candidates}
         best = rank_decode(list(loads), loads, blocks_needed, self.rng)[0]
         return next(r for r in candidates if r.name == best)

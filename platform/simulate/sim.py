@@ -7,16 +7,17 @@ pool, placement decisions by reason, and the run's own cost (events, wall second
 simulated to real time).
 
 A request's way, as in the app (DESIGN.md section 2): the decode router picks a decode replica
-(`DecodeRouter`, `rank_decode`); when even that one has no room (blocks, a sequence slot) the
-request waits, first come first served, until a replica frees some or starts (as requests wait in
-Ray Serve's handles). The replica admits it, looks up the prefix it
-caches and asks `pdserve.decode.placement.place` with its own `CostModel`'s rates where to
-prefill; a remote prompt goes to the prefill replica `PrefillRouter` picks (`rank_prefill` over
-the `RadixIndex`), then its KV crosses the link (uncached tokens x KV bytes / link bandwidth) and
-it joins the decode batch; a local one is prefilled in the decode replica's own steps, in the
-chunks and after the pause placement chose. The first token goes out as the request joins the
-batch; each decode step adds one. With no prefill pool (colocated) every prompt is prefilled
-locally, in chunks of the step budget.
+(`DecodeRouter`, `rank_decode`) among those with room (fewer than `max_ongoing_requests`
+requests); with none, the request waits, first come first served, until a replica has room or
+starts (as requests wait in Ray Serve's handles). The replica looks up the prefix it caches and
+asks `pdserve.decode.placement.place` with its own `CostModel`'s rates where to prefill; a remote
+prompt goes to the prefill replica `PrefillRouter` picks (`rank_prefill` over the `RadixIndex`),
+then the decode replica reserves its blocks (none free: it recomputes the prompt itself), its KV
+crosses the link (uncached tokens x KV bytes / link bandwidth) and it joins the decode batch once
+a sequence slot is free; a local one is prefilled in the decode replica's own steps, in the
+chunks and after the pause placement chose (replicas.py: what the engine holds, when). The
+first token goes out as the request joins the batch; each decode step adds one. With no prefill
+pool (colocated) every prompt is prefilled locally, in chunks of the step budget.
 
 Autoscaling (`AutoscaleSpec`): every tick the joint policy (`pdserve.autoscale.joint`) sees the
 tick's window and sets each pool's size; new replicas take `replica_start_s` to start, removed
@@ -45,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo
+from pdserve.config import default_max_ongoing_requests
 from pdserve.decode.placement import Load, Target, place
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT
 from pdserve.router.radix_index import RadixIndex
@@ -81,6 +83,7 @@ class SimConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    max_ongoing_requests: int | None = None  # the decode pool's; None: config.py's default for max_num_seqs
     split_prompts_to_fill_steps: bool = True  # the engine option: off, a prompt that would not finish starts alone
     queue_weight: float = DEFAULT_QUEUE_WEIGHT
     seed: int = 0
@@ -133,6 +136,7 @@ class Simulation:
         self.num_arrived = self.num_finished = self.num_good = 0
         self.finish_counts = bytearray()  # per request id: how many times it finished
         self.placements: dict[str, int] = {}
+        self.num_recomputed = 0  # remote prefills whose decode replica had no blocks for the pull
         self.start_s = self.end_s = 0.0  # the measured run's (after any warm-up)
         self.num_events = 0
         self._arrivals = None
@@ -202,7 +206,7 @@ class Simulation:
         for r in self.pools["prefill"] + self.pools["decode"]:
             r.started_s = now
         self.ttft, self.itl, self.tpot = LogHistogram(), LogHistogram(), LogHistogram()
-        self.window, self.placements = Window(), {}
+        self.window, self.placements, self.num_recomputed = Window(), {}, 0
         self.num_arrived = self.num_finished = self.num_good = 0  # request ids start again
         self.finish_counts = bytearray()
         self.start_s = self.end_s = now
@@ -239,7 +243,7 @@ class Simulation:
         pending = self.pending
         while pending:
             d = self.decode_router.choose(pending[0].blocks)
-            if d is None or not d.can_admit(pending[0]):
+            if d is None:
                 return
             d.route(pending.popleft(), now)
 
@@ -253,8 +257,8 @@ class Simulation:
             self._next_hash += n
         return hashes
 
-    def admitted(self, req: Req, d: SimDecode, now: float) -> None:
-        """`d` holds the request's blocks: place its prefill."""
+    def place_prefill(self, req: Req, d: SimDecode, now: float) -> None:
+        """`d` took the request: place its prefill."""
         hashes = self._hashes(req)
         if hashes:
             matched = self.decode_index.match(hashes, (d.name,))[d.name]
@@ -284,6 +288,11 @@ class Simulation:
         d = req.decode
         d.remote_queued_tokens -= req.uncached
         d.cm.remote_prefill(req.ahead, now - req.dispatched, prefill.prefill_rate.value)
+        if not d.reserve(req):  # no blocks for the pull: the prompt is recomputed on the decode replica
+            self.num_recomputed += 1
+            req.placed = None  # (not the path predicted: no error to learn from)
+            d.prefill_locally(req, 0, now, now)
+            return
         req.pull_bytes = req.uncached * self.kv_bytes
         delay = self.config.host.remote_delay_s(req.prompt) if self.config.host else 0.0
         self.at(now + req.pull_bytes / self.link_bytes_per_s + delay, self._pulled, req)
@@ -355,7 +364,8 @@ class Simulation:
         if pool == "prefill":
             r = SimPrefill(self, name, self._costs[pool], c.max_num_batched_tokens, self._blocks[pool])
         else:
-            r = SimDecode(self, name, self._costs[pool], c.max_num_batched_tokens, self._blocks[pool], c.max_num_seqs)
+            r = SimDecode(self, name, self._costs[pool], c.max_num_batched_tokens, self._blocks[pool], c.max_num_seqs,
+                          c.max_ongoing_requests or default_max_ongoing_requests(c.max_num_seqs))
         r.pool, r.started_s = pool, now
         self._count(now)
         self._counts[pool] += 1
@@ -409,13 +419,12 @@ class Simulation:
         # As the serving replicas report them: blocks and sequences of the requests whose KV they
         # hold (not those still with the prefill pool); the requests waiting for a replica; the
         # requests routed to the pool, how long those that ended were held, and those it holds.
-        d_signal = DecodeSignal(len(decode), sum(r.active_blocks for r in serving) / capacity if capacity else 0.0,
+        d_signal = DecodeSignal(len(decode), sum(r.used_blocks for r in serving) / capacity if capacity else 0.0,
                                 w.gap_weight_within / w.gap_weight if w.gap_weight else None,
-                                sum(r.num_running + len(r.local) for r in serving) / slots if slots else 0.0,
+                                sum(r.num_seqs for r in serving) / slots if slots else 0.0,
                                 len(self.pending), self.config.max_num_seqs, len(decode) - len(serving),
                                 w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
-                                sum(r.num_admitted + len(r.blocked) for r in (*decode, *self.draining)
-                                    if r.pool == "decode"))
+                                sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"))
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
         for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):
             live = self.pools[pool]
@@ -424,7 +433,7 @@ class Simulation:
             for _ in range(min(want - len(live), room)):
                 self._add_replica(pool, now, started=False)
             if want < len(live):  # drain the least loaded
-                key = (lambda r: r.queued_tokens) if pool == "prefill" else (lambda r: r.num_admitted)
+                key = (lambda r: r.queued_tokens) if pool == "prefill" else (lambda r: r.num_in_flight)
                 for r in sorted(live, key=lambda r: (r.is_active, key(r)))[:len(live) - want]:
                     self._drain(r, now)
         self._retire_idle(now)
@@ -451,7 +460,7 @@ class Simulation:
             "goodput_rps": self.num_good / simulated_s if simulated_s > 0 else None,
             "replica_seconds": {**self.replica_seconds, "total": total},
             "goodput_per_replica": self.num_good / total if total > 0 else None,
-            "placements": dict(sorted(self.placements.items())),
+            "placements": dict(sorted(self.placements.items())), "recomputed": self.num_recomputed,
             "final_replicas": {pool: len(rs) for pool, rs in self.pools.items()},
             "num_events": self.num_events, "wall_s": wall_s,
             "real_time_ratio": simulated_s / wall_s if wall_s > 0 else None,

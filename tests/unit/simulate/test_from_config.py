@@ -29,6 +29,7 @@ def test_the_pools_limits_slo_and_budget_come_from_the_config(tmp_path):
     assert (dep.prefill_replicas, dep.decode_replicas, dep.prefill_tp, dep.decode_tp) == (2, 3, 1, 2)
     assert (dep.prefill_accelerator, dep.decode_accelerator) == ("H100", "A100")
     assert (dep.block_size, dep.max_num_batched_tokens, dep.max_num_seqs) == (32, 512, 128)
+    assert dep.max_ongoing_requests == 128  # the pool's default: a whole batch
     assert dep.slo == (1000.0, 50.0, 99.0)
     assert dep.max_total_replicas == 12  # no max_total_replicas: the pools' max_replicas together
 

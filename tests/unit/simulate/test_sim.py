@@ -2,8 +2,11 @@
 nothing held (blocks, streams, queues, context), replica-seconds are the integral of the replica
 count, and a seed gives one result."""
 
+from dataclasses import replace
+
 import pytest
 
+from pdserve.simulate.replicas import SimDecode
 from pdserve.simulate.sim import AutoscaleSpec, Simulation
 from pdserve.simulate.workload import SimRequest, WorkloadSpec, bench_requests
 from tests.unit.simulate.fixtures import config
@@ -21,8 +24,9 @@ def assert_balanced(sim, result):
     assert set(sim.finish_counts) == {1}  # each request finished once
     for r in replicas(sim):
         if r.pool == "decode":
-            assert (r.used_blocks, r.active_blocks, r.num_admitted, r.num_running, r.context_tokens) == (0,) * 5, r.name
-            assert not (r.blocked or r.joining or r.local or r.finishing), r.name
+            held = (r.used_blocks, r.routed_blocks, r.num_in_flight, r.num_running, r.context_tokens)
+            assert held == (0,) * 5, r.name
+            assert not (r.ready or r.joining or r.local or r.finishing), r.name
             assert (r.local_queued_tokens, r.remote_queued_tokens) == (0, 0), r.name
         else:
             assert not r.queue and r.queued_tokens == 0, r.name
@@ -109,3 +113,42 @@ def test_a_warmup_teaches_the_replicas_and_the_result_starts_after_it():
     assert only.run(iter([]), warmup=[SimRequest(0.0, 128, 32)])["num_requests"] == 0
     cm = only.pools["decode"][0].cm
     assert cm.decode_step.num_samples >= 31 and cm.remote_rate.num_samples == 1 and cm.link.num_samples == 1
+
+
+def _watch_decode_steps(monkeypatch) -> list[tuple[int, int, int]]:
+    """(sequences held, requests in flight, pulled ones waiting) of each decode step as it starts."""
+    seen = []
+    start = SimDecode._start
+
+    def watched(self, now):
+        start(self, now)
+        seen.append((self.num_seqs, self.num_in_flight, len(self.ready)))
+
+    monkeypatch.setattr(SimDecode, "_start", watched)
+    return seen
+
+
+def test_a_decode_replica_takes_max_ongoing_requests_and_runs_max_num_seqs(monkeypatch):
+    """As the engine does: 16 prompts at once on a replica of 2 slots that takes 8 requests: 8 are
+    prefilled remotely meanwhile (not 2), at most 2 run, and the pulled ones wait in `ready`."""
+    seen = _watch_decode_steps(monkeypatch)
+    sim = Simulation(replace(config(prefill=2, decode=1, ttft_s=5.0), max_num_seqs=2, max_ongoing_requests=8))
+    result = sim.run(iter([SimRequest(0.0, 512, 32)] * 16))
+    assert_balanced(sim, result)
+    assert max(s for s, _, _ in seen) == 2
+    assert max(n for _, n, _ in seen) == 8
+    assert max(w for _, _, w in seen) > 0
+    assert set(result["placements"]) == {"remote: remote meets the TTFT target"}
+
+
+def test_a_pull_with_no_free_blocks_recomputes_on_the_decode_replica(monkeypatch):
+    """1,024 blocks of 16 tokens; 12 requests of 2,000 + 1,000 tokens (188 blocks each) prefilled
+    remotely at once: 5 hold blocks, the other 7 find none at their import (the first still
+    decode) and are prefilled where they are as blocks free; every request finishes, nothing is
+    held after."""
+    seen = _watch_decode_steps(monkeypatch)
+    sim = Simulation(replace(config(prefill=2, decode=1, ttft_s=30.0), max_num_seqs=64))
+    result = sim.run(iter([SimRequest(0.0, 2000, 1000)] * 12))
+    assert_balanced(sim, result)
+    assert result["recomputed"] == 7
+    assert max(s for s, _, _ in seen) <= 5  # (the blocks bound them, not the 64 slots)
