@@ -10,5 +10,5 @@ OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "ttft_attainmen
 def autoscaling_stats(stats: dict) -> dict[str, float]:
     """The figures a replica reports for its pool's policy (Ray Serve's `record_autoscaling_stats`)."""
     return {"queued_prefill_tokens": float(stats["queued_prefill_tokens"]), "num_running": float(stats["num_running"]),
-            "kv_usage": stats["kv_usage"],
+            "kv_usage": stats["kv_usage"], "num_waiting": float(stats["num_waiting"]),
             **{k: float(stats[k]) for k in OPTIONAL_STATS if stats.get(k) is not None}}

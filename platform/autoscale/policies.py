@@ -139,7 +139,9 @@ class JointSloPolicy:
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
     `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
     replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
-    waiting in callers' handles (`total_num_requests` beyond those running), the requests they
+    waiting for a slot: in callers' handles (`total_num_requests` beyond those the replicas hold,
+    `num_in_flight_requests`) and on the replicas (`num_waiting`: prompts, and requests prefilled
+    elsewhere; not those with the prefill pool, which are its load), the requests they
     take a second (`requests_per_s`), hold (`num_in_flight_requests`) and how long they held
     those that ended (`residence_s`); the decode replicas' `ttft_attainment` / `itl_attainment`
     (the share within target over the window). Replicas asked for and not running yet (the last
@@ -173,12 +175,13 @@ class JointSloPolicy:
                                 _total(p_ctx, "prompt_tokens_per_s") or 0.0, rate,
                                 _mean(d_ctx, "ttft_attainment"), _asked(p_ctx) - p_ctx.current_num_replicas)
         running = _total(d_ctx, "num_running") or 0.0
+        held = _total(d_ctx, "num_in_flight_requests") or 0.0
         slots = max(d_ctx.current_num_replicas, 1) * self.max_num_seqs
+        waiting = max(0.0, d_ctx.total_num_requests - max(held, running)) + (_total(d_ctx, "num_waiting") or 0.0)
         decode = DecodeSignal(_asked(d_ctx), _mean(d_ctx, "kv_usage") or 0.0,
-                              _mean(d_ctx, "itl_attainment"), running / slots,
-                              max(0.0, d_ctx.total_num_requests - running), self.max_num_seqs,
+                              _mean(d_ctx, "itl_attainment"), running / slots, waiting, self.max_num_seqs,
                               _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
-                              _mean(d_ctx, "residence_s"), _total(d_ctx, "num_in_flight_requests") or 0.0)
+                              _mean(d_ctx, "residence_s"), held)
         p, d = self.scaler.decide(prefill, decode, time.monotonic(), p_ctx.capacity_adjusted_max_replicas,
                                   d_ctx.capacity_adjusted_max_replicas)
         targets = (_bounded(p_ctx, p), _bounded(d_ctx, d))

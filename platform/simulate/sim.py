@@ -417,12 +417,14 @@ class Simulation:
         serving = [r for r in decode if r.is_active]
         capacity, slots = sum(r.num_blocks for r in serving), len(serving) * self.config.max_num_seqs
         # As the serving replicas report them: blocks and sequences of the requests whose KV they
-        # hold (not those still with the prefill pool); the requests waiting for a replica; the
-        # requests routed to the pool, how long those that ended were held, and those it holds.
+        # hold (not those still with the prefill pool); the requests waiting for a slot (for a
+        # replica, or on one); the requests routed to the pool, how long those that ended were held,
+        # and those it holds.
         d_signal = DecodeSignal(len(decode), sum(r.used_blocks for r in serving) / capacity if capacity else 0.0,
                                 w.gap_weight_within / w.gap_weight if w.gap_weight else None,
                                 sum(r.num_seqs for r in serving) / slots if slots else 0.0,
-                                len(self.pending), self.config.max_num_seqs, len(decode) - len(serving),
+                                len(self.pending) + sum(r.num_waiting for r in serving), self.config.max_num_seqs,
+                                len(decode) - len(serving),
                                 w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
                                 sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"))
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now)

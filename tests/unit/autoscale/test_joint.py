@@ -152,9 +152,9 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     monkeypatch.setitem(sys.modules, "pdserve.telemetry.metrics",
                         SimpleNamespace(autoscaling_decision=lambda *decision: recorded.append(decision)))
 
-    def pool(name, current, target=None, **metrics):
+    def pool(name, current, target=None, requests=0, **metrics):
         return SimpleNamespace(deployment_name=name, app_name="app", current_num_replicas=current,
-                               target_num_replicas=current if target is None else target, total_num_requests=0,
+                               target_num_replicas=current if target is None else target, total_num_requests=requests,
                                capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=10,
                                aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
 
@@ -179,6 +179,13 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     starting = pool("Prefill", 1, target=2, queued_prefill_tokens=[3_000], prefill_tokens_per_s=[10_000],
                     prompt_tokens_per_s=[4_000])
     assert policy({"p": starting, "d": growing})[0] == {"p": 2, "d": 4}
+    # Decode waits for slots with 100 requests in callers' handles (300 asked, 200 on the replicas)
+    # and 60 on the replicas; the other 40 are with the prefill pool, which is its load, not
+    # decode's: 2 x 0.5 / 0.8 + 160 / 256 slots = 1.875 -> 2 (counting all 300 beyond those running: 3).
+    policy = JointSloPolicy(ttft_ms=1000, itl_ms=50, percentile=99, max_total_replicas=12, downscale_delay_s=60)
+    queued = pool("Decode", 2, requests=300, kv_usage=[0.5, 0.5], num_running=[50, 50],
+                  num_in_flight_requests=[100, 100], num_waiting=[30, 30])
+    assert policy({"p": idle[0], "d": queued})[0]["d"] == 2
     # Each pool's bounds apply.
     busy = pool("Prefill", 9, queued_prefill_tokens=[10**6], prefill_tokens_per_s=[10_000])
     assert policy({"p": busy, "d": decode})[0]["p"] <= 10
