@@ -14,9 +14,9 @@ finds (#46), each beside its simulation.
    by its runner through HAProxy and the gateway to serve-llama-40m (fp32, as the cpu profile
    was calibrated). Each engine runs --max-num-seqs sequences at once: standing for the KV
    memory that bounds a GPU replica's streams, the bound a decode pool is sized by, since on
-   this machine's two cores more replicas add no compute. (The simulator holds a decode replica
-   to it; the real one also takes requests prefilled elsewhere beyond it, up to its KV blocks:
-   RESULTS.md, the 41st session.)
+   this machine's two cores more replicas add no compute. (A decode replica, real or simulated,
+   takes up to its pool's max_ongoing_requests, 64, and holds those beyond its slots with their
+   KV until a slot frees.)
 3. The setups, one after the other on one Ray: the average's fixed split, the peak's (where one
    meets the SLO there) and joint autoscaling as a user writes it (`slo`, both pools autoscaling
    from one replica, `max_total_replicas`: pdserve.autoscale.policies.JointSloPolicy). Each
