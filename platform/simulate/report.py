@@ -24,7 +24,8 @@ def table(r: dict) -> str:
              f"goodput           {r['goodput_rps'] or 0:.2f} req/s, {r['goodput_per_replica'] or 0:.3f} per replica-s",
              "replica-seconds   " + ", ".join(f"{k} {v:.0f}" for k, v in r["replica_seconds"].items()),
              "final replicas    " + ", ".join(f"{k} {v}" for k, v in r["final_replicas"].items()),
-             "placements        " + "; ".join(f"{k}: {v}" for k, v in r["placements"].items()),
+             "placements        " + "; ".join(f"{k}: {v}" for k, v in r["placements"].items())
+             + (f"; {r['recomputed']} recomputed (no blocks for the pull)" if r.get("recomputed") else ""),
              f"cost              {r['num_events']} events in {r['wall_s']:.1f} s wall "
              f"({r['real_time_ratio'] or 0:.2f}x real time)"]
     return "\n".join(rows)
