@@ -144,8 +144,10 @@ class Scheduler:
     def waits_for_a_slot(self, request_id: str) -> bool:
         """Whether a request prefilled elsewhere will not join at the next step: the batch's free
         sequence slots go to those before it."""
-        ready = [r.request_id for r in self.ready]
-        return request_id in ready and ready.index(request_id) >= self.max_num_seqs - len(self.running)
+        for place, r in enumerate(self.ready):
+            if r.request_id == request_id:
+                return place >= self.max_num_seqs - len(self.running)
+        return False
 
     @property
     def num_waiting(self) -> int:

@@ -198,14 +198,19 @@ class SimDecode(_Replica):
         return self.num_in_flight < self.max_ongoing_requests
 
     @property
+    def _prefilling(self) -> bool:
+        """Whether the first local prompt holds its slot and blocks (its prefill has started)."""
+        return bool(self.local and self.local[0][5])
+
+    @property
     def num_waiting(self) -> int:
         """Requests here waiting for a sequence slot: pulled ones, and local prompts not started."""
-        return len(self.ready) + len(self.local) - bool(self.local and self.local[0][5])
+        return len(self.ready) + len(self.local) - self._prefilling
 
     @property
     def num_seqs(self) -> int:
         """Sequence slots held: the batch, those joining it, a local prompt prefilling."""
-        return self.num_running + len(self.joining) + bool(self.local and self.local[0][5])
+        return self.num_running + len(self.joining) + self._prefilling
 
     def route(self, req: Req, now: float) -> None:
         """A request the decode router chose this replica for: placed at once."""

@@ -13,5 +13,5 @@ def prefill_first(engine: LLMEngine, request_id: str, prompt: list[int], params,
     engine.add_request(request_id, prompt, params, prefill_only=True, **options)
     first = None
     while first is None:
-        first = next(iter(engine.step()), None)
+        first = next((out for out in engine.step() if out.request_id == request_id), None)
     return first
