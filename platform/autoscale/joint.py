@@ -9,7 +9,7 @@ What each pool needs (`wanted`):
   TARGET_UTILIZATION (a queue's wait grows as rho / (1 - rho): at 0.8 it is four services), plus
   enough to clear the tokens already queued within half the TTFT target, or within the time a
   new replica takes to start when that is longer (a replica that comes after a backlog is
-  cleared does not clear it);
+  cleared does not clear it; `StartClock` measures that time);
 - decode: its occupancy (the larger of KV blocks held and sequence slots held, on the replicas
   serving) as it will be once the arrival rate holds: by Little's law a pool holds arrival rate x
   residence time requests, so while that exceeds the requests it holds now, the occupancy grows
@@ -36,12 +36,20 @@ following it (Ray Serve drains the replicas removed). A pool with replicas still
 shrinks, and its wait begins once they serve: its want is measured on the replicas serving,
 without the ones on their way (on real Serve, the pool grew for a missed target, the want fell
 back to the load while the replica started, and the pool shrank and grew by turns).
+
+How long a new replica takes to serve is measured, not configured (`StartClock`): from the tick
+that asks for it to the first that sees it serving. It is seconds on a CPU and minutes for a
+large model on GPUs, and it decides how many replicas a backlog is worth: sized for half the
+TTFT target, a 400,000-token backlog asks for dozens of replicas that arrive after it is gone.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
+
+from pdserve.telemetry.averages import Average
 
 TARGET_UTILIZATION = 0.8
 TARGET_KV_USAGE = 0.8
@@ -140,22 +148,68 @@ class _Damper:
         return max(want, current - max(1, math.floor(MAX_STEP_DOWN * current)))
 
 
+class StartClock:
+    """How long a new replica takes to serve, as the policy sees it: from the tick that asked for
+    it to the first tick that counts it serving. A moving average over both pools (the same
+    model's weights load in each), `prior_s` until a replica has started.
+
+    Each pool's asks wait in order; a replica that comes serving answers the oldest. Asks beyond
+    the replicas still starting were not carried out (the pool's ceiling, the budget): the newest
+    go. A replica that replaces a lost one was never asked for here; it may answer an ask of
+    another replica still starting, which then answers none: the error stays one replica's."""
+
+    def __init__(self, prior_s: float = 0.0):
+        if prior_s < 0:
+            raise ValueError("a replica's start time must not be negative")
+        self._average = Average(prior_s)
+        self._asked: dict[str, deque[float]] = {"prefill": deque(), "decode": deque()}
+        self._serving: dict[str, int] = {}
+
+    @property
+    def seconds(self) -> float:
+        return self._average.value
+
+    @property
+    def num_samples(self) -> int:
+        return self._average.num_samples
+
+    def saw(self, pool: str, now_s: float, num_serving: int, num_starting: int) -> None:
+        """A tick's count of the pool's replicas serving and starting."""
+        asked = self._asked[pool]
+        for _ in range(min(num_serving - self._serving.get(pool, num_serving), len(asked))):
+            self._average.add(now_s - asked.popleft())
+        while len(asked) > num_starting:
+            asked.pop()
+        self._serving[pool] = num_serving
+
+    def ask(self, pool: str, now_s: float, num_replicas: int) -> None:
+        """This tick asked the pool for `num_replicas` more."""
+        self._asked[pool].extend([now_s] * num_replicas)
+
+
 class JointScaler:
-    """The joint policy's state across ticks; `decide` once per control tick."""
+    """The joint policy's state across ticks; `decide` once per control tick. `replica_start_s`
+    is the prior of the measured start time (`StartClock`)."""
 
     def __init__(self, slo: Slo, max_total_replicas: int, downscale_delay_s: float = 30.0,
                  replica_start_s: float = 0.0):
-        if downscale_delay_s < 0 or replica_start_s < 0:
-            raise ValueError("downscale_delay_s and replica_start_s must not be negative")
+        if downscale_delay_s < 0:
+            raise ValueError("downscale_delay_s must not be negative")
         within_budget(1, 1, max_total_replicas)  # validates the budget
-        self.slo, self.max_total_replicas, self.replica_start_s = slo, max_total_replicas, replica_start_s
+        self.slo, self.max_total_replicas = slo, max_total_replicas
+        self.starts = StartClock(replica_start_s)
         self._prefill, self._decode = _Damper(downscale_delay_s), _Damper(downscale_delay_s)
 
     def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float,
                max_prefill: int | None = None, max_decode: int | None = None) -> tuple[int, int]:
         """Both pools' next sizes. A pool's own ceiling (`max_prefill`, `max_decode`) applies
         before the budget is split, so a share one pool cannot take stays with the other."""
-        p, d = wanted(prefill, decode, self.slo, self.replica_start_s)
+        for pool, signal in (("prefill", prefill), ("decode", decode)):
+            self.starts.saw(pool, now_s, signal.num_replicas - signal.num_starting, signal.num_starting)
+        p, d = wanted(prefill, decode, self.slo, self.starts.seconds)
         p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
         d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
-        return within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas)
+        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas)
+        self.starts.ask("prefill", now_s, p - prefill.num_replicas)
+        self.starts.ask("decode", now_s, d - decode.num_replicas)
+        return p, d

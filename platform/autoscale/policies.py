@@ -149,7 +149,8 @@ class JointSloPolicy:
     as no signal: no load, or no attainment to react to. Before the prefill
     pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
     engine's; `replica_start_s` how long a new replica takes to serve (a backlog is cleared within
-    it). Ray Serve applies each pool's min/max and delays to the result."""
+    it) until the policy has seen one start (`joint.StartClock`). Ray Serve applies each pool's
+    min/max and delays to the result."""
 
     def __init__(self, ttft_ms: float, itl_ms: float, percentile: float, max_total_replicas: int,
                  downscale_delay_s: float = 30.0, prefill_tokens_per_s: float = 1000.0, replica_start_s: float = 0.0,
@@ -186,7 +187,8 @@ class JointSloPolicy:
                                   d_ctx.capacity_adjusted_max_replicas)
         targets = (_bounded(p_ctx, p), _bounded(d_ctx, d))
         if targets != (prefill.num_replicas, decode.num_replicas):  # what it saw, in the controller's log
-            logging.getLogger("ray.serve").info("JointSloPolicy: prefill %d -> %d (%s), decode %d -> %d (%s)",
-                                                prefill.num_replicas, targets[0], prefill, decode.num_replicas,
-                                                targets[1], decode)
+            logging.getLogger("ray.serve").info(
+                "JointSloPolicy: prefill %d -> %d (%s), decode %d -> %d (%s), replica start %.1f s",
+                prefill.num_replicas, targets[0], prefill, decode.num_replicas, targets[1], decode,
+                self.scaler.starts.seconds)
         return {p_id: _decided(p_ctx, targets[0])[0], d_id: _decided(d_ctx, targets[1])[0]}, {}

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo, wanted, within_budget
+from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo, StartClock, wanted, within_budget
 
 SLO = Slo(ttft_s=1.0, itl_s=0.05, percentile=99)
 
@@ -138,6 +138,58 @@ def test_a_share_a_pool_cannot_take_stays_with_the_other():
     assert scaler.decide(prefill(1, 80_000), decode(2, 0.4, attainment=0.5), now_s=0) == (3, 1)
     assert scaler.decide(prefill(1, 80_000), decode(2, 0.4, attainment=0.5), now_s=1, max_prefill=2,
                          max_decode=2) == (2, 2)
+
+
+def test_the_start_clock_measures_from_the_ask_to_the_first_tick_serving():
+    clock = StartClock(prior_s=0.0)
+    assert clock.seconds == 0.0 and clock.num_samples == 0
+    clock.saw("prefill", 0.0, num_serving=1, num_starting=0)
+    clock.ask("prefill", 0.0, 2)
+    clock.saw("prefill", 5.0, num_serving=1, num_starting=2)
+    clock.saw("prefill", 20.0, num_serving=2, num_starting=1)  # the first of the two: 20 s
+    assert (clock.seconds, clock.num_samples) == (20.0, 1)
+    clock.saw("prefill", 40.0, num_serving=3, num_starting=0)  # the second: 40 s
+    assert clock.num_samples == 2 and clock.seconds == pytest.approx(30.0)
+    # Both pools feed one clock: a decode replica asked for at 100 s serves at 110 s.
+    clock.saw("decode", 100.0, num_serving=1, num_starting=0)
+    clock.ask("decode", 100.0, 1)
+    clock.saw("decode", 110.0, num_serving=2, num_starting=0)
+    assert clock.num_samples == 3 and clock.seconds == pytest.approx(70 / 3)
+    with pytest.raises(ValueError):
+        StartClock(prior_s=-1.0)
+
+
+def test_the_start_clock_drops_asks_not_carried_out_and_times_no_replacement():
+    clock = StartClock(prior_s=7.0)
+    clock.saw("prefill", 0.0, num_serving=1, num_starting=0)
+    clock.ask("prefill", 0.0, 1)
+    clock.ask("prefill", 10.0, 3)  # of these three, one was carried out (a ceiling took the rest)
+    clock.saw("prefill", 15.0, num_serving=1, num_starting=2)
+    clock.saw("prefill", 30.0, num_serving=3, num_starting=0)  # the oldest asks answer: 30 s and 20 s
+    assert clock.num_samples == 2 and clock.seconds == pytest.approx(25.0)
+    # A replica lost and replaced: none was asked for, nothing is timed.
+    clock.saw("prefill", 40.0, num_serving=2, num_starting=1)
+    clock.saw("prefill", 45.0, num_serving=3, num_starting=0)
+    assert clock.num_samples == 2
+    # The pool shrinking answers no ask either.
+    clock.ask("prefill", 50.0, 1)
+    clock.saw("prefill", 55.0, num_serving=2, num_starting=1)
+    assert clock.num_samples == 2
+
+
+def test_a_backlog_asks_for_the_replicas_that_can_reach_it_in_time():
+    """The queued tokens are sized for half the TTFT target until a replica is seen taking longer
+    to start: a replica that serves after the backlog is cleared does not clear it."""
+    scaler = JointScaler(SLO, max_total_replicas=100, downscale_delay_s=600)
+    backlog = prefill(1, 0, queued=100_000)
+    assert scaler.decide(backlog, decode(1, 0.1), now_s=0)[0] == 20  # 100,000 / (10,000 x 0.5 s)
+    for t in (5, 10, 15):  # 19 replicas starting
+        scaler.decide(replace(backlog, num_replicas=20, num_starting=19), decode(1, 0.1), now_s=t)
+    scaler.decide(replace(backlog, num_replicas=20, num_starting=0, queued_tokens=0), decode(1, 0.1), now_s=20)
+    assert scaler.starts.num_samples == 19 and scaler.starts.seconds == 20.0
+    # The same backlog on one replica now asks for what clears it within 20 s: 100,000 / (10,000 x 20 s).
+    fresh = JointScaler(SLO, max_total_replicas=100, downscale_delay_s=600, replica_start_s=20.0)
+    assert fresh.decide(backlog, decode(1, 0.1), now_s=0)[0] == 1
 
 
 def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
