@@ -25,8 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("deployment")
     d.add_argument("--config", help="a pdserve config: the pools (replicas, TP, accelerator_type), the decode engine's "
-                                    "limits, slo and max_total_replicas come from it, and the flags for those are "
-                                    "ignored")
+                                    "limits and slo come from it, and the flags for those are ignored; where it "
+                                    "autoscales both pools against its slo, so does the simulation, with its "
+                                    "max_total_replicas, each pool's min/max_replicas and downscale delay")
     d.add_argument("--model", help="a checkpoint directory, an engine preset or a public config name (default: the "
                                    "config's model, else serve-llama-40m)")
     d.add_argument("--accelerator", default="cpu", help="both pools' accelerator: H100, H200, A100, MI300X or cpu")
@@ -65,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
     o.add_argument("--result-file", help="also write the JSON result here")
     o.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(handler=_simulate)
+    p.set_defaults(handler=_simulate, replica_bounds=None)  # (--config sets the pools' bounds)
     modes = p.add_subparsers(dest="simulate_mode", metavar="MODE")
     c = modes.add_parser("calibrate", help="fit the cpu profile to this machine's engine",
                          description="Time the real engine's decode steps and prefills and fit the cpu profile's "
@@ -153,7 +154,8 @@ def build(args):
             raise ValueError("--autoscale needs --max-total-replicas")
         if args.prefill_replicas == 0:
             raise ValueError("--autoscale sizes both pools: it needs --prefill-replicas >= 1")
-        autoscale = AutoscaleSpec(args.max_total_replicas, args.tick_s, args.downscale_delay_s, args.replica_start_s)
+        autoscale = AutoscaleSpec(args.max_total_replicas, args.tick_s, args.downscale_delay_s, args.replica_start_s,
+                                  *(args.replica_bounds or (None, None)))
     config = SimConfig(model=model, decode=PoolSpec(decode_acc, args.decode_replicas, args.decode_tp),
                        prefill=PoolSpec(prefill_acc, args.prefill_replicas, args.prefill_tp)
                        if args.prefill_replicas else None,
@@ -182,7 +184,11 @@ def _from_config(args) -> None:
     args.split_prompts_to_fill_steps = dep.split_prompts_to_fill_steps
     if dep.slo is not None:
         args.ttft_ms, args.itl_ms, args.percentile = dep.slo
-    args.max_total_replicas = args.max_total_replicas or dep.max_total_replicas
+    if dep.max_total_replicas is not None:  # one policy sizes both pools against the slo
+        args.autoscale = True
+        args.max_total_replicas = args.max_total_replicas or dep.max_total_replicas
+        args.replica_bounds = (dep.prefill_bounds, dep.decode_bounds)
+        args.downscale_delay_s = dep.downscale_delay_s
 
 
 def workload_requests(args):

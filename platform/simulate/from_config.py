@@ -4,7 +4,9 @@ In: a pdserve config file (the YAML `pdserve serve` takes). Out: a `Deployment`:
 replicas and TP degree (colocated: no prefill pool), the accelerator its `ray_actor_options`'
 `accelerator_type` names (where a profile of that name exists), the decode engine's block size,
 step budget and sequence limit, whether the prefilling engine splits prompts to fill its steps,
-the SLO and the joint policy's replica budget. It does not load the model or start anything.
+the SLO, and where one policy sizes both pools against it (`ServeConfig.joint_autoscaling`) its
+replica budget, each pool's bounds and the delay before a pool shrinks (the longer of the two,
+as `app.serve_config` gives the policy). It does not load the model or start anything.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ class Deployment:
     max_ongoing_requests: int  # the decode pool's
     split_prompts_to_fill_steps: bool  # the prefill pool's
     slo: tuple[float, float, float] | None  # (ttft_ms, itl_ms, percentile)
+    # The joint autoscaling policy's (all None: the config has none)
     max_total_replicas: int | None
+    prefill_bounds: tuple[int, int] | None = None  # (min_replicas, max_replicas)
+    decode_bounds: tuple[int, int] | None = None
+    downscale_delay_s: float | None = None
 
 
 def read(path: str) -> Deployment:
@@ -62,10 +68,12 @@ def read(path: str) -> Deployment:
         return _PROFILE_OF.get(str(pool.ray_actor_options.get("accelerator_type", "")))
 
     slo = None if config.slo is None else (config.slo.ttft_ms, config.slo.itl_ms, config.slo.percentile)
-    budget = None
+    joint = {"max_total_replicas": None}
     if config.joint_autoscaling:
-        budget = config.max_total_replicas or (config.prefill.autoscaling.max_replicas
-                                               + config.decode.autoscaling.max_replicas)
+        p, d = config.prefill.autoscaling, config.decode.autoscaling
+        joint = {"max_total_replicas": config.max_total_replicas or p.max_replicas + d.max_replicas,
+                 "prefill_bounds": (p.min_replicas, p.max_replicas), "decode_bounds": (d.min_replicas, d.max_replicas),
+                 "downscale_delay_s": max(p.downscale_delay_s, d.downscale_delay_s)}
     return Deployment(model=config.model, prefill_replicas=0 if colocated else config.prefill.num_replicas,
                       decode_replicas=config.decode.num_replicas, prefill_tp=prefill.tensor_parallel_size,
                       decode_tp=decode.tensor_parallel_size, prefill_accelerator=accelerator(config.prefill),
@@ -73,4 +81,4 @@ def read(path: str) -> Deployment:
                       max_num_batched_tokens=decode.max_num_batched_tokens, max_num_seqs=decode.max_num_seqs,
                       max_ongoing_requests=resolved.max_ongoing_requests(config.decode),
                       split_prompts_to_fill_steps=(decode if colocated else prefill).split_prompts_to_fill_steps,
-                      slo=slo, max_total_replicas=budget)
+                      slo=slo, **joint)

@@ -71,7 +71,14 @@ class AutoscaleSpec:
     max_total_replicas: int
     tick_s: float = 5.0  # the policy's control period and look-back window
     downscale_delay_s: float = 30.0
-    replica_start_s: float = 30.0
+    replica_start_s: float = 30.0  # how long a new replica takes (the policy measures it, from this prior)
+    # Each pool's own (min_replicas, max_replicas), applied to the policy's decision as Ray Serve
+    # applies a deployment's; None: from 1 to the budget.
+    prefill_replicas: tuple[int, int] | None = None
+    decode_replicas: tuple[int, int] | None = None
+
+    def bounds(self, pool: str) -> tuple[int, int]:
+        return getattr(self, f"{pool}_replicas") or (1, self.max_total_replicas)
 
 
 @dataclass(frozen=True)
@@ -427,7 +434,9 @@ class Simulation:
                                 len(decode) - len(serving),
                                 w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
                                 sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"))
-        want_p, want_d = self.scaler.decide(p_signal, d_signal, now)
+        (p_min, p_max), (d_min, d_max) = spec.bounds("prefill"), spec.bounds("decode")
+        want_p, want_d = self.scaler.decide(p_signal, d_signal, now, p_max, d_max)
+        want_p, want_d = max(p_min, want_p), max(d_min, want_d)
         for pool, want in (("prefill", want_p), ("decode", want_d)) if self.config.prefill else (("decode", want_d),):
             live = self.pools[pool]
             # Draining replicas still hold their devices: the budget counts them until they go.

@@ -22,6 +22,21 @@ def test_simulate_refuses_what_it_cannot_run(capsys):
     assert main(["simulate", "--accelerator", "H100", "--autoscale", *SMALL, "--num-requests", "5"]) == 2
 
 
+def test_simulate_autoscales_a_config_that_does(tmp_path, capsys):
+    """A config whose pools both autoscale against its slo runs under the joint policy, with
+    the pools' bounds; one without autoscaling keeps its replicas."""
+    path = tmp_path / "c.yaml"
+    pools = ("prefill: {ray_actor_options: {accelerator_type: H100}, autoscaling: {max_replicas: 2}}\n"
+             "decode: {ray_actor_options: {accelerator_type: H100}, autoscaling: {max_replicas: 3}}\n")
+    path.write_text("slo: {ttft_ms: 1000, itl_ms: 50}\n" + pools)
+    args = ["simulate", "--config", str(path), "--num-requests", "50", "--json", *SMALL]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["max_total_replicas"] == 5
+    path.write_text(pools.replace("autoscaling: {max_replicas: 2}", "num_replicas: 1"))
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["max_total_replicas"] is None
+
+
 def test_plan_writes_the_recommended_config(tmp_path, capsys, monkeypatch):
     import yaml
 

@@ -78,6 +78,25 @@ def test_autoscaling_follows_a_burst_and_drains_what_it_removes():
     assert result["replica_seconds"]["total"] < 12 * sim.end_s
 
 
+def test_each_pool_keeps_to_its_own_bounds_and_the_policy_times_the_starts():
+    """The burst above with the prefill pool held to [1, 2] and decode to [2, 5], as Ray Serve
+    holds each deployment to its autoscaling config's bounds whatever the policy asks."""
+    spec = AutoscaleSpec(max_total_replicas=12, tick_s=1.0, downscale_delay_s=2.0, replica_start_s=3.0,
+                         prefill_replicas=(1, 2), decode_replicas=(2, 5))
+    sim = Simulation(config(prefill=1, decode=2, autoscale=spec, ttft_s=0.5))
+    steps = [(0.0, 5.0), (10.0, 120.0), (25.0, 5.0)]
+    result = sim.run(bench_requests(MIX, seed=4, rate_steps=steps, duration_s=60))
+    assert_balanced(sim, result)
+
+    def count(pool, t):
+        return sum(1 for p, start, end in sim.lifetimes if p == pool and start <= t < end)
+
+    live = [(count("prefill", t), count("decode", t)) for t in range(0, 60)]
+    assert max(p for p, _ in live) == 2 and max(d for _, d in live) <= 5 and min(d for _, d in live) >= 2
+    # A new replica serves 3 s after it is asked for; the policy sees it at its next 1 s tick.
+    assert sim.scaler.starts.num_samples > 0 and 3.0 <= sim.scaler.starts.seconds <= 4.0
+
+
 def test_a_seed_gives_one_result():
     def run(seed):
         result = Simulation(config(seed=seed)).run(bench_requests(MIX, seed=seed, rate=40, duration_s=5))
