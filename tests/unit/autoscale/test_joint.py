@@ -220,7 +220,11 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     assert recorded == [("prefill", "app", 2, 3), ("decode", "app", 2, 3)]
     # Reports of an idle app: held (the drop must last downscale_delay_s); a pool not up yet: held.
     idle = pool("Prefill", 3, queued_prefill_tokens=[0]), pool("Decode", 3, kv_usage=[0.0])
+    # Serve starting what was asked (a replica of each pool), then both serving: the policy times the starts.
+    policy({"p": pool("Prefill", 2, target=3, queued_prefill_tokens=[0]),
+            "d": pool("Decode", 2, target=3, kv_usage=[0.0])})
     assert policy({"p": idle[0], "d": idle[1]})[0] == {"p": 3, "d": 3}
+    assert policy.scaler.starts.num_samples == 2
     assert policy({"p": prefill})[0] == {"p": 2}
     # Decode: 60 requests/s held 1 s each, 20 held now: 3x the occupancy, 2 x 0.5 x 3 / 0.8 = 3.75 -> 4. Prefill
     # (0.5 + 3,000 queued / 5,000 -> 2) misses TTFT with 0.3 s queued on the replica serving, but its
