@@ -24,8 +24,14 @@ gateway, Ray's daemons, and the benchmark's own client, which the real runs also
 cores). How much of the decode replica's Python holds up its steps (it shares the GIL with the
 engine thread) is read from the gaps: the median gap over the cpu profile's step, one stream at a
 time and 8 streams at once (8 requests of 256 tokens), fitted as a cost per step and one per
-stream (`decode_step_s`, `decode_token_s`); what of its per-token CPU that leaves runs beside the
-engine and joins the rest as cores taken (`request_cpu_s`, `token_cpu_s`). `idle_cores`: the
+stream (`decode_step_s`, `decode_token_s`); how the one stream's gaps spread about their median
+(`decode_step_jitter_s`, its percentiles: the host's noise, which makes the tail of the gaps);
+and what a request joining the batch adds to the step it joins in (`decode_join_s`: a stream of
+1,000 tokens with the short prompts sent one after another beside it, the two gaps of the
+stream around each one's first token over two of its gaps elsewhere). What of the decode
+replica's per-token and per-request CPU that leaves runs beside the engine and joins the rest
+as cores taken (`request_cpu_s`, `token_cpu_s`; the simulator spends a request's beside its
+join). `idle_cores`: the
 machine's busy cores with the app deployed and nothing sent. `cores`: what the machine's cores
 give two engines at once: its core count over how much slower a one-thread engine's prefill runs
 while another process decodes (two engines share caches and memory bandwidth even on cores of
@@ -35,6 +41,7 @@ their own).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
@@ -51,6 +58,8 @@ from serving import PRESET, _free_port, _start_ray, _stream_all
 # name -> (prompt tokens, output tokens), each `--requests` requests sent one at a time
 WORKLOADS = {"short": ("64:128", 2), "stream": ("64:128", 48), "long": ("1000:1100", 2)}
 BATCH, BATCH_OUTPUT = 8, 256  # the run whose gaps are 8 streams' steps
+JOIN_STREAM_OUTPUT = 1000  # the stream the short prompts join beside, one after another
+JITTER_PERCENTILES = [i + 0.5 for i in range(100)]  # of the one stream's gaps about their median
 HOST_FILE = Path(__file__).parents[1] / "platform" / "simulate" / "cpu_host.json"
 
 
@@ -182,13 +191,24 @@ def offline(model: str, workloads: dict[str, list], warmup) -> dict:
         engine.shutdown()
 
 
-def served(config, workloads: dict[str, list], builder, warmup, idle_s: float, batch: list | None = None) -> dict:
+def bench(reqs: list, settings, builder) -> dict:
+    """A benchmark run's metrics, and its `records` (each request's token arrival times)."""
+    from pdserve.bench.metrics import compute_metrics
+    from pdserve.bench.runner import run_on_client_loop, run_requests
+
+    records, duration, _ = run_on_client_loop(run_requests(reqs, settings, builder, progress=False))
+    return {**compute_metrics(records, duration), "records": records}
+
+
+def served(config, workloads: dict[str, list], builder, warmup, idle_s: float, batch: list | None = None,
+           joins: list | None = None) -> dict:
     """Deploy `config`; measure its idle load, then each workload one request at a time (CPU by
-    the machine and by each engine replica's process), then `batch` all at once."""
+    the machine and by each engine replica's process), then `batch` all at once, then `joins`
+    two at a time (its first request a long stream: the others join beside it one by one)."""
     from ray import serve
 
     from pdserve.app import build
-    from pdserve.bench.runner import RunSettings, run_benchmark
+    from pdserve.bench.runner import RunSettings
     from pdserve.bench.soak import replica_stats
 
     port = _free_port()
@@ -196,18 +216,45 @@ def served(config, workloads: dict[str, list], builder, warmup, idle_s: float, b
     serve.run(build(config), name=config.name, route_prefix="/")
     try:
         settings = RunSettings(base_url=f"http://127.0.0.1:{port}", concurrency=1)
-        run_benchmark([warmup], settings, builder, progress=False)
+        bench([warmup], settings, builder)
         pools = ("Prefill", "Decode") if config.mode == "disaggregated" else ("Unified",)
         pids = {pool: replica_stats(config.name, pool, num_calls=1)[0]["pid"] for pool in pools}
         out = {"idle": idle(idle_s, pids)}
         for n, reqs in workloads.items():
-            out[n] = timed(lambda: run_benchmark(reqs, settings, builder, progress=False), pids)
+            out[n] = timed(lambda: bench(reqs, settings, builder), pids)
         if batch:
-            out["batch"] = run_benchmark(batch, RunSettings(base_url=settings.base_url, concurrency=len(batch)),
-                                         builder, progress=False)
+            out["batch"] = bench(batch, RunSettings(base_url=settings.base_url, concurrency=len(batch)), builder)
+        if joins:
+            out["joins"] = bench(joins, RunSettings(base_url=settings.base_url, concurrency=2), builder)
         return out
     finally:
         serve.shutdown()
+
+
+def join_s(records: list) -> float:
+    """What a request joining the batch adds to the step it joins in: the longest stream's two
+    gaps around each other request's first token (the step it joined in may end in either), less
+    two of its mean gap away from any first token; the mean over the requests that joined while
+    it streamed."""
+    stream = max(records, key=lambda r: len(r.chunk_times_s))
+    t = stream.chunk_times_s
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    around = [bisect.bisect_left(t, r.chunk_times_s[0]) - 1 for r in records
+              if r is not stream and r.ok and t[0] < r.chunk_times_s[0] < t[-2]]  # gap i: t[i] -> t[i + 1]
+    if not around:
+        raise RuntimeError("no request joined beside the long stream: too few requests, or it ended first")
+    near = {j for i in around for j in (i, i + 1)}
+    away = statistics.mean(g for i, g in enumerate(gaps) if i not in near)
+    return statistics.mean(gaps[i] + gaps[i + 1] - 2 * away for i in around)
+
+
+def jitter_s(records: list) -> list[float]:
+    """The gaps' percentiles (JITTER_PERCENTILES) less their median."""
+    import numpy as np
+
+    gaps = [g for r in records if r.ok for g in r.itls_s]
+    median = statistics.median(gaps)
+    return [float(q) - median for q in np.percentile(gaps, JITTER_PERCENTILES)]
 
 
 def main() -> None:
@@ -222,8 +269,13 @@ def main() -> None:
 
     co_running = co_running_slowdown(str(default_model(PRESET)))
     rounds = [measure(args) for _ in tqdm(range(args.rounds), desc="rounds")]
+
+    def median(values: list):  # of numbers, or of lists elementwise
+        return [statistics.median(v) for v in zip(*values)] if isinstance(values[0], list) \
+            else statistics.median(values)
+
     host = {"cores": os.cpu_count() / max(1.0, co_running["slowdown"]),
-            **{k: statistics.median(r["host"][k] for r in rounds) for k in rounds[0]["host"]}}
+            **{k: median([r["host"][k] for r in rounds]) for k in rounds[0]["host"]}}
     host["source"] = (f"benchmarks/simulator_host.py, {PRESET}, {args.requests} requests per workload, median of "
                       f"{args.rounds} rounds")
     report = {"machine": machine_line(), "load_average": os.getloadavg(),
@@ -249,6 +301,8 @@ def measure(args) -> dict:
                  for seed, (name, (prompt, out)) in enumerate(WORKLOADS.items())}
     warmup = random_workload(builder, 1, "128", "8", seed=1000)[0]
     batch = random_workload(builder, BATCH, "64:128", str(BATCH_OUTPUT), seed=BATCH_OUTPUT)
+    joins = random_workload(builder, 1, "64:128", str(JOIN_STREAM_OUTPUT), seed=JOIN_STREAM_OUTPUT) \
+        + workloads["short"]
     engine = {"num_threads": 1, "max_num_seqs": 64, "split_prompts_to_fill_steps": False}
     one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
     colocated = ServeConfig(name="colocated", model=model, engine=engine, mode="colocated", decode=one_core)
@@ -260,7 +314,7 @@ def measure(args) -> dict:
     try:
         alone = offline(model, workloads, warmup)
         apps = {"local": served(colocated, workloads, builder, warmup, args.idle_s),
-                "remote": served(disagg, workloads, builder, warmup, args.idle_s, batch)}
+                "remote": served(disagg, workloads, builder, warmup, args.idle_s, batch, joins)}
     finally:
         ray.shutdown()
     metrics = {"offline": alone, **{name: {w: app[w][0] for w in WORKLOADS} for name, app in apps.items()}}
@@ -309,6 +363,8 @@ def measure(args) -> dict:
     host = {"idle_cores": remote["idle"]["machine"],
             "request_cpu_s": per_request["rest"], "token_cpu_s": per_token["rest"] + beside,
             "decode_request_s": per_request["Decode"], "decode_step_s": decode_step_s, "decode_token_s": decode_token_s,
+            "decode_step_jitter_s": jitter_s(remote["stream"][0]["records"]),
+            "decode_join_s": max(0.0, join_s(remote["joins"]["records"])),
             "decode_s_per_prompt_token": per_prompt_token["Decode"],
             "prefill_request_s": max(0.0, statistics.mean(own_s(w)["Prefill"] for w in ("short", "stream"))
                                      - prompt_len("short") * per_prompt_token["Prefill"]),

@@ -81,8 +81,12 @@ def load_cpu(path: Path = CPU_CALIBRATION) -> Accelerator:
 class Host:
     """One machine that every simulated replica and the request path share. A replica's own
     Python (its Ray calls, the outputs it streams, a KV pull's handling) shares a lock with its
-    engine thread, so it lengthens that replica's steps (`decode_*_s`, `prefill_request_s`); the
-    rest of the path (HAProxy, the gateway, Ray's daemons, the client) only takes cores. Engines'
+    engine thread, so part of it lengthens that replica's steps: a decode step's own cost, spread
+    as measured (`decode_step_s` and its percentiles about it, `decode_step_jitter_s`: the host's
+    noise makes the gaps' tail), a stream's, a request joining (`decode_join_s`), and a prefill
+    replica's per prompt; the rest of a decode replica's per request (`decode_request_s`,
+    `decode_s_per_prompt_token`) runs beside its engine on the other cores, like the rest of the
+    path (HAProxy, the gateway, Ray's daemons, the client), which only takes cores. Engines'
     steps stretch when more is busy than there are cores (`SharedCores`, replicas.py). A
     request's first token comes `local_path_s` (and a cost per prompt token) later than its engine
     work alone gives (the way in and out), `remote_path_s` when prefilled by the prefill pool (its
@@ -92,7 +96,7 @@ class Host:
     request_cpu_s: float  # CPU seconds a request costs outside the replicas' processes
     token_cpu_s: float  # and each streamed token
     decode_request_s: float  # in the decode replica's process, beyond its engine's steps: a request
-    decode_step_s: float  # what each of its steps takes longer than the engine's own
+    decode_step_s: float  # what each of its steps takes longer than the engine's own (the median)
     decode_token_s: float  # and each stream of the step
     prefill_request_s: float  # in the prefill replica's process, a request
     local_path_s: float
@@ -101,6 +105,8 @@ class Host:
     remote_path_s_per_prompt_token: float = 0.0  # and the KV pull's handling, the join
     decode_s_per_prompt_token: float = 0.0  # a request's cost in each replica's process grows with its prompt
     prefill_s_per_prompt_token: float = 0.0
+    decode_join_s: float = 0.0  # of decode_request_s, what lengthens the step the request joins in
+    decode_step_jitter_s: tuple[float, ...] = ()  # a step's own cost less its median, at evenly spaced percentiles
     source: str = ""
 
     def local_delay_s(self, prompt_tokens: int) -> float:
@@ -122,7 +128,8 @@ def load_host(path: Path = CPU_HOST) -> Host:
         raise ValueError(f"{path}: no host measurement ({e.strerror}); run `python benchmarks/simulator_host.py "
                          "--write`") from None
     names = {f.name for f in fields(Host)}
-    return Host(**{k: v for k, v in data["host"].items() if k in names})
+    host = {k: tuple(v) if isinstance(v, list) else v for k, v in data["host"].items() if k in names}
+    return Host(**host)
 
 
 def accelerator(name: str, cpu_calibration: Path | None = None) -> Accelerator:

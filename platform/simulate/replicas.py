@@ -167,9 +167,10 @@ class SimDecode(_Replica):
         self.cm = CostModel(percentile=sim.config.slo.percentile, clock=lambda: sim.now)
         self.num_blocks, self.max_num_seqs, self.max_ongoing_requests = num_blocks, max_num_seqs, max_ongoing_requests
         h = self.host
-        self.request_s, self.step_s, self.token_s, self.per_prompt_token_s = (
-            (h.decode_request_s, h.decode_step_s, h.decode_token_s, h.decode_s_per_prompt_token) if h
-            else (0.0, 0.0, 0.0, 0.0))
+        self.request_s, self.step_s, self.token_s, self.per_prompt_token_s, self.join_s = (
+            (h.decode_request_s, h.decode_step_s, h.decode_token_s, h.decode_s_per_prompt_token, h.decode_join_s)
+            if h else (0.0,) * 5)
+        self.jitter = h.decode_step_jitter_s if h else ()
         self.num_in_flight = 0  # requests routed here and not finished (what max_ongoing_requests bounds)
         self.routed_blocks = 0  # their blocks, as the decode router counts what it sent
         self.used_blocks = 0  # blocks the engine holds (imported or prefilling here, waiting, decoding)
@@ -246,11 +247,14 @@ class SimDecode(_Replica):
         while self.ready and free > 0:  # pulled requests take free slots first, as the scheduler's `ready`
             self.joining.append(self.ready.popleft())
             free -= 1
-        joined = 0.0  # the joining requests' own time here
+        joined = 0.0  # the joining requests' time in this step
         while self.joining:
             joining, self.joining = self.joining, []
             for req in joining:  # its first token goes out as it joins
-                joined += self.request_s + req.prompt * self.per_prompt_token_s
+                joined += self.join_s
+                if self.sim.cores is not None:  # the rest of its time here runs beside the engine
+                    self.sim.cores.spend(max(0.0, self.request_s - self.join_s)
+                                         + req.prompt * self.per_prompt_token_s, now)
                 self.sim.first_token(req, now)
                 if req.output == 1:
                     self._finish(req, now)
@@ -275,6 +279,8 @@ class SimDecode(_Replica):
             return
         self._decodes, self._chunk, self._started = n, chunk, now
         own = self.cost.seconds(n + chunk, kv, pairs) + self.step_s + n * self.token_s + joined
+        if self.jitter:  # a percentile drawn at random: the step's own cost spreads as measured (never below 0)
+            own += max(-self.step_s, self.jitter[int(self.sim.rng.random() * len(self.jitter))])
         self.sim.at(now + own * self._shared_stretch(now), self._end, None)
 
     def _end(self, now: float, _) -> None:

@@ -64,8 +64,9 @@ def test_steps_stretch_when_the_engines_outnumber_the_cores():
 
 
 def test_a_replicas_own_python_lengthens_its_steps():
-    """Per decode step, per request joining a decode replica, per prompt a prefill replica hands
-    over: each adds its time once where it happens (a roomy host: nothing stretches)."""
+    """Per decode step, per request joining a decode replica (the part measured in the step it
+    joins in), per prompt a prefill replica hands over: each adds its time once where it happens
+    (a roomy host: nothing stretches)."""
     def prefilled(host) -> list[float]:  # two prompts at once, prefilled one after the other
         sim = Simulation(dataclasses.replace(config(prefill=1, decode=1, ttft_s=30.0, split=False), host=host))
         done, prefill_done = {}, sim.prefill_done
@@ -81,15 +82,33 @@ def test_a_replicas_own_python_lengthens_its_steps():
     plain, own = prefilled(ROOMY), prefilled(dataclasses.replace(ROOMY, prefill_request_s=0.005))
     assert own[0] == pytest.approx(plain[0] + 0.005) and own[1] == pytest.approx(plain[1] + 0.010)
     plain = Simulation(dataclasses.replace(config(prefill=1, decode=1, ttft_s=30.0), host=ROOMY)).run(one(600, 20))
-    own = dataclasses.replace(ROOMY, decode_step_s=0.002, decode_request_s=0.003, prefill_request_s=0.005)
+    own = dataclasses.replace(ROOMY, decode_step_s=0.002, decode_request_s=0.003, decode_join_s=0.001,
+                              prefill_request_s=0.005)
     result = Simulation(dataclasses.replace(config(prefill=1, decode=1, ttft_s=30.0), host=own)).run(one(600, 20))
     assert list(result["placements"]) == ["remote: remote meets the TTFT target"] == list(plain["placements"])
     # The prefill replica's 5 ms are part of the remote path as measured: the first token is no later,
     # but that replica is busy 5 ms longer (a prompt queued behind this one would wait for them).
     assert result["ttft_ms"]["mean"] == pytest.approx(plain["ttft_ms"]["mean"])
-    # The first decode step carries the join and the step's own cost; every later one the step's.
+    # The first decode step carries the join's 1 ms (the other 2 run beside the engine) and the step's
+    # own cost; every later one the step's.
     assert result["itl_ms"]["p50"] == pytest.approx(plain["itl_ms"]["p50"] + 2, rel=0.02)
-    assert result["tpot_ms"]["mean"] == pytest.approx(plain["tpot_ms"]["mean"] + 2 + 3 / 19, rel=0.01)
+    assert result["tpot_ms"]["mean"] == pytest.approx(plain["tpot_ms"]["mean"] + 2 + 1 / 19, rel=0.01)
+
+
+def test_a_steps_own_cost_spreads_as_measured():
+    """`decode_step_jitter_s`: the step's own cost about its median at 100 percentiles, one
+    drawn per step. 2 of 100 at +10 ms: the tail of the gaps moves by 10 ms, their median not."""
+    def itl(host) -> dict:
+        sim = Simulation(dataclasses.replace(config(prefill=0, decode=1), host=host))
+        return sim.run(iter([SimRequest(0.0, 64, 2000)]))["itl_ms"]
+
+    steady = dataclasses.replace(ROOMY, decode_step_s=0.001)
+    plain, spread = itl(steady), itl(dataclasses.replace(steady, decode_step_jitter_s=(-0.002,) + (0.0,) * 97
+                                                         + (0.010, 0.010)))
+    assert spread["p50"] == pytest.approx(plain["p50"], rel=0.02)
+    assert spread["p99"] == pytest.approx(plain["p99"] + 10, rel=0.05)
+    # Never shorter than the engine's own step: the -2 ms percentile takes off the 1 ms it has.
+    assert spread["mean"] == pytest.approx(plain["mean"] + (-1 + 20) / 100, rel=0.05)
 
 
 def test_the_path_cpu_stretches_steps():
@@ -114,4 +133,5 @@ def test_a_shared_host_under_load_leaves_nothing_held():
 def test_the_shipped_host_measurement_loads():
     host = load_host()
     assert host.cores >= 1 and host.local_path_s > 0 and host.remote_path_s > 0
+    assert host.decode_join_s >= 0 and len(host.decode_step_jitter_s) == 100
     assert host.request_cpu_s >= 0 and host.token_cpu_s >= 0 and host.idle_cores >= 0
