@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--json", action="store_true", help="print the result as one JSON object")
     o.add_argument("--result-file", help="also write the JSON result here")
     o.add_argument("--no-progress", dest="progress", action="store_false")
-    p.set_defaults(handler=_simulate, replica_bounds=None)  # (--config sets the pools' bounds)
+    p.set_defaults(handler=_simulate, prefill_bounds=None, decode_bounds=None)  # (--config sets them)
     modes = p.add_subparsers(dest="simulate_mode", metavar="MODE")
     c = modes.add_parser("calibrate", help="fit the cpu profile to this machine's engine",
                          description="Time the real engine's decode steps and prefills and fit the cpu profile's "
@@ -155,7 +155,7 @@ def build(args):
         if args.prefill_replicas == 0:
             raise ValueError("--autoscale sizes both pools: it needs --prefill-replicas >= 1")
         autoscale = AutoscaleSpec(args.max_total_replicas, args.tick_s, args.downscale_delay_s, args.replica_start_s,
-                                  *(args.replica_bounds or (None, None)))
+                                  prefill_bounds=args.prefill_bounds, decode_bounds=args.decode_bounds)
     config = SimConfig(model=model, decode=PoolSpec(decode_acc, args.decode_replicas, args.decode_tp),
                        prefill=PoolSpec(prefill_acc, args.prefill_replicas, args.prefill_tp)
                        if args.prefill_replicas else None,
@@ -187,7 +187,7 @@ def _from_config(args) -> None:
     if dep.max_total_replicas is not None:  # one policy sizes both pools against the slo
         args.autoscale = True
         args.max_total_replicas = args.max_total_replicas or dep.max_total_replicas
-        args.replica_bounds = (dep.prefill_bounds, dep.decode_bounds)
+        args.prefill_bounds, args.decode_bounds = dep.prefill_bounds, dep.decode_bounds
         args.downscale_delay_s = dep.downscale_delay_s
 
 

@@ -74,11 +74,11 @@ class AutoscaleSpec:
     replica_start_s: float = 30.0  # how long a new replica takes (the policy measures it, from this prior)
     # Each pool's own (min_replicas, max_replicas), applied to the policy's decision as Ray Serve
     # applies a deployment's; None: from 1 to the budget.
-    prefill_replicas: tuple[int, int] | None = None
-    decode_replicas: tuple[int, int] | None = None
+    prefill_bounds: tuple[int, int] | None = None
+    decode_bounds: tuple[int, int] | None = None
 
     def bounds(self, pool: str) -> tuple[int, int]:
-        return getattr(self, f"{pool}_replicas") or (1, self.max_total_replicas)
+        return (self.prefill_bounds if pool == "prefill" else self.decode_bounds) or (1, self.max_total_replicas)
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def test_each_pool_keeps_to_its_own_bounds_and_the_policy_times_the_starts():
     """The burst above with the prefill pool held to [1, 2] and decode to [2, 5], as Ray Serve
     holds each deployment to its autoscaling config's bounds whatever the policy asks."""
     spec = AutoscaleSpec(max_total_replicas=12, tick_s=1.0, downscale_delay_s=2.0, replica_start_s=3.0,
-                         prefill_replicas=(1, 2), decode_replicas=(2, 5))
+                         prefill_bounds=(1, 2), decode_bounds=(2, 5))
     sim = Simulation(config(prefill=1, decode=2, autoscale=spec, ttft_s=0.5))
     steps = [(0.0, 5.0), (10.0, 120.0), (25.0, 5.0)]
     result = sim.run(bench_requests(MIX, seed=4, rate_steps=steps, duration_s=60))
