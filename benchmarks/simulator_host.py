@@ -5,21 +5,25 @@
     python benchmarks/simulator_host.py --write    # and store it as platform/simulate/cpu_host.json
 
 One request at a time (no queueing, nothing beside it), greedy, ignore_eos: short prompts
-(64-128 tokens) with 2 and with 48 output tokens, and long ones (1,000-1,100 tokens) with 2,
-through:
+(64-128 tokens) with 2 and with 48 output tokens, long ones (1,000-1,100 tokens) with 2, and
+prompts of a 1,000-token prefix the replicas hold cached (sent once before) and a 32-96 token
+question, with 2, through:
 - the offline engine in this process (one thread, as a one-core replica): the engines' own time;
 - the colocated app (one replica of one core, one engine thread): the local path;
 - the disaggregated app as Serving part 2 deploys it (a prefill and a decode replica of one core
   each), every prompt prefilled remotely: the remote path.
 Latency: a path's median TTFT over the offline engine's for the same requests, at the short and
-the long prompts: a cost per request and one per prompt token (`local_path_s`, `remote_path_s`,
-`local_path_s_per_prompt_token`, `remote_path_s_per_prompt_token`: tokenizing, the KV pull,
-the join grow with the prompt). CPU, in the disaggregated app at 2 and 48 output tokens: each
-replica process's CPU seconds (/proc/PID/stat) less what it uses idle over the run's length and
-less its engine's steps as the cpu profile times them (cpu_calibration.json) is that replica's
-own Python (`decode_request_s`, `prefill_request_s`, and per prompt token from the long prompts:
-`decode_s_per_prompt_token`, `prefill_s_per_prompt_token`); the machine's busy CPU seconds (/proc/stat)
-less its idle load and less both replica processes' is the rest of the path (HAProxy, the
+the long prompts: a cost per request and one per prompt token computed (`local_path_s`,
+`remote_path_s`, `local_path_s_per_prompt_token`, `remote_path_s_per_prompt_token`: the app's
+prefill runs slower than the engine alone, and tokenizing, the KV pull, the join grow with the
+prompt), and at the cached prompts, one per prompt token found cached (`..._per_cached_token`:
+what is left of those once the prefill skips it). CPU, in the disaggregated app at 2 and 48
+output tokens: each replica process's CPU seconds (/proc/PID/stat) less what it uses idle over
+the run's length and less its engine's steps as the cpu profile times them
+(cpu_calibration.json) is that replica's own Python (`decode_request_s`, `prefill_request_s`,
+per prompt token from the long prompts: `decode_s_per_prompt_token`,
+`prefill_s_per_prompt_token`, and per cached token from the cached ones); the machine's busy
+CPU seconds (/proc/stat) less its idle load and less both replica processes' is the rest of the path (HAProxy, the
 gateway, Ray's daemons, and the benchmark's own client, which the real runs also put on these
 cores). How much of the decode replica's Python holds up its steps (it shares the GIL with the
 engine thread) is read from the gaps: the median gap over the cpu profile's step, one stream at a
@@ -35,7 +39,8 @@ join). `idle_cores`: the
 machine's busy cores with the app deployed and nothing sent. `cores`: what the machine's cores
 give two engines at once: its core count over how much slower a one-thread engine's prefill runs
 while another process decodes (two engines share caches and memory bandwidth even on cores of
-their own).
+their own), measured in each round before its apps start. Every figure is the median of the
+rounds'.
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ from tqdm import tqdm
 from machine import machine_line  # this folder's scripts run with it on sys.path
 from serving import PRESET, _free_port, _start_ray, _stream_all
 
-# name -> (prompt tokens, output tokens), each `--requests` requests sent one at a time
-WORKLOADS = {"short": ("64:128", 2), "stream": ("64:128", 48), "long": ("1000:1100", 2)}
+# name -> (prompt tokens, output tokens), each `--requests` requests sent one at a time; "cached": a
+# CACHED_PREFIX-token prefix every prompt shares (sent once before) and a question of these lengths
+WORKLOADS = {"short": ("64:128", 2), "stream": ("64:128", 48), "long": ("1000:1100", 2), "cached": ("32:96", 2)}
+CACHED_PREFIX = 1000
 BATCH, BATCH_OUTPUT = 8, 256  # the run whose gaps are 8 streams' steps
 JOIN_STREAM_OUTPUT = 1000  # the stream the short prompts join beside, one after another
 JITTER_PERCENTILES = [i + 0.5 for i in range(100)]  # of the one stream's gaps about their median
@@ -153,21 +160,36 @@ def step_cost(model: str):
     return StepCost(load_model(model), load_cpu())
 
 
-def engine_seconds(cost, reqs) -> tuple[float, float]:
+def engine_seconds(cost, reqs, cached: list[int]) -> tuple[float, float]:
     """(prefill, decode) seconds the engine's steps take for `reqs` one at a time, as the cpu
-    profile (`cost`, a StepCost) times them: a prompt's one prefill step, then a decode step per
-    later token."""
+    profile (`cost`, a StepCost) times them: a prompt's one prefill step after its `cached`
+    tokens, then a decode step per later token."""
     from pdserve.simulate.roofline import prefill_pairs
 
     prefill = decode = 0.0
-    for r in reqs:
+    for r, c in zip(reqs, cached):
         p = len(r.prompt_token_ids)
-        prefill += cost.seconds(p, p, prefill_pairs(0, p))
+        prefill += cost.seconds(p - c, p, prefill_pairs(c, p - c))
         decode += sum(cost.seconds(1, p + k, p + k) for k in range(1, r.max_tokens))
     return prefill, decode
 
 
-def offline(model: str, workloads: dict[str, list], warmup) -> dict:
+def cached_tokens(reqs: list, primer, block_size: int) -> list[int]:
+    """What the prefix cache holds of each prompt after `primer` (None: nothing): the whole blocks
+    of its common start with the primer's, less its last token (always computed)."""
+    out = []
+    for r in reqs:
+        p, same = r.prompt_token_ids, 0
+        if primer is not None:
+            for a, b in zip(p, primer.prompt_token_ids):
+                if a != b:
+                    break
+                same += 1
+        out.append(min(same // block_size * block_size, len(p) - 1))
+    return out
+
+
+def offline(model: str, workloads: dict[str, list], warmups: list) -> dict:
     """The engine alone, in this process, one request at a time: each workload timed without the
     engine's start and shutdown."""
     from pdserve.bench.metrics import compute_metrics
@@ -185,7 +207,7 @@ def offline(model: str, workloads: dict[str, list], warmup) -> dict:
         return compute_metrics(*run_on_client_loop(_stream_all(reqs, 1, open_stream)))
 
     try:
-        run([warmup])
+        run(warmups)
         return {n: timed(lambda: run(reqs))[0] for n, reqs in workloads.items()}
     finally:
         engine.shutdown()
@@ -200,7 +222,7 @@ def bench(reqs: list, settings, builder) -> dict:
     return {**compute_metrics(records, duration), "records": records}
 
 
-def served(config, workloads: dict[str, list], builder, warmup, idle_s: float, batch: list | None = None,
+def served(config, workloads: dict[str, list], builder, warmups: list, idle_s: float, batch: list | None = None,
            joins: list | None = None) -> dict:
     """Deploy `config`; measure its idle load, then each workload one request at a time (CPU by
     the machine and by each engine replica's process), then `batch` all at once, then `joins`
@@ -216,7 +238,7 @@ def served(config, workloads: dict[str, list], builder, warmup, idle_s: float, b
     serve.run(build(config), name=config.name, route_prefix="/")
     try:
         settings = RunSettings(base_url=f"http://127.0.0.1:{port}", concurrency=1)
-        bench([warmup], settings, builder)
+        bench(warmups, settings, builder)
         pools = ("Prefill", "Decode") if config.mode == "disaggregated" else ("Unified",)
         pids = {pool: replica_stats(config.name, pool, num_calls=1)[0]["pid"] for pool in pools}
         out = {"idle": idle(idle_s, pids)}
@@ -265,22 +287,19 @@ def main() -> None:
                                                           "median (default %(default)s)")
     ap.add_argument("--write", action="store_true", help=f"store the result as {HOST_FILE.name}")
     args = ap.parse_args()
-    from pdserve.engine.checkpoint import default_model
 
-    co_running = co_running_slowdown(str(default_model(PRESET)))
     rounds = [measure(args) for _ in tqdm(range(args.rounds), desc="rounds")]
 
     def median(values: list):  # of numbers, or of lists elementwise
         return [statistics.median(v) for v in zip(*values)] if isinstance(values[0], list) \
             else statistics.median(values)
 
-    host = {"cores": os.cpu_count() / max(1.0, co_running["slowdown"]),
-            **{k: median([r["host"][k] for r in rounds]) for k in rounds[0]["host"]}}
+    host = {k: median([r["host"][k] for r in rounds]) for k in rounds[0]["host"]}
     host["source"] = (f"benchmarks/simulator_host.py, {PRESET}, {args.requests} requests per workload, median of "
                       f"{args.rounds} rounds")
     report = {"machine": machine_line(), "load_average": os.getloadavg(),
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": host,
-              "co_running": co_running, "rounds": rounds}
+              "rounds": rounds}
     print(json.dumps(report, indent=1))
     if args.write:
         HOST_FILE.write_text(json.dumps(report, indent=1) + "\n")
@@ -291,15 +310,20 @@ def measure(args) -> dict:
     """One round: every workload through the offline engine and both apps; the `Host` it gives."""
     import ray
 
-    from pdserve.bench.workloads import PromptBuilder, random_workload
-    from pdserve.config import ServeConfig
+    from pdserve.bench.workloads import PromptBuilder, random_workload, shared_prefix_workload
+    from pdserve.config import EngineConfig, ServeConfig
     from pdserve.engine.checkpoint import default_model
 
     model = str(default_model(PRESET))
     builder = PromptBuilder(model)
     workloads = {name: random_workload(builder, args.requests, prompt, str(out), seed=seed)
-                 for seed, (name, (prompt, out)) in enumerate(WORKLOADS.items())}
-    warmup = random_workload(builder, 1, "128", "8", seed=1000)[0]
+                 for seed, (name, (prompt, out)) in enumerate(WORKLOADS.items()) if name != "cached"}
+    primer, *workloads["cached"] = shared_prefix_workload(builder, args.requests + 1, 1, CACHED_PREFIX,
+                                                          WORKLOADS["cached"][0], str(WORKLOADS["cached"][1]), seed=3)
+    cached = {w: cached_tokens(reqs, primer if w == "cached" else None, EngineConfig.model_fields["block_size"].default)
+              for w, reqs in workloads.items()}
+    # One request, so first-call costs stay out of the figures; then the cached prompts' prefix.
+    warmups = [random_workload(builder, 1, "128", "8", seed=1000)[0], primer]
     batch = random_workload(builder, BATCH, "64:128", str(BATCH_OUTPUT), seed=BATCH_OUTPUT)
     joins = random_workload(builder, 1, "64:128", str(JOIN_STREAM_OUTPUT), seed=JOIN_STREAM_OUTPUT) \
         + workloads["short"]
@@ -310,27 +334,37 @@ def measure(args) -> dict:
     disagg = ServeConfig(name="disagg", model=model, engine=engine, prefill=one_core, decode=one_core,
                          slo={"ttft_ms": 3_600_000}, transfer={"host": "127.0.0.1"})
 
+    co_running = co_running_slowdown(model)  # before Ray starts: nothing else running
     _start_ray(model, "haproxy")
     try:
-        alone = offline(model, workloads, warmup)
-        apps = {"local": served(colocated, workloads, builder, warmup, args.idle_s),
-                "remote": served(disagg, workloads, builder, warmup, args.idle_s, batch, joins)}
+        alone = offline(model, workloads, warmups)
+        apps = {"local": served(colocated, workloads, builder, warmups, args.idle_s),
+                "remote": served(disagg, workloads, builder, warmups, args.idle_s, batch, joins)}
     finally:
         ray.shutdown()
     metrics = {"offline": alone, **{name: {w: app[w][0] for w in WORKLOADS} for name, app in apps.items()}}
     remote = apps["remote"]
 
     def prompt_len(w: str) -> float:
-        return statistics.mean(len(r.prompt_token_ids) for r in workloads[w])
+        """Its prompts' mean tokens computed (not found cached)."""
+        return statistics.mean(len(r.prompt_token_ids) - c for r, c in zip(workloads[w], cached[w]))
 
-    def path_s(app: str) -> tuple[float, float]:
-        """(seconds a request, seconds a prompt token) the app's TTFT adds to the engine's."""
-        extra = {w: (metrics[app][w]["median_ttft_ms"] - alone[w]["median_ttft_ms"]) / 1000 for w in ("short", "long")}
-        per_token = max(0.0, (extra["long"] - extra["short"]) / (prompt_len("long") - prompt_len("short")))
-        return extra["short"] - per_token * prompt_len("short"), per_token
+    def by_prompt_tokens(extra: dict) -> tuple[float, float, float]:
+        """(a request's, a prompt token computed, one found cached) of a cost by workload: short
+        and long prompts give the first two, the cached prompts the third."""
+        computed = max(0.0, (extra["long"] - extra["short"]) / (prompt_len("long") - prompt_len("short")))
+        found = max(0.0, (extra["cached"] - extra["short"] - computed * (prompt_len("cached") - prompt_len("short")))
+                    / statistics.mean(cached["cached"]))
+        return extra["short"] - computed * prompt_len("short"), computed, found
+
+    def path_s(app: str) -> tuple[float, float, float]:
+        """The app's TTFT over the engine's: (a request's, a prompt token computed, one cached)."""
+        return by_prompt_tokens({w: (metrics[app][w]["median_ttft_ms"] - alone[w]["median_ttft_ms"]) / 1000
+                          for w in ("short", "long", "cached")})
 
     cost = step_cost(model)
-    engine_s = {w: dict(zip(("Prefill", "Decode"), engine_seconds(cost, reqs))) for w, reqs in workloads.items()}
+    engine_s = {w: dict(zip(("Prefill", "Decode"), engine_seconds(cost, reqs, cached[w])))
+                for w, reqs in workloads.items()}
 
     def own_s(w: str) -> dict:
         """Per request of workload `w`: each replica's CPU beyond its engine's steps and its idle
@@ -344,9 +378,11 @@ def measure(args) -> dict:
     tokens = {w: WORKLOADS[w][1] for w in WORKLOADS}
     per_token = {k: max(0.0, (own_s("stream")[k] - own_s("short")[k]) / (tokens["stream"] - tokens["short"]))
                  for k in ("Decode", "rest")}
-    # Each replica's own Python a prompt token (hashing its blocks, exporting or pulling its KV): long against short.
-    per_prompt_token = {pool: max(0.0, (own_s("long")[pool] - own_s("short")[pool])
-                                  / (prompt_len("long") - prompt_len("short"))) for pool in ("Prefill", "Decode")}
+    # Each replica's own Python a prompt token (hashing its blocks, exporting or pulling its KV):
+    # computed, long against short; found cached, from the cached prompts.
+    own_by_pool = {pool: by_prompt_tokens({w: own_s(w)[pool] for w in ("short", "long", "cached")})
+                   for pool in ("Prefill", "Decode")}
+    per_prompt_token = {pool: own[1] for pool, own in own_by_pool.items()}
     per_request = {k: max(0.0, own_s("short")[k] - tokens["short"] * per_token[k]
                           - prompt_len("short") * per_prompt_token.get(k, 0.0)) for k in ("Decode", "rest")}
     # The decode steps' gaps over the profile's steps, at 1 and at BATCH streams (contexts at mid-stream).
@@ -359,26 +395,32 @@ def measure(args) -> dict:
     decode_token_s = max(0.0, (many - one) / (BATCH - 1))
     decode_step_s = max(0.0, one - decode_token_s)
     beside = max(0.0, per_token["Decode"] - decode_step_s - decode_token_s)  # a token's decode CPU off the step
-    (local_s, local_per_token), (remote_s, remote_per_token) = path_s("local"), path_s("remote")
-    host = {"idle_cores": remote["idle"]["machine"],
+    (local_s, local_per_token, local_per_cached), (remote_s, remote_per_token, remote_per_cached) = \
+        path_s("local"), path_s("remote")
+    host = {"cores": os.cpu_count() / max(1.0, co_running["slowdown"]), "idle_cores": remote["idle"]["machine"],
             "request_cpu_s": per_request["rest"], "token_cpu_s": per_token["rest"] + beside,
             "decode_request_s": per_request["Decode"], "decode_step_s": decode_step_s, "decode_token_s": decode_token_s,
             "decode_step_jitter_s": jitter_s(remote["stream"][0]["records"]),
             "decode_join_s": max(0.0, join_s(remote["joins"]["records"])),
             "decode_s_per_prompt_token": per_prompt_token["Decode"],
+            "decode_s_per_cached_token": own_by_pool["Decode"][2],
             "prefill_request_s": max(0.0, statistics.mean(own_s(w)["Prefill"] for w in ("short", "stream"))
                                      - prompt_len("short") * per_prompt_token["Prefill"]),
             "prefill_s_per_prompt_token": per_prompt_token["Prefill"],
+            "prefill_s_per_cached_token": own_by_pool["Prefill"][2],
             "local_path_s": local_s, "remote_path_s": remote_s, "local_path_s_per_prompt_token": local_per_token,
-            "remote_path_s_per_prompt_token": remote_per_token}
-    return {"load_average": os.getloadavg(), "host": host, "mean_prompt_tokens": {w: prompt_len(w) for w in WORKLOADS},
+            "remote_path_s_per_prompt_token": remote_per_token, "local_path_s_per_cached_token": local_per_cached,
+            "remote_path_s_per_cached_token": remote_per_cached}
+    return {"load_average": os.getloadavg(), "host": host,
+            "mean_prompt_tokens": {w: prompt_len(w) + statistics.mean(cached[w]) for w in WORKLOADS},
+            "mean_cached_tokens": {w: statistics.mean(cached[w]) for w in WORKLOADS},
             "median_ttft_ms": {name: {w: m[w]["median_ttft_ms"] for w in WORKLOADS} for name, m in metrics.items()},
             "median_itl_ms": {name: {w: m[w]["median_itl_ms"] for w in WORKLOADS} for name, m in metrics.items()},
             f"median_itl_ms_{BATCH}_streams": remote["batch"]["median_itl_ms"],
             "gap_over_step_ms": {1: one * 1000, BATCH: many * 1000},
             "own_cpu_s_per_request": {w: own_s(w) for w in WORKLOADS},
             "engine_s_per_request": {w: {k: v / args.requests for k, v in engine_s[w].items()} for w in engine_s},
-            "idle_cores": {name: app["idle"] for name, app in apps.items()}}
+            "idle_cores": {name: app["idle"] for name, app in apps.items()}, "co_running": co_running}
 
 
 if __name__ == "__main__":

@@ -90,7 +90,9 @@ class Host:
     steps stretch when more is busy than there are cores (`SharedCores`, replicas.py). A
     request's first token comes `local_path_s` (and a cost per prompt token) later than its engine
     work alone gives (the way in and out), `remote_path_s` when prefilled by the prefill pool (its
-    Ray call, the pull's round trips, the join)."""
+    Ray call, the pull's round trips, the join). Costs per prompt token are per token computed; a
+    token found in the prefix cache costs its own, measured apart (`..._per_cached_token`): much
+    of a computed token's is the app's prefill running slower than the engine alone."""
     cores: float
     idle_cores: float  # cores busy with the app deployed and idle (Ray's daemons, Serve's controller)
     request_cpu_s: float  # CPU seconds a request costs outside the replicas' processes
@@ -105,19 +107,36 @@ class Host:
     remote_path_s_per_prompt_token: float = 0.0  # and the KV pull's handling, the join
     decode_s_per_prompt_token: float = 0.0  # a request's cost in each replica's process grows with its prompt
     prefill_s_per_prompt_token: float = 0.0
+    local_path_s_per_cached_token: float = 0.0  # the same for a prompt token found cached
+    remote_path_s_per_cached_token: float = 0.0
+    decode_s_per_cached_token: float = 0.0
+    prefill_s_per_cached_token: float = 0.0
     decode_join_s: float = 0.0  # of decode_request_s, what lengthens the step the request joins in
     decode_step_jitter_s: tuple[float, ...] = ()  # a step's own cost less its median, at evenly spaced percentiles
     source: str = ""
 
-    def local_delay_s(self, prompt_tokens: int) -> float:
-        return self.local_path_s + prompt_tokens * self.local_path_s_per_prompt_token
+    def local_delay_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        return self.local_path_s + (prompt_tokens - cached_tokens) * self.local_path_s_per_prompt_token \
+            + cached_tokens * self.local_path_s_per_cached_token
 
-    def remote_delay_s(self, prompt_tokens: int) -> float:
+    def remote_delay_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """What a remote prefill adds to the local path's delay besides the prefill replica's own
         Python (which its steps carry)."""
-        own = self.prefill_request_s + prompt_tokens * self.prefill_s_per_prompt_token
-        return max(0.0, self.remote_path_s - self.local_path_s - own + prompt_tokens
-                   * (self.remote_path_s_per_prompt_token - self.local_path_s_per_prompt_token))
+        computed = prompt_tokens - cached_tokens
+        extra = self.remote_path_s - self.local_path_s \
+            + computed * (self.remote_path_s_per_prompt_token - self.local_path_s_per_prompt_token) \
+            + cached_tokens * (self.remote_path_s_per_cached_token - self.local_path_s_per_cached_token)
+        return max(0.0, extra - self.prefill_own_s(prompt_tokens, cached_tokens))
+
+    def prefill_own_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """The prefill replica's own Python for a prompt it hands over."""
+        return self.prefill_request_s + (prompt_tokens - cached_tokens) * self.prefill_s_per_prompt_token \
+            + cached_tokens * self.prefill_s_per_cached_token
+
+    def decode_prompt_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """The decode replica's own Python for a request's prompt (its pull's handling and the like)."""
+        return (prompt_tokens - cached_tokens) * self.decode_s_per_prompt_token \
+            + cached_tokens * self.decode_s_per_cached_token
 
 
 def load_host(path: Path = CPU_HOST) -> Host:

@@ -102,9 +102,7 @@ class SimPrefill(_Replica):
     def __init__(self, sim, name: str, cost: StepCost, budget: int, num_blocks: int):
         super().__init__(sim, name, cost, budget)
         self.num_blocks = num_blocks
-        self.request_s, self.per_prompt_token_s = (self.host.prefill_request_s, self.host.prefill_s_per_prompt_token) \
-            if self.host else (0.0, 0.0)
-        self.queue: deque[list] = deque()  # [req, remaining tokens, tokens done (cached + computed)]
+        self.queue: deque[list] = deque()  # [req, remaining tokens, tokens done (cached + computed), cached]
         self.queued_tokens = 0
         self.prefill_rate = Average(0.0)  # its prompt tokens a second, told with each result (as the real one)
         self._plan: list[tuple[list, int]] = []
@@ -114,7 +112,7 @@ class SimPrefill(_Replica):
         return not self.queue and not self.busy
 
     def enqueue(self, req: Req, num_uncached: int, now: float) -> None:
-        self.queue.append([req, num_uncached, req.prompt - num_uncached])
+        self.queue.append([req, num_uncached, req.prompt - num_uncached, req.prompt - num_uncached])
         self.queued_tokens += num_uncached
         self.sim.changed(self)
         if not self.busy:
@@ -138,7 +136,7 @@ class SimPrefill(_Replica):
         self.busy, self._plan = True, plan
         tokens = self.budget - left
         # Each prompt it finishes hands its KV over at the end of the step.
-        own = sum(self.request_s + entry[0].prompt * self.per_prompt_token_s for entry, c in plan if c == entry[1]) \
+        own = sum(self.host.prefill_own_s(entry[0].prompt, entry[3]) for entry, c in plan if c == entry[1]) \
             if self.host else 0.0
         dt = (self.cost.seconds(tokens, kv, pairs) + own) * self._shared_stretch(now)
         self.prefill_rate.add(tokens / dt)
@@ -167,9 +165,8 @@ class SimDecode(_Replica):
         self.cm = CostModel(percentile=sim.config.slo.percentile, clock=lambda: sim.now)
         self.num_blocks, self.max_num_seqs, self.max_ongoing_requests = num_blocks, max_num_seqs, max_ongoing_requests
         h = self.host
-        self.request_s, self.step_s, self.token_s, self.per_prompt_token_s, self.join_s = (
-            (h.decode_request_s, h.decode_step_s, h.decode_token_s, h.decode_s_per_prompt_token, h.decode_join_s)
-            if h else (0.0,) * 5)
+        self.request_s, self.step_s, self.token_s, self.join_s = (
+            (h.decode_request_s, h.decode_step_s, h.decode_token_s, h.decode_join_s) if h else (0.0,) * 4)
         self.jitter = h.decode_step_jitter_s if h else ()
         self.num_in_flight = 0  # requests routed here and not finished (what max_ongoing_requests bounds)
         self.routed_blocks = 0  # their blocks, as the decode router counts what it sent
@@ -254,7 +251,7 @@ class SimDecode(_Replica):
                 joined += self.join_s
                 if self.sim.cores is not None:  # the rest of its time here runs beside the engine
                     self.sim.cores.spend(max(0.0, self.request_s - self.join_s)
-                                         + req.prompt * self.per_prompt_token_s, now)
+                                         + self.host.decode_prompt_s(req.prompt, req.prompt - req.uncached), now)
                 self.sim.first_token(req, now)
                 if req.output == 1:
                     self._finish(req, now)

@@ -238,7 +238,7 @@ class Simulation:
             self._enter(now, req)
             return
         self.cores.spend(host.request_cpu_s, now)
-        self.at(now + host.local_delay_s(req.prompt), self._enter, req)
+        self.at(now + host.local_delay_s(req.prompt, self._most_cached(req)), self._enter, req)
 
     def _enter(self, now: float, req: Req) -> None:
         self.pending.append(req)
@@ -253,6 +253,14 @@ class Simulation:
             if d is None:
                 return
             d.route(pending.popleft(), now)
+
+    def _most_cached(self, req: Req) -> int:
+        """The most of the prompt a decode replica holds cached (the prefix-aware router's pick)."""
+        hashes = self._hashes(req)
+        if not hashes:
+            return 0
+        matched = max(self.decode_index.match(hashes).values(), default=0)
+        return min(matched * self.config.block_size, req.prompt - 1)
 
     def _hashes(self, req: Req) -> tuple:
         if req.prefix_id is None:
@@ -301,7 +309,7 @@ class Simulation:
             d.prefill_locally(req, 0, now, now)
             return
         req.pull_bytes = req.uncached * self.kv_bytes
-        delay = self.config.host.remote_delay_s(req.prompt) if self.config.host else 0.0
+        delay = self.config.host.remote_delay_s(req.prompt, req.prompt - req.uncached) if self.config.host else 0.0
         self.at(now + req.pull_bytes / self.link_bytes_per_s + delay, self._pulled, req)
 
     def _pulled(self, now: float, req: Req) -> None:

@@ -48,6 +48,30 @@ def test_the_path_latency_lands_on_the_first_token_by_the_path_taken(prefill):
     assert result["itl_ms"]["p50"] == pytest.approx(plain["itl_ms"]["p50"], rel=1e-6)  # roomy: no stretch
 
 
+@pytest.mark.parametrize("prefill", [0, 1], ids=["colocated", "disaggregated"])
+def test_a_prompt_token_found_cached_costs_its_own(prefill):
+    """The path's cost per prompt token is per token computed: a prompt whose 992-token prefix
+    the replicas hold (from the request before) pays the cached tokens' own, measured apart."""
+    def second_ttft(host) -> float:
+        sim = Simulation(dataclasses.replace(config(prefill=prefill, decode=1, ttft_s=30.0), host=host))
+        first, record = {}, sim.first_token
+
+        def first_token(req, now):
+            first[req.id] = now - req.arrival
+            record(req, now)
+
+        sim.first_token = first_token
+        sim.run(iter([SimRequest(0.0, 1056, 8, prefix_id=7, prefix_tokens=992),
+                      SimRequest(5.0, 1056, 8, prefix_id=7, prefix_tokens=992)]))
+        return first[1]
+
+    costs = dataclasses.replace(ROOMY, local_path_s_per_prompt_token=1e-5, remote_path_s_per_prompt_token=3e-5,
+                                local_path_s_per_cached_token=1e-6, remote_path_s_per_cached_token=2e-6,
+                                prefill_s_per_prompt_token=3e-6, prefill_s_per_cached_token=1e-7)
+    extra = 64 * 1e-5 + 992 * 1e-6 if prefill == 0 else 64 * 3e-5 + 992 * 2e-6  # (ROOMY's own path in both)
+    assert second_ttft(costs) == pytest.approx(second_ttft(ROOMY) + extra, rel=1e-3)
+
+
 def test_steps_stretch_when_the_engines_outnumber_the_cores():
     """Two decode replicas streaming at once: on one core each step takes twice as long; on two, as
     long as alone."""
