@@ -53,7 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     slo_args(p)
     a = p.add_argument_group("autoscaling (the joint P:D policy)")
     a.add_argument("--autoscale", action="store_true")
-    a.add_argument("--max-total-replicas", type=int, help="the replica budget shared by both pools")
+    a.add_argument("--max-total-replicas", type=int, help="the replica budget shared by both pools (given with "
+                                                          "--config: in place of its max_total_replicas; each "
+                                                          "pool's own bounds still apply)")
     a.add_argument("--tick-s", type=float, default=5.0, help="control period and look-back window")
     a.add_argument("--downscale-delay-s", type=float, default=30.0,
                    help="how long a pool's want stays low before it shrinks (default %(default)s)")
