@@ -255,7 +255,8 @@ class Simulation:
             d.route(pending.popleft(), now)
 
     def _most_cached(self, req: Req) -> int:
-        """The most of the prompt a decode replica holds cached (the prefix-aware router's pick)."""
+        """The most of the prompt any decode replica holds cached: the path's cost is charged as the
+        request comes in, before a replica is chosen (one replica a pool where it is measured)."""
         hashes = self._hashes(req)
         if not hashes:
             return 0
