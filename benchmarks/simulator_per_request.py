@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from serving import MIX_SLO, PRESET, _free_port, _start_ray, part2_requests
-from simulator_vs_real import WARMUP, WORKLOADS
+from simulator_vs_real import simulate_args
 
 KINDS = {"mix": "long-prompt-mix", "shared prefixes": "shared-prefix"}  # simulator_vs_real's names -> part 2's
 PERCENTILES = (25, 50, 75, 90)
@@ -64,7 +64,6 @@ def simulated_run(kind: str, rate: float, num_requests: int, seed: int) -> list[
     """(arrival from the first, prompt tokens, tokens the decode replica held cached, TTFT s) of each
     request of the same draw, in arrival order."""
     from pdserve.cli import build_parser
-    from pdserve.engine.checkpoint import default_model
     from pdserve.simulate import cli
     from pdserve.simulate.sim import Simulation
 
@@ -73,11 +72,7 @@ def simulated_run(kind: str, rate: float, num_requests: int, seed: int) -> list[
             firsts[req.id] = (req.arrival, req.prompt, req.prompt - req.uncached, now - req.arrival)
             super().first_token(req, now)
 
-    args = build_parser().parse_args([
-        "simulate", "--accelerator", "cpu", *WORKLOADS[kind], "--num-requests", str(num_requests), "--rate",
-        str(rate), "--seed", str(seed), "--arrival-seed", "0", "--tokenizer", str(default_model(PRESET)),
-        "--ttft-ms", str(MIX_SLO["ttft"]), "--itl-ms", str(MIX_SLO["tpot"]), "--max-num-seqs", "64",
-        "--no-split-prompts-to-fill-steps", "--warmup", WARMUP, "--this-machine"])
+    args = build_parser().parse_args(simulate_args(kind, rate, seed, num_requests, this_machine=True))
     config, requests, _ = cli.build(args)
     firsts: dict[int, tuple] = {}
     Recording(config).run(requests, None, [args.warmup])  # (the warm-up's id is the first request's: overwritten)

@@ -35,14 +35,18 @@ FIGURES = (("p50 TTFT", "ttft_ms", "p50", "median_ttft_ms"), ("p99 TTFT", "ttft_
            ("p50 ITL", "itl_ms", "p50", "median_itl_ms"), ("p99 ITL", "itl_ms", "p99", "p99_itl_ms"))
 
 
-def simulate(kind: str, rate: float, seed: int, num_requests: int, this_machine: bool) -> dict:
+def simulate_args(kind: str, rate: float, seed: int, num_requests: int, this_machine: bool) -> list[str]:
+    """`pdserve simulate`'s arguments for a real draw (its requests, arrivals, warm-up and app)."""
     from pdserve.engine.checkpoint import default_model
 
-    cmd = ["pdserve", "simulate", "--accelerator", "cpu", *WORKLOADS[kind], "--num-requests", str(num_requests),
-           "--rate", str(rate), "--seed", str(seed), "--arrival-seed", "0", "--tokenizer", str(default_model(PRESET)),
-           "--ttft-ms", str(MIX_SLO["ttft"]), "--itl-ms", str(MIX_SLO["tpot"]), "--max-num-seqs", "64",
-           "--no-split-prompts-to-fill-steps", "--warmup", WARMUP, "--json",
-           "--no-progress", *(["--this-machine"] if this_machine else [])]
+    return ["simulate", "--accelerator", "cpu", *WORKLOADS[kind], "--num-requests", str(num_requests),
+            "--rate", str(rate), "--seed", str(seed), "--arrival-seed", "0", "--tokenizer", str(default_model(PRESET)),
+            "--ttft-ms", str(MIX_SLO["ttft"]), "--itl-ms", str(MIX_SLO["tpot"]), "--max-num-seqs", "64",
+            "--no-split-prompts-to-fill-steps", "--warmup", WARMUP, *(["--this-machine"] if this_machine else [])]
+
+
+def simulate(kind: str, rate: float, seed: int, num_requests: int, this_machine: bool) -> dict:
+    cmd = ["pdserve", *simulate_args(kind, rate, seed, num_requests, this_machine), "--json", "--no-progress"]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 

@@ -115,28 +115,31 @@ class Host:
     decode_step_jitter_s: tuple[float, ...] = ()  # a step's own cost less its median, at evenly spaced percentiles
     source: str = ""
 
+    @staticmethod
+    def _by_tokens(prompt_tokens: int, cached_tokens: int, per_computed: float, per_cached: float) -> float:
+        return (prompt_tokens - cached_tokens) * per_computed + cached_tokens * per_cached
+
     def local_delay_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        return self.local_path_s + (prompt_tokens - cached_tokens) * self.local_path_s_per_prompt_token \
-            + cached_tokens * self.local_path_s_per_cached_token
+        return self.local_path_s + self._by_tokens(prompt_tokens, cached_tokens, self.local_path_s_per_prompt_token,
+                                                   self.local_path_s_per_cached_token)
 
     def remote_delay_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """What a remote prefill adds to the local path's delay besides the prefill replica's own
         Python (which its steps carry)."""
-        computed = prompt_tokens - cached_tokens
-        extra = self.remote_path_s - self.local_path_s \
-            + computed * (self.remote_path_s_per_prompt_token - self.local_path_s_per_prompt_token) \
-            + cached_tokens * (self.remote_path_s_per_cached_token - self.local_path_s_per_cached_token)
-        return max(0.0, extra - self.prefill_own_s(prompt_tokens, cached_tokens))
+        remote = self.remote_path_s + self._by_tokens(prompt_tokens, cached_tokens, self.remote_path_s_per_prompt_token,
+                                                      self.remote_path_s_per_cached_token)
+        return max(0.0, remote - self.local_delay_s(prompt_tokens, cached_tokens)
+                   - self.prefill_own_s(prompt_tokens, cached_tokens))
 
     def prefill_own_s(self, prompt_tokens: int, cached_tokens: int) -> float:
         """The prefill replica's own Python for a prompt it hands over."""
-        return self.prefill_request_s + (prompt_tokens - cached_tokens) * self.prefill_s_per_prompt_token \
-            + cached_tokens * self.prefill_s_per_cached_token
+        return self.prefill_request_s + self._by_tokens(prompt_tokens, cached_tokens, self.prefill_s_per_prompt_token,
+                                                        self.prefill_s_per_cached_token)
 
     def decode_prompt_s(self, prompt_tokens: int, cached_tokens: int) -> float:
         """The decode replica's own Python for a request's prompt (its pull's handling and the like)."""
-        return (prompt_tokens - cached_tokens) * self.decode_s_per_prompt_token \
-            + cached_tokens * self.decode_s_per_cached_token
+        return self._by_tokens(prompt_tokens, cached_tokens, self.decode_s_per_prompt_token,
+                               self.decode_s_per_cached_token)
 
 
 def load_host(path: Path = CPU_HOST) -> Host:
