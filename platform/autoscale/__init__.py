@@ -4,7 +4,7 @@ P:D policy against the latency target (`pdserve.autoscale.policies`, its core in
 
 # Figures a replica reports when its engine measures them (the joint policy reads them).
 OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "ttft_attainment", "itl_attainment",
-                  "requests_per_s", "residence_s", "num_in_flight_requests")
+                  "requests_per_s", "residence_s", "num_in_flight_requests", "kv_read_share")
 
 
 def autoscaling_stats(stats: dict) -> dict[str, float]:

@@ -16,7 +16,9 @@ What each pool needs (`wanted`):
   in proportion (a step of the load shows in the arrival rate a tick after it happens; the
   occupancy, full at most, never shows it, and mid-step it shows the step only in part). That
   brought to TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to
-  hand over), plus slots for the requests waiting to be admitted;
+  hand over) at the size it will have (`resized_occupancy`: fewer replicas run bigger batches,
+  whose steps read more KV and take longer, so each request stays longer and the pool holds
+  more), plus slots for the requests waiting to be admitted;
 - and each pool whose attainment over the window is below the SLO's percentile grows by STEP_UP
   of its size (at least one replica): decode on the share of inter-token gaps within the ITL
   target, prefill on the share of first tokens within the TTFT target, but only while its own
@@ -92,6 +94,7 @@ class DecodeSignal:
     arrivals_per_s: float | None = None  # requests the pool received a second over the window (None: not measured)
     residence_s: float | None = None  # how long the requests that ended over the window were held, on average
     num_held: float = 0.0  # requests the pool holds now
+    kv_read_share: float = 0.0  # the KV's share of the bytes a decode step reads (decode.placement), mean a replica
 
     @property
     def growth(self) -> float:
@@ -100,6 +103,19 @@ class DecodeSignal:
         if not (self.arrivals_per_s and self.residence_s and self.num_held):
             return 1.0
         return max(1.0, self.arrivals_per_s * self.residence_s / self.num_held)
+
+
+def resized_occupancy(occupancy: float, kv_share: float, size_ratio: float) -> float:
+    """A decode pool's occupancy once it has `size_ratio` times its replicas, the load unchanged.
+
+    A step takes a fixed part (the weights) and a part that grows with the batch (its KV), the
+    latter `kv_share` (x) of it now. Over n' = r n replicas each batch is 1/r times as large; a
+    request stays as many steps, each that much longer, so the pool holds more and each batch
+    grows further. With steps a + k b long, a request m steps and arrivals at a rate L, a replica's
+    batch b = L (W0 + m (a + k b)) / n' at steady load, so b (n' - L m k) is the same at every size,
+    and L m k = x n (x = k b / (a + k b) at the size measured): b'/b = (1 - x) / (r - x). At r = x
+    and below the pool cannot keep up (infinite)."""
+    return occupancy * (1 - kv_share) / (size_ratio - kv_share) if size_ratio > kv_share else math.inf
 
 
 def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:
@@ -112,8 +128,10 @@ def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start
             and queue_s > QUEUE_SHARE * slo.ttft_s and not prefill.num_starting:
         p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
     serving = decode.num_replicas - decode.num_starting
-    occupied = serving * max(decode.kv_usage, decode.seq_usage) * decode.growth
-    d = math.ceil(occupied / TARGET_KV_USAGE + decode.num_waiting / decode.slots_per_replica - 1e-9)
+    occupancy, x = max(decode.kv_usage, decode.seq_usage) * decode.growth, decode.kv_read_share
+    # The fewest replicas whose resized occupancy is at most the target (resized_occupancy solved for r).
+    d = math.ceil(serving * (x + (1 - x) * occupancy / TARGET_KV_USAGE)
+                  + decode.num_waiting / decode.slots_per_replica - 1e-9)
     if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment and not decode.num_starting:
         d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
     return max(1, p), max(1, d)

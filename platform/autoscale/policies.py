@@ -143,8 +143,9 @@ class JointSloPolicy:
     `num_in_flight_requests`) and on the replicas (`num_waiting`: prompts, and requests prefilled
     elsewhere; not those with the prefill pool, which are its load), the requests they
     take a second (`requests_per_s`), hold (`num_in_flight_requests`) and how long they held
-    those that ended (`residence_s`); the decode replicas' `ttft_attainment` / `itl_attainment`
-    (the share within target over the window). Replicas asked for and not running yet (the last
+    those that ended (`residence_s`), and the KV's share of the bytes their steps read
+    (`kv_read_share`: how much longer a step grows when the pool shrinks); the decode replicas'
+    `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas asked for and not running yet (the last
     target beyond `current_num_replicas`) count as starting. A figure no replica reports counts
     as no signal: no load, or no attainment to react to. Before the prefill
     pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
@@ -182,7 +183,7 @@ class JointSloPolicy:
         decode = DecodeSignal(_asked(d_ctx), _mean(d_ctx, "kv_usage") or 0.0,
                               _mean(d_ctx, "itl_attainment"), running / slots, waiting, self.max_num_seqs,
                               _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
-                              _mean(d_ctx, "residence_s"), held)
+                              _mean(d_ctx, "residence_s"), held, _mean(d_ctx, "kv_read_share") or 0.0)
         p, d = self.scaler.decide(prefill, decode, time.monotonic(), p_ctx.capacity_adjusted_max_replicas,
                                   d_ctx.capacity_adjusted_max_replicas)
         targets = (_bounded(p_ctx, p), _bounded(d_ctx, d))

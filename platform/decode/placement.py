@@ -24,6 +24,9 @@ its remote prefill calls, its pulls), starting from priors. Averages predict the
 holds for a percentile of requests, so each path's prediction carries a margin: that percentile of
 how far its recent first tokens came after their predictions (queues, hops and other processes
 vary more than any average says), over the last minute at most. Pure logic: no Ray, no engine.
+
+Beside it, `kv_read_share`: the same replica's steps as the joint autoscaling policy needs them
+(how much of a step grows with the batch, so how a smaller pool's steps lengthen).
 """
 
 from __future__ import annotations
@@ -84,6 +87,13 @@ class Placement:
     chunk_tokens: int  # local: most prompt tokens a step takes (0: any)
     pause_s: float  # local: how long it yields to decodes first (the TTFT target's slack)
     expected_ttft_s: float  # the chosen path's mean prediction, its pause included (its error is measured against it)
+
+
+def kv_read_share(kv_bytes: float, weight_bytes: float) -> float:
+    """Of the bytes a decode step streams (the weights once, and the KV of every sequence in the
+    batch: decode is memory-bound), the share that is KV: the part of a step's time that grows with
+    the batch. `kv_bytes`: the KV the replica holds."""
+    return kv_bytes / (kv_bytes + weight_bytes) if kv_bytes > 0 else 0.0
 
 
 def place(load: Load, rates: Rates, target: Target) -> Placement:

@@ -42,7 +42,7 @@ from pdserve.engine.async_engine import AsyncLLMEngine, Forward
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import DeadlineExceededError, RequestError
-from pdserve.decode.placement import CostModel, Load, Placement, Target, place
+from pdserve.decode.placement import CostModel, Load, Placement, Target, kv_read_share, place
 from pdserve.kvtransfer.base import KVImporter
 from pdserve.kvtransfer.protocol import KVHandle, KVTransferError
 from pdserve.kvtransfer.protocol import source_rank
@@ -72,6 +72,9 @@ class DecodeServer:
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
         self.kv_bytes_per_token = self.block_bytes // engine_config.block_size
+        # What a decode step streams besides KV (every rank its share), for the joint policy's kv_read_share
+        engine = self.engine.engine
+        self.decode_weight_bytes = engine.model.num_decode_weight_bytes() * engine.parallel.size
         self.pull_rank, self.on_pull = pull_rank, on_pull
         self.remote_prefill = remote_prefill
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
@@ -317,11 +320,17 @@ class DecodeServer:
         log.debug("placement of %s: %s (%s); %s; %s", req.request_id, placement.where, placement.reason, load, rates)
         return placement, num_uncached
 
+    def _kv_read_share(self) -> float:
+        e = self.engine.engine
+        held = (e.block_pool.num_blocks - e.num_free_kv_blocks) * self.block_bytes
+        return kv_read_share(held, self.decode_weight_bytes)
+
     def stats(self) -> dict:
         now = time.monotonic()
         self.arrived.add(now, self.num_arrived)
         return {**self.engine.stats(), "num_remote_prefills": self.num_remote_prefills,
                 "requests_per_s": self.arrived.rate(now), "residence_s": self.held.mean(now),
+                "kv_read_share": self._kv_read_share(),
                 "num_local_prefills": self.num_local_prefills,
                 "num_local_prefills_for_target": self.num_local_prefills_for_target,
                 "num_early_first_tokens": self.num_early_first_tokens,

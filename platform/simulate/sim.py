@@ -47,7 +47,7 @@ from typing import Iterable
 
 from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo
 from pdserve.config import default_max_ongoing_requests
-from pdserve.decode.placement import Load, Target, place
+from pdserve.decode.placement import Load, Target, kv_read_share, place
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT
 from pdserve.router.radix_index import RadixIndex
 from pdserve.simulate.hardware import Accelerator, Host
@@ -420,6 +420,13 @@ class Simulation:
             if r.pool == "decode":
                 self.decode_index.remove_replica(r.name)
 
+    def _kv_read_share(self, serving: list[SimDecode]) -> float:
+        """What the serving decode replicas report, on average: the KV's share of a step's bytes."""
+        model, block_size = self.config.model, self.config.block_size
+        shares = [kv_read_share(r.used_blocks * block_size * model.kv_bytes_per_token, model.weight_bytes)
+                  for r in serving]
+        return sum(shares) / len(shares) if shares else 0.0
+
     def _tick(self, now: float, _) -> None:
         spec, w = self.config.autoscale, self.window
         self.window = Window()
@@ -442,7 +449,8 @@ class Simulation:
                                 len(self.pending) + sum(r.num_waiting for r in serving), self.config.max_num_seqs,
                                 len(decode) - len(serving),
                                 w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
-                                sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"))
+                                sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"),
+                                self._kv_read_share(serving))
         (p_min, p_max), (d_min, d_max) = spec.bounds("prefill"), spec.bounds("decode")
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now, p_max, d_max)
         want_p, want_d = max(p_min, want_p), max(d_min, want_d)

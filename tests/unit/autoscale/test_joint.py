@@ -4,7 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo, StartClock, wanted, within_budget
+from pdserve.autoscale.joint import (DecodeSignal, JointScaler, PrefillSignal, Slo, StartClock, resized_occupancy,
+                                     wanted, within_budget)
+from pdserve.decode.placement import kv_read_share
 
 SLO = Slo(ttft_s=1.0, itl_s=0.05, percentile=99)
 
@@ -61,6 +63,28 @@ def test_arrivals_outpacing_the_pool_size_decode_for_the_occupancy_to_come():
     # Fewer arriving than it holds (a drop): the occupancy as it is; nothing measured: the same.
     assert want(arrivals=10, held=100) == 2
     assert want(arrivals=200, held=0) == want(arrivals=200, held=100, residence=None) == 2
+
+
+def test_decode_is_sized_for_the_longer_steps_of_a_smaller_pool():
+    """A decode step reads the weights once and every sequence's KV: on fewer replicas each batch
+    is larger, each step longer, requests stay longer and the pool holds more. Sized on the
+    occupancy alone, 10 replicas at 40% shrink to 5, which cannot keep up when half of a step's
+    bytes are KV."""
+    assert kv_read_share(0, 1e9) == 0.0 and kv_read_share(3e9, 1e9) == 0.75
+    # Half the bytes KV: at 80% of the replicas the occupancy is 0.4 x 0.5 / 0.3 = 2/3, at 70% 1.0.
+    assert resized_occupancy(0.4, 0.5, 0.8) == pytest.approx(2 / 3)
+    assert resized_occupancy(0.4, 0.5, 0.7) == pytest.approx(1.0)
+    assert resized_occupancy(0.4, 0.5, 0.5) == float("inf")  # every step all the pool can do
+    assert resized_occupancy(0.4, 0.0, 0.5) == pytest.approx(0.8)  # steps the same whatever the batch
+
+    def want(occupancy, share):
+        return wanted(prefill(1, 0), DecodeSignal(10, occupancy, kv_read_share=share), SLO)[1]
+
+    assert want(0.4, 0.0) == 5  # 10 x 0.4 / 0.8
+    assert want(0.4, 0.5) == 8  # 10 x (0.5 + 0.5 x 0.4 / 0.8) = 7.5: resized_occupancy(0.4, 0.5, 0.8) <= 0.8
+    # At the target it holds; full, it grows, by less than the occupancy says (a larger pool's steps are shorter).
+    assert want(0.8, 0.5) == 10
+    assert want(1.0, 0.0) == 13 and want(1.0, 0.5) == 12
 
 
 def test_no_latency_step_while_the_pools_last_growth_is_starting():
@@ -242,6 +266,10 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     queued = pool("Decode", 2, requests=300, kv_usage=[0.5, 0.5], num_running=[50, 50],
                   num_in_flight_requests=[100, 100], num_waiting=[30, 30])
     assert policy({"p": idle[0], "d": queued})[0]["d"] == 2
+    # Steps whose bytes are half KV: 4 replicas at 20% want 4 x (0.5 + 0.5 x 0.2 / 0.8) = 2.5 -> 3, not 1.
+    policy = JointSloPolicy(ttft_ms=1000, itl_ms=50, percentile=99, max_total_replicas=12, downscale_delay_s=0)
+    kv_bound = pool("Decode", 4, kv_usage=[0.2] * 4, kv_read_share=[0.4, 0.6, 0.5, 0.5])
+    assert policy({"p": idle[0], "d": kv_bound})[0]["d"] == 3
     # Each pool's bounds apply.
     busy = pool("Prefill", 9, queued_prefill_tokens=[10**6], prefill_tokens_per_s=[10_000])
     assert policy({"p": busy, "d": decode})[0]["p"] <= 10

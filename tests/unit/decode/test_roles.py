@@ -86,6 +86,26 @@ def test_each_first_token_measures_its_paths_prediction_error(pools):
         assert stats["requests_per_s"] > 0
 
 
+def test_decode_reports_the_kv_share_of_what_its_steps_read(pools):
+    """The joint policy's `kv_read_share`: the KV held against the weights a decode step streams."""
+    _, decode = pools
+    engine = decode.engine.engine
+    assert decode.decode_weight_bytes == engine.model.num_decode_weight_bytes() > 0  # one rank: all of them
+    assert decode.stats()["kv_read_share"] == 0.0  # nothing held
+    shares = []
+
+    async def stream():
+        async for out in decode.generate(GenerateRequest("r", list(range(5, 45)), GREEDY)):
+            if out.finished:  # (its blocks may be freed by now)
+                continue
+            held = (engine.block_pool.num_blocks - engine.num_free_kv_blocks) * decode.block_bytes
+            shares.append((decode.stats()["kv_read_share"], held / (held + decode.decode_weight_bytes)))
+
+    asyncio.run(stream())
+    assert shares and all(0 < got == pytest.approx(want) for got, want in shares)
+    assert decode.stats()["kv_read_share"] == 0.0  # its blocks freed (cached blocks count as free)
+
+
 def test_decode_pulls_only_blocks_it_lacks(pools, tiny_llama):
     prefill, decode = pools
     system = list(range(100, 140))  # 5 full blocks of 8
