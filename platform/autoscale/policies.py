@@ -145,10 +145,10 @@ class JointSloPolicy:
     take a second (`requests_per_s`), hold (`num_in_flight_requests`) and how long they held
     those that ended (`residence_s`), and the KV's share of the bytes their steps read
     (`kv_read_share`: how much longer a step grows when the pool shrinks); the decode replicas'
-    `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas asked for and not running yet (the last
-    target beyond `current_num_replicas`) count as starting. A figure no replica reports counts
-    as no signal: no load, or no attainment to react to. Before the prefill
-    pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
+    `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
+    asked for and not running yet (the last target beyond `current_num_replicas`) count as
+    starting. A figure no replica reports counts as no signal: no load, no attainment to react
+    to, steps that read weights only. Before the prefill pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
     engine's; `replica_start_s` how long a new replica takes to serve (a backlog is cleared within
     it) until the policy has seen one start (`joint.StartClock`). Ray Serve applies each pool's
     min/max and delays to the result."""
