@@ -2,10 +2,12 @@
 
     python benchmarks/simulator_bursty.py                       # 8B on H100, 50 <-> 200 req/s, 600 s
     python benchmarks/simulator_bursty.py --low 500 --high 2000 --max-total-replicas 400
+    python benchmarks/simulator_bursty.py --low 2000 --high 8000 --max-total-replicas 1000 --splits 80+120,120+200
 
 1. `pdserve plan`'s search (pdserve.simulate.plan) at the trace's average rate, and at its peak
    rate, finds the fixed disaggregated split with the fewest GPUs that meets the SLO there (up to
-   --max-total-replicas).
+   --max-total-replicas). With --splits the two splits are given instead (at hundreds of replicas
+   the search, every split up to the answer's size, is out of reach).
 2. The bursty trace: the rate steps between --low and --high (4x by default) every --period
    seconds, Poisson within each step; `pdserve bench`'s random workload.
 3. The same trace runs on both fixed splits, and on the joint policy (`pdserve.autoscale.joint`,
@@ -40,6 +42,8 @@ def main() -> None:
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--itl-ms", type=float, default=50.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--splits", help="the average's and the peak's fixed splits, prefill+decode each "
+                                     "(e.g. 80+120,120+200), instead of pdserve plan's search")
     args = ap.parse_args()
 
     from dataclasses import replace
@@ -68,8 +72,16 @@ def main() -> None:
             raise SystemExit(f"no split of up to {args.max_total_replicas} replicas meets the SLO at {rate:g} req/s")
         return best, tried
 
-    at_average, tried_average = smallest_split(average)
-    at_peak, tried_peak = smallest_split(max(args.low, args.high))
+    def given_split(text: str) -> tuple[dict, int]:
+        p, d = (int(n) for n in text.split("+"))
+        return {"_candidate": replace(base, prefill=PoolSpec(acc, p), decode=PoolSpec(acc, d)),
+                "candidate": f"prefill {p} x {acc.name} TP1, decode {d} x {acc.name} TP1 (given)"}, 0
+
+    if args.splits:
+        (at_average, tried_average), (at_peak, tried_peak) = (given_split(t) for t in args.splits.split(","))
+    else:
+        at_average, tried_average = smallest_split(average)
+        at_peak, tried_peak = smallest_split(max(args.low, args.high))
     fixed = at_average["_candidate"]
 
     def bursty():
