@@ -148,10 +148,11 @@ class JointSloPolicy:
     `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
     asked for and not running yet (the last target beyond `current_num_replicas`) count as
     starting. A figure no replica reports counts as no signal: no load, no attainment to react
-    to, steps that read weights only. Before the prefill pool has measured its rate, `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode
-    engine's; `replica_start_s` how long a new replica takes to serve (a backlog is cleared within
-    it) until the policy has seen one start (`joint.StartClock`). Ray Serve applies each pool's
-    min/max and delays to the result."""
+    to, steps that read weights only. Before the prefill pool has measured its rate,
+    `prefill_tokens_per_s` stands in. `max_num_seqs` is the decode engine's; `replica_start_s`
+    how long a new replica takes to serve (a backlog is cleared within it) until the policy has
+    seen one start (`joint.StartClock`). Ray Serve applies each pool's min/max and delays to the
+    result."""
 
     def __init__(self, ttft_ms: float, itl_ms: float, percentile: float, max_total_replicas: int,
                  downscale_delay_s: float = 30.0, prefill_tokens_per_s: float = 1000.0, replica_start_s: float = 0.0,
