@@ -311,8 +311,9 @@ class GatewayConfig(BaseModel):
                                  "(queued, in prefill, streaming) and frees what it holds; the client gets a 504 (or "
                                  "an in-stream error). Also HAProxy's client timeout where `pdserve serve` starts Ray.")
     body_read_timeout_s: float = Field(
-        30.0, gt=0, description="Longest the gateway waits for a request's body (a slow sender gets a 408). Ray Serve "
-                                "offers no setting for HAProxy's own http-request timeout: this is the guard.")
+        30.0, gt=0, description="Longest the gateway waits for a request's body (a slow sender gets a 408), and then "
+                                "for a large body's shape check in its own process. Ray Serve offers no setting for "
+                                "HAProxy's own http-request timeout: this is the guard.")
     migration_limit: int = Field(
         3, ge=0, description="How many times one sequence may move to another decode replica when its own fails "
                              "mid-stream (dies, or its output connection drops): the gateway resubmits the prompt and "

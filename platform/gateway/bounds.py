@@ -2,12 +2,14 @@
 work: each violation is an `InvalidRequestError` naming the `param` (an OpenAI-shaped 400).
 
 `check_counts` runs on the parsed JSON object, before the pydantic models build anything from
-it, so a request of 50,000 prompts costs a `len()`, not 50,000 objects, and a constraint's text
-(a JSON schema, regex, choices or grammar: `structured.py`) over `max_structured_output_chars`
-is refused before anything compiles it (a chat request's `tools` count among them), as are
-more than `max_tools` tools, or tool calls in one message of the history. The rest run on the
-validated request: stop strings' lengths, `logit_bias` entries, sequences per request, and the
-characters of text prompts against what the context could hold.
+it (for large bodies, in a process of its own: `body_vetter.py`), so a request of 50,000
+prompts costs a `len()`, not 50,000 objects, and a constraint's text (a JSON schema, regex,
+choices or grammar: `structured.py`) over `max_structured_output_chars` is refused before
+anything compiles it (a chat request's `tools` count among them), as are more than `max_tools`
+tools, or tool calls in one message of the history, stop strings past their length, text
+prompts (or a chat's messages) of more characters than the context could hold and prompts of
+token ids longer than the context. The rest run on the validated request: `logit_bias` keys
+and values, sequences per request.
 
 The character bound (`max_prompt_chars`) rejects a text prompt that cannot fit `max_model_len`
 whatever it says, without tokenizing it: no token of the vocabulary covers more characters than
@@ -24,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.config import GatewayConfig
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, PromptTooLongError
 from pdserve.gateway.structured import constraint_chars
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -71,6 +73,7 @@ class RequestBounds:
     max_prompt_chars: int | None  # None: no bound before tokenizing
     max_structured_output_chars: int = GatewayConfig.model_fields["max_structured_output_chars"].default
     max_tools: int = GatewayConfig.model_fields["max_tools"].default
+    max_prompt_tokens: int | None = None  # max_model_len: a longer prompt of token ids cannot be served
 
     @classmethod
     def of(cls, gateway: GatewayConfig, tokenizer_json: dict, max_model_len: int) -> "RequestBounds":
@@ -79,21 +82,31 @@ class RequestBounds:
                    gateway.max_stop_sequences, gateway.max_stop_sequence_chars, gateway.max_stop_token_ids,
                    gateway.max_logit_bias_entries, gateway.max_chat_messages,
                    None if per_token is None else per_token * max_model_len, gateway.max_structured_output_chars,
-                   gateway.max_tools)
+                   gateway.max_tools, max_model_len)
 
     def check_counts(self, data: dict) -> None:
-        """The sizes of a parsed body's lists, before anything is built from them."""
+        """The sizes of a parsed body's lists and prompts, before anything is built from them."""
         prompt = data.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            _at_most(len(prompt), self.max_prompts, "prompt", "prompts")
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        _at_most(len(prompts), self.max_prompts, "prompt", "prompts")
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(len(p), "prompt")
+            elif isinstance(p, list) and self.max_prompt_tokens is not None and len(p) > self.max_prompt_tokens:
+                raise PromptTooLongError(f"this model's maximum context length is {self.max_prompt_tokens} tokens; "
+                                         f"a prompt has {len(p)} token ids. Shorten it.", param="prompt")
         messages = data.get("messages")
         _at_most(_len(messages), self.max_messages, "messages", "messages")
         _at_most(_len(data.get("tools")), self.max_tools, "tools", "tools")
         for m in messages if isinstance(messages, list) else ():
             if isinstance(m, dict):
                 _at_most(_len(m.get("tool_calls")), self.max_tools, "messages", "tool calls in a message")
+        if isinstance(messages, list):
+            self.check_prompt_chars(sum(_message_chars(m) for m in messages), "messages")
         stop = data.get("stop")
-        _at_most(_len(stop) if isinstance(stop, list) else 0, self.max_stops, "stop", "stop sequences")
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        _at_most(len(stops), self.max_stops, "stop", "stop sequences")
+        self.check_stops([s for s in stops if isinstance(s, str)])
         _at_most(_len(data.get("stop_token_ids")), self.max_stop_token_ids, "stop_token_ids", "stop token ids")
         _at_most(_len(data.get("logit_bias")), self.max_logit_bias, "logit_bias", "logit_bias entries")
         chars, param = constraint_chars(data)
@@ -121,6 +134,23 @@ class RequestBounds:
             raise InvalidRequestError(
                 f"the prompt has {num_chars} characters, more than this model's context could hold as tokens "
                 f"(at most {self.max_prompt_chars}); shorten it", param=param)
+
+
+def _message_chars(message) -> int:
+    """A raw chat message's characters as the template receives them: its text (the content, or
+    its parts' texts joined) and its tool calls' arguments. Values of wrong types count 0: the
+    models reject them after."""
+    if not isinstance(message, dict):
+        return 0
+    content = message.get("content")
+    chars = len(content) if isinstance(content, str) else sum(
+        len(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+    ) if isinstance(content, list) else 0
+    for call in message.get("tool_calls") if isinstance(message.get("tool_calls"), list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        chars += len(arguments) if isinstance(arguments, str) else 0
+    return chars
 
 
 def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:

@@ -11,7 +11,9 @@ first byte are HTTP errors; errors after it are sent in-stream, followed by `dat
 Nothing a request sends runs on the event loop in proportion to its size: bodies and prompts are
 parsed and tokenized on threads (tokenizing lets go of the GIL), bodies over `LARGE_BODY_BYTES`
 on a thread of their own, so a large prompt delays only itself and other large ones, never the
-streams this gateway serves. Every request carries its deadline (`gateway.request_timeout_s`):
+streams this gateway serves. Parsing JSON holds the GIL, so bodies over `VET_BODY_BYTES` are
+first parsed and bounded in a process of their own (`body_vetter.py`): only a body the bounds
+accept is parsed here. Every request carries its deadline (`gateway.request_timeout_s`):
 past it the gateway stops waiting, the sequences are cancelled in the pools, and the client gets
 a 504 (in-stream once streaming).
 
@@ -47,6 +49,7 @@ from pdserve.gateway.bounds import RequestBounds, check_logit_bias, tokenizer_js
 from pdserve.gateway.chat_output import ChatChoiceOutput
 from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.gateway.body_vetter import VET_BODY_BYTES, BodyVetter
 from pdserve.gateway.request_body import parse_json_object, read_body
 from pdserve.gateway.reasoning import CLOSED, reasoning_mode, template_thinks
 from pdserve.gateway.structured import StructuredOutputChecker
@@ -121,6 +124,7 @@ class OpenAIService:
         self.max_model_len, self.config, self.metrics = max_model_len, config, metrics
         self.api_keys = ApiKeys(config.api_keys)
         self.bounds = RequestBounds.of(config, tokenizer_json(tokenizer), max_model_len)
+        self.vetter = BodyVetter(self.bounds)  # parses and bounds bodies over VET_BODY_BYTES out of process
         self.structured = StructuredOutputChecker(tokenizer)  # compiles each constraint once, 400 if bad
         self.tool_calling = ToolCalling(config.tool_call_parser, tokenizer)
         self.reasoning_effort = ReasoningEffort(tokenizer.chat_template)
@@ -138,6 +142,8 @@ class OpenAIService:
         `gateway.cache_isolation` give it) with it: `(body, prepared)`."""
         key_salt = self.api_keys.check(request.headers.get("authorization", ""))
         raw = await read_body(request, self.config.max_body_bytes, self.config.body_read_timeout_s)
+        if len(raw) > VET_BODY_BYTES:
+            await self.vetter.vet(raw, self.config.body_read_timeout_s)
         return await self.off_loop(len(raw), self._parse, raw, model, prepare, key_salt)
 
     def cache_salt(self, key_salt: str | None, requested: str | None) -> str | None:
@@ -320,9 +326,6 @@ class OpenAIService:
         """On a worker thread: the sequences of a validated completions request."""
         prompts = body.prompts()
         self.bounds.check_sequences(len(prompts), body.n)
-        for p in prompts:
-            if isinstance(p, str):
-                self.bounds.check_prompt_chars(len(p), "prompt")
         structured = self._check_sampling(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
@@ -413,8 +416,6 @@ class OpenAIService:
         tools = self.tool_calling.plan(body)
         template_kwargs = self.reasoning_effort.template_kwargs(body.reasoning_effort, body.template_kwargs())
         messages = body.template_messages()
-        self.bounds.check_prompt_chars(sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
-                                           for m in body.messages), "messages")
         text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt,
                                                   tools.tools if tools else None, **template_kwargs)
         mode = reasoning_mode(text) if self.thinks else None

@@ -5,8 +5,8 @@
 bytes into a dict or raises `InvalidRequestError`: invalid UTF-8, invalid JSON, NaN or Infinity,
 nesting past the interpreter's limit, integers of more digits than Python converts, strings with
 lone surrogates (JSON's `\\ud800` escapes decode to characters no UTF-8 text can hold), and a
-top level that is not an object. It runs on a worker thread for large bodies (the caller's
-choice): it holds the GIL, but the event loop gets it back every switch interval.
+top level that is not an object. It runs on a worker thread, but holds the GIL for the whole
+parse: bodies over `body_vetter.VET_BODY_BYTES` go through it first in a process of their own.
 """
 
 from __future__ import annotations

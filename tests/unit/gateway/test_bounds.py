@@ -7,12 +7,13 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.config import GatewayConfig
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, PromptTooLongError
 from pdserve.gateway.bounds import RequestBounds, check_logit_bias, max_chars_per_token, tokenizer_json
 from pdserve.gateway.request_body import parse_json_object
 
 BOUNDS = RequestBounds(max_prompts=3, max_sequences=6, max_n=2, max_stops=2, max_stop_chars=5,
-                       max_stop_token_ids=2, max_logit_bias=2, max_messages=2, max_prompt_chars=10)
+                       max_stop_token_ids=2, max_logit_bias=2, max_messages=2, max_prompt_chars=10,
+                       max_prompt_tokens=4)
 
 
 def _param(fn, *args) -> str | None:
@@ -28,8 +29,29 @@ def test_counts_at_and_over_each_bound():
     for key, over in [("prompt", ["a"] * 4), ("prompt", [[1]] * 4), ("messages", [{}] * 3), ("stop", ["x"] * 3),
                       ("stop_token_ids", [1, 2, 3]), ("logit_bias", {"1": 0, "2": 0, "3": 0}), ("n", 3)]:
         assert _param(BOUNDS.check_counts, {**at, key: over}) == key
-    BOUNDS.check_counts({"prompt": [1] * 100, "stop": "one string", "n": True})  # one prompt of token ids
+    BOUNDS.check_counts({"prompt": [1] * 4, "stop": "a str", "n": True})  # one prompt of token ids
     BOUNDS.check_counts({"prompt": "x", "messages": "not a list", "logit_bias": 5})  # types: pydantic's job
+
+
+def test_prompt_message_and_stop_sizes_on_the_parsed_body():
+    """Checked before the models are built (and, for large bodies, out of process): a prompt's
+    characters or token ids, a chat's characters, a stop string's length. Wrong types pass, for
+    the models to refuse."""
+    at = [{"prompt": "x" * 10}, {"prompt": ["x" * 10, "y"]}, {"prompt": [1] * 4}, {"prompt": [[1] * 4, [2]]},
+          {"messages": [{"content": "x" * 4}, {"content": [{"text": "x" * 3}, {"type": "image"}, "junk"],
+                                               "tool_calls": [{"function": {"arguments": "{}1"}}, 5]}]},
+          {"stop": "x" * 5}, {"stop": ["x" * 5, 7]}, {"prompt": 5, "messages": [5, {"content": 7}], "stop": 5}]
+    for data in at:
+        BOUNDS.check_counts(data)
+    over = [("prompt", {"prompt": "x" * 11}), ("prompt", {"prompt": ["y", "x" * 11]}),
+            ("prompt", {"prompt": [1] * 5}), ("prompt", {"prompt": [[2], [1] * 5]}),
+            ("messages", {"messages": [{"content": "x" * 4}, {"content": [{"text": "x" * 7}]}]}),
+            ("messages", {"messages": [{"content": "x" * 8, "tool_calls": [{"function": {"arguments": "{}1"}}]}]}),
+            ("stop", {"stop": "x" * 6}), ("stop", {"stop": ["x", "x" * 6]})]
+    for param, data in over:
+        assert _param(BOUNDS.check_counts, data) == param
+    with pytest.raises(PromptTooLongError):
+        BOUNDS.check_counts({"prompt": [1] * 5})
 
 
 def test_sequences_stops_and_characters():
@@ -54,7 +76,7 @@ def test_logit_bias():
 
 def test_gateway_config_bounds_and_keys():
     b = RequestBounds.of(GatewayConfig(max_n=4), {"model": {"vocab": {"abc": 0, "abcdefg": 1}}}, 100)
-    assert b.max_n == 4 and b.max_prompt_chars == 700 and b.max_prompts == GatewayConfig().max_prompts_per_request
+    assert b.max_n == 4 and b.max_prompt_chars == 700 and b.max_prompt_tokens == 100 and b.max_prompts == GatewayConfig().max_prompts_per_request
     with pytest.raises(ValidationError, match="empty"):
         GatewayConfig(api_keys=["k", " "])
 
