@@ -76,7 +76,8 @@ def test_logit_bias():
 
 def test_gateway_config_bounds_and_keys():
     b = RequestBounds.of(GatewayConfig(max_n=4), {"model": {"vocab": {"abc": 0, "abcdefg": 1}}}, 100)
-    assert b.max_n == 4 and b.max_prompt_chars == 700 and b.max_prompt_tokens == 100 and b.max_prompts == GatewayConfig().max_prompts_per_request
+    assert b.max_n == 4 and b.max_prompt_chars == 700 and b.max_prompt_tokens == 100
+    assert b.max_prompts == GatewayConfig().max_prompts_per_request
     with pytest.raises(ValidationError, match="empty"):
         GatewayConfig(api_keys=["k", " "])
 
