@@ -13,8 +13,9 @@ figure: the stream's largest inter-chunk gap while they run against its p99 gap 
 started, in the same stream (target: at most 2x). Two kinds of control rounds alternate with the
 measured ones: the same stream with no heavy requests (what a quiet stream shows), and with the
 same heavy requests sent, by the same client processes, to a discarding HTTP server instead of
-the gateway (`--sink`: what sending those bytes costs this machine, pdserve aside). Prints a
-markdown table and one JSON line.
+the gateway (`--sink`: what sending those bytes costs this machine, pdserve aside).
+`--heavy empties` sends instead a body of a million empty prompts (`[[], [], ...]`, ~4 MB), the
+costliest JSON to parse per byte. Prints a markdown table and one JSON line.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ HEAVY = ("4mib", "prompts", "stops")
 def _heavy(model: str, which: tuple[str, ...] = HEAVY) -> list[dict]:
     bodies = {"4mib": {"model": model, "prompt": "x" * ((4 << 20) - 200), "max_tokens": 2},
               "prompts": {"model": model, "prompt": [[5]] * 16_000, "max_tokens": 2},
-              "stops": {"model": model, "prompt": "hello", "max_tokens": 8, "stop": ["\u00e9" * 512] * 16}}
+              "stops": {"model": model, "prompt": "hello", "max_tokens": 8, "stop": ["\u00e9" * 512] * 16},
+              # not among the issue's three: the costliest JSON to parse per byte (~4 MB, a million lists)
+              "empties": {"model": model, "prompt": [[]] * 1_000_000, "max_tokens": 2}}
     return [bodies[w] for w in which]
 
 
@@ -132,8 +135,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=600, help="the stream's length")
     ap.add_argument("--before", type=int, default=200, help="chunks before the heavy requests start")
     ap.add_argument("--repeats", type=int, default=3, help="times each heavy request is sent")
-    ap.add_argument("--heavy", default=",".join(HEAVY), help="which heavy requests, comma-separated (default: all; "
-                                                             "one alone shows what it costs)")
+    ap.add_argument("--heavy", default=",".join(HEAVY), help="which heavy requests, comma-separated (default: "
+                                                             "the three above; one alone shows what it costs; "
+                                                             "or empties)")
     ap.add_argument("--sink", action="store_true", help="add control rounds that send the heavy requests to a "
                                                         "discarding server instead of the gateway")
     args = ap.parse_args()
