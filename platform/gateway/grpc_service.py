@@ -138,7 +138,9 @@ class GrpcGeneration:
         source = r.WhichOneof("input")
         if source is None:
             raise InvalidRequestError("send prompt or prompt_token_ids", param="prompt")
-        bounds.check_counts({"stop": list(r.stop), "prompt": r.prompt if source == "prompt" else None})
+        # One past the bound is enough to refuse: a million stop strings are never made into a list.
+        bounds.check_counts({"stop": list(r.stop[:bounds.max_stops + 1]), "prompt": r.prompt if source == "prompt"
+                             else None})
         ids = service.tokenizer.encode(r.prompt) if source == "prompt" else list(r.prompt_token_ids.ids)
         max_tokens = r.max_tokens if r.HasField("max_tokens") else _DEFAULT_MAX_TOKENS
         check_prompt(ids, max_tokens, service.max_model_len, service.tokenizer.vocab_size, source)

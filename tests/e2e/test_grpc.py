@@ -76,7 +76,9 @@ def test_stream_concatenates_to_the_unary_response(stub):
     (pb.GenerateRequest(max_tokens=4), "prompt"),
     (pb.GenerateRequest(prompt=SHORT, max_tokens=10**6), "max_tokens"),
     (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 10**8]), max_tokens=4), "vocabulary"),
-], ids=["temperature", "no prompt", "too long", "bad token id"])
+    (_greedy(SHORT, stop=["x"] * 1_000_000), "stop sequences"),
+    (_greedy(SHORT, stop=["x" * 513]), "stop sequence has 513"),
+], ids=["temperature", "no prompt", "too long", "bad token id", "a million stops", "a long stop"])
 def test_bad_requests_are_invalid_argument(stub, request_pb, param):
     for call in (stub.Generate, lambda *a, **k: list(stub.GenerateStream(*a, **k))):
         with pytest.raises(grpc.RpcError) as info:
