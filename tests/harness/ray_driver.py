@@ -37,7 +37,18 @@ def main(address: str) -> None:
         _get_global_client().shutdown_cached_handles()
 
     def stats(app: str, pool: str) -> dict:
-        return serve.get_deployment_handle(pool, app).stats.remote().result(timeout_s=30)
+        # CI twice saw the first call through a new app's handle time out at 30 s (the replicas
+        # answered the HTTP requests meanwhile): a call that does not answer is cancelled, and the
+        # next attempt goes through a new handle, as `replica_stats` does.
+        for attempt in range(3):
+            response = serve.get_deployment_handle(pool, app).stats.remote()
+            try:
+                return response.result(timeout_s=30)
+            except TimeoutError:
+                response.cancel()
+                if attempt == 2:
+                    raise
+                _get_global_client().shutdown_cached_handles()
 
     def replica_stats(app: str, pool: str, num_calls: int = 8, timeout_s: float = 10) -> dict:
         # Calls in flight at once: the handle's router counts them against the replica it sent
