@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+
+from tqdm import tqdm
 
 from machine import machine_line  # this folder's scripts run with it on sys.path
 
@@ -92,7 +95,11 @@ def main() -> None:
             "fixed split (plan at the peak rate)": replace(base, decode=peak.decode, prefill=peak.prefill),
             "joint autoscaling": replace(base, decode=fixed.decode, prefill=fixed.prefill, autoscale=AutoscaleSpec(
                 args.max_total_replicas, tick_s=5.0, downscale_delay_s=30.0, replica_start_s=args.replica_start_s))}
-    results = {name: Simulation(cfg).run(bursty()) for name, cfg in runs.items()}
+    def simulate(name: str, cfg) -> dict:
+        with tqdm(total=args.duration, desc=name, unit="sim s", file=sys.stderr) as bar:
+            return Simulation(cfg).run(bursty(), lambda t: bar.update(round(min(t, args.duration), 1) - bar.n))
+
+    results = {name: simulate(name, cfg) for name, cfg in runs.items()}
     report = {"bench": "simulator_bursty", "machine": machine_line(), "model": args.model,
               "accelerator": args.accelerator, "rate_steps": steps, "average_rate": average,
               "slo": {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "percentile": 99.0},
