@@ -84,7 +84,9 @@ class BodyVetter:
         raise InvalidRequestError("the request body could not be parsed")
 
     def _started(self) -> subprocess.Popen:
-        if self._proc is None or self._proc.poll() is not None:
+        if self._proc is not None and self._proc.poll() is not None:
+            self.close()  # it died between bodies: its pipes go with it
+        if self._proc is None:
             proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             os.set_blocking(proc.stdin.fileno(), False)
             try:
@@ -92,8 +94,8 @@ class BodyVetter:
             except TimeoutError:
                 ready = b""
             if ready != READY:  # its imports failed: not any body's fault
-                proc.kill()
-                raise RuntimeError(f"the body-vetting process exited ({proc.wait()}) before it was ready; "
+                _end(proc)
+                raise RuntimeError(f"the body-vetting process exited ({proc.returncode}) before it was ready; "
                                    "its error is in this replica's log")
             self._proc = proc
             log.info("started the body-vetting process (pid %d)", proc.pid)
@@ -102,10 +104,14 @@ class BodyVetter:
     def close(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
-            proc.kill()
-            proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
+            _end(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    proc.stdin.close()
+    proc.stdout.close()
 
 
 def _write(pipe, data: bytes, deadline: float) -> None:

@@ -182,6 +182,10 @@ class Gateway:
                                      metrics)
         self.grpc = GrpcGeneration(self.service, metrics)
 
+    def __del__(self):  # Serve's graceful shutdown; the vetting process also ends when its pipe closes
+        if hasattr(self, "service"):
+            self.service.close()
+
     # Routes that do no blocking work are coroutines: a plain `def` would run on a worker thread.
     @api.get("/v1/models")
     async def models(self, request: Request):

@@ -134,6 +134,12 @@ class OpenAIService:
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="pdserve-parse")
         self._large_threads = ThreadPoolExecutor(1, thread_name_prefix="pdserve-parse-large")
 
+    def close(self) -> None:
+        """End the body-vetting process and the worker threads (the replica is going away)."""
+        self.vetter.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._large_threads.shutdown(wait=False, cancel_futures=True)
+
     # -- plumbing ------------------------------------------------------------------------------
     async def _read(self, request: Request, model: type[BaseModel], prepare: Callable | None = None):
         """Check the key, read the body, then on a worker thread parse and validate it into

@@ -21,8 +21,10 @@ KEY = "sk-test"
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    return OpenAIService(ScriptedClient([(5, "a"), (6, "b")]), Tokenizer(tiny_llama), "tiny", 256,
-                         GatewayConfig(api_keys=[KEY]))
+    service = OpenAIService(ScriptedClient([(5, "a"), (6, "b")]), Tokenizer(tiny_llama), "tiny", 256,
+                            GatewayConfig(api_keys=[KEY]))
+    yield service
+    service.close()
 
 
 def post(service, path, body, key=KEY, headers=None):

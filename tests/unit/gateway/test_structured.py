@@ -22,8 +22,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def service(tiny_llama):
-    return OpenAIService(ScriptedClient([(5, "a"), (6, "b")]), Tokenizer(tiny_llama), "tiny", 256,
-                         GatewayConfig(max_structured_output_chars=2000))
+    service = OpenAIService(ScriptedClient([(5, "a"), (6, "b")]), Tokenizer(tiny_llama), "tiny", 256,
+                            GatewayConfig(max_structured_output_chars=2000))
+    yield service
+    service.close()
 
 
 def post(service, path, body):
@@ -144,6 +146,7 @@ def test_a_deeply_nested_schema_is_a_400_not_a_crash(tiny_llama, depth):
     roomy = OpenAIService(ScriptedClient([(5, "a")]), Tokenizer(tiny_llama), "tiny", 256,
                           GatewayConfig(max_body_bytes=2**20))
     status, answer, sent = post(roomy, "/v1/completions", _nested(depth))
+    roomy.close()
     # Past the body parser's depth the body itself is refused (no param); within it, the schema.
     assert status == 400 and answer["error"]["param"] == ("guided_json" if depth < 1000 else None), answer
     assert not sent
