@@ -73,19 +73,19 @@ class BodyVetter:
                 _write(proc.stdin, raw, deadline)
                 line = _read_line(proc.stdout, deadline)
             except TimeoutError:
-                self.close()
+                self._end_child()
                 raise APIError(408, f"the request body could not be parsed within {timeout_s:g} s",
                                "invalid_request_error", "request_timeout") from None
             if line:
                 return json.loads(line)
             log.warning("the body-vetting process died on a %d-byte body (attempt %d); starting another",
                         len(raw), attempt + 1)
-            self.close()
+            self._end_child()
         raise InvalidRequestError("the request body could not be parsed")
 
     def _started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is not None:
-            self.close()  # it died between bodies: its pipes go with it
+            self._end_child()  # it died between bodies: its pipes go with it
         if self._proc is None:
             proc = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             os.set_blocking(proc.stdin.fileno(), False)
@@ -102,6 +102,10 @@ class BodyVetter:
         return self._proc
 
     def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        self._end_child()
+
+    def _end_child(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
             _end(proc)

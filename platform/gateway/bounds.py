@@ -142,11 +142,10 @@ def _message_chars(message) -> int:
     models reject them after."""
     if not isinstance(message, dict):
         return 0
-    content = message.get("content")
-    chars = len(content) if isinstance(content, str) else sum(
-        len(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
-    ) if isinstance(content, list) else 0
-    for call in message.get("tool_calls") if isinstance(message.get("tool_calls"), list) else ():
+    content, calls = message.get("content"), message.get("tool_calls")
+    parts = [{"text": content}] if isinstance(content, str) else content if isinstance(content, list) else ()
+    chars = sum(len(p["text"]) for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in calls if isinstance(calls, list) else ():
         function = call.get("function") if isinstance(call, dict) else None
         arguments = function.get("arguments") if isinstance(function, dict) else None
         chars += len(arguments) if isinstance(arguments, str) else 0

@@ -45,11 +45,11 @@ from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, PromptTooLongError
 from pdserve.gateway.auth import ApiKeys
+from pdserve.gateway.body_vetter import VET_BODY_BYTES, BodyVetter
 from pdserve.gateway.bounds import RequestBounds, check_logit_bias, tokenizer_json
 from pdserve.gateway.chat_output import ChatChoiceOutput
 from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pdserve.gateway.body_vetter import VET_BODY_BYTES, BodyVetter
 from pdserve.gateway.request_body import parse_json_object, read_body
 from pdserve.gateway.reasoning import CLOSED, reasoning_mode, template_thinks
 from pdserve.gateway.structured import StructuredOutputChecker
