@@ -166,7 +166,7 @@ def main() -> None:
     try:
         serve.run(build(config), name=config.name, route_prefix="/")
         base, model = f"http://127.0.0.1:{port}", config.served_model_name
-        stream_round(base, model, 64, 5, 0, heavy=False)  # warm-up
+        stream_round(base, model, 64, 1, 0, heavy=False)  # warm-up (a cold gateway may send its tokens in few chunks)
         sink_url = None
         if args.sink:
             ports = mp.get_context("fork").Queue()
