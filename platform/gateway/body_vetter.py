@@ -4,16 +4,17 @@ anything from them.
 Parsing JSON holds the GIL for the whole call, and what it costs depends on what the body
 holds, not only its size: in the gateway's process 4 MiB of `[[],[],...]` (1.4 M lists) held
 it ~0.8 s, 50,000 prompts ~90 ms, 4 MiB of text ~5 ms (benchmarks/body_vetting.py). On the
-gateway's worker thread that stalls the event loop, and every stream on this gateway with it. So a body over
-`VET_BODY_BYTES` first goes to a child process that parses it and runs
-`RequestBounds.check_counts` (prompt counts and sizes, messages, stops, constraints): a body the
-bounds refuse is answered from the child's verdict without the gateway ever parsing it, and one
-they accept is then parsed again by the gateway, at a cost the bounds have limited to what a
-servable request holds. Bodies up to `VET_BODY_BYTES` cost at most ~1 ms to parse whatever they
-hold, and are parsed in place.
+gateway's worker thread that stalls the event loop, and every stream on this gateway with it.
+So a body over `VET_BODY_BYTES` first goes to a child process that parses it and runs
+`RequestBounds.check_counts` (prompt counts and sizes, messages, stops, constraints): a body
+the bounds refuse is answered from the child's verdict without the gateway ever parsing it, and
+one they accept is then parsed again by the gateway, at a cost the bounds have limited to what
+a servable request holds. Bodies up to `VET_BODY_BYTES` cost at most ~1 ms to parse whatever
+they hold, and are parsed in place.
 
 The child speaks a framed pipe protocol, no pickle: the parent writes an 8-byte little-endian
-length and the body, the child answers one JSON line, `{}` or `{"error": ..., "param": ...}`.
+length and the body, the child answers one JSON line: `{}` (accepted), `{"error", "param",
+"kind"}` (refused: the error's message, field and class) or `{"fault"}` (a bug, the gateway's 500).
 One child a gateway replica, bodies vetted one at a time; it exits when its stdin closes (the
 replica going away), and is started again when it dies or overruns its time.
 """
@@ -161,7 +162,6 @@ def _serve(bounds: RequestBounds) -> None:
         except Exception as e:  # noqa: BLE001 - a bug here, not the body's fault: the gateway's 500
             log.exception("vetting a %d-byte body failed", len(raw))
             verdict = {"fault": type(e).__name__}
-        del raw
         stdout.write(json.dumps(verdict).encode() + b"\n")
         stdout.flush()
 
