@@ -76,6 +76,11 @@ def test_decode_is_sized_for_the_longer_steps_of_a_smaller_pool():
     assert resized_occupancy(0.4, 0.5, 0.7) == pytest.approx(1.0)
     assert resized_occupancy(0.4, 0.5, 0.5) == float("inf")  # every step all the pool can do
     assert resized_occupancy(0.4, 0.0, 0.5) == pytest.approx(0.8)  # steps the same whatever the batch
+    # Twice the arrivals: twice the requests, each step longer for their KV: 0.4 x 2 x 0.5 / (1.5 - 1) = 0.8
+    # at 1.5x the replicas, not 1.0x (the occupancy doubled, then resized).
+    assert resized_occupancy(0.4, 0.5, 1.5, load_ratio=2) == pytest.approx(0.8)
+    assert resized_occupancy(0.4, 0.5, 1.0, load_ratio=2) == float("inf")
+    assert resized_occupancy(0.4, 0.0, 1.0, load_ratio=2) == pytest.approx(0.8)
 
     def want(occupancy, share):
         return wanted(prefill(1, 0), DecodeSignal(10, occupancy, kv_read_share=share), SLO)[1]
@@ -85,6 +90,10 @@ def test_decode_is_sized_for_the_longer_steps_of_a_smaller_pool():
     # At the target it holds; full, it grows, by less than the occupancy says (a larger pool's steps are shorter).
     assert want(0.8, 0.5) == 10
     assert want(1.0, 0.0) == 13 and want(1.0, 0.5) == 12
+    # Arrivals doubling (Little's law, 200 requests to hold where it holds 100): 10 x 2 x (0.5 + 0.5 x 0.4 / 0.8)
+    # = 15, where doubling the occupancy alone says 10 x (0.5 + 0.5 x 0.8 / 0.8) = 10.
+    assert wanted(prefill(1, 0), DecodeSignal(10, 0.4, kv_read_share=0.5, arrivals_per_s=100, residence_s=2.0,
+                                              num_held=100), SLO)[1] == 15
 
 
 def test_no_latency_step_while_the_pools_last_growth_is_starting():
@@ -155,13 +164,23 @@ def test_the_decision_keeps_to_the_budget():
 
 
 def test_a_share_a_pool_cannot_take_stays_with_the_other():
-    """Prefill wants 10 and may run 2, decode wants 2, the budget is 4: 2 + 2, not a proportional
-    3 + 1 that the prefill pool's ceiling then cuts to 2 + 1 (a replica of the budget lost, and
-    the decode pool shrunk at once)."""
+    """Prefill wants 10 and may run 2, decode wants 2, the budget is 4: 2 + 2, not a share of
+    3 + 1 that the prefill pool's ceiling then cuts to 2 + 1 (a replica of the budget lost)."""
     scaler = JointScaler(SLO, max_total_replicas=4, downscale_delay_s=600)
-    assert scaler.decide(prefill(1, 80_000), decode(2, 0.4, attainment=0.5), now_s=0) == (3, 1)
-    assert scaler.decide(prefill(1, 80_000), decode(2, 0.4, attainment=0.5), now_s=1, max_prefill=2,
+    assert scaler.decide(prefill(1, 80_000), decode(1, 0.4, attainment=0.5), now_s=0) == (3, 1)
+    assert scaler.decide(prefill(1, 80_000), decode(1, 0.4, attainment=0.5), now_s=1, max_prefill=2,
                          max_decode=2) == (2, 2)
+
+
+def test_a_binding_budget_moves_no_replica_from_a_pool_that_wants_more():
+    """3 + 5 within 8, both wanting more (4 and 9): held, not reshared to 2 + 6 (a prefill replica
+    drained and a decode one started, the budget's replica serving neither meanwhile); the room
+    left goes to their growth in proportion; a pool wanting less gives up its replicas at once
+    only to the other's growth; pools over a lowered budget get shares in proportion."""
+    assert within_budget(4, 9, 8, current=(3, 5)) == (3, 5)
+    assert within_budget(4, 9, 8, current=(2, 2)) == (3, 5)  # room 4 for growths 2 and 7: 1 + 3
+    assert within_budget(2, 9, 8, current=(3, 5)) == (2, 6)
+    assert within_budget(4, 9, 6, current=(3, 5)) == (2, 4)
 
 
 def test_the_start_clock_measures_from_the_ask_to_the_first_tick_serving():
