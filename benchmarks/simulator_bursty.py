@@ -12,7 +12,8 @@
    seconds, Poisson within each step; `pdserve bench`'s random workload.
 3. The same trace runs on both fixed splits, and on the joint policy (`pdserve.autoscale.joint`,
    ticking every 5 s, replicas taking --replica-start-s to start) starting from the average's
-   split within --max-total-replicas. Each reports SLO attainment and replica-seconds.
+   split within --max-total-replicas. Each reports SLO attainment and replica-seconds. --setups
+   runs some of the three only (at 1,000 replicas, each one is half an hour here).
 Prints a table and one JSON line.
 """
 
@@ -47,6 +48,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--splits", help="the average's and the peak's fixed splits, prefill+decode each "
                                      "(e.g. 80+120,120+200), instead of pdserve plan's search")
+    ap.add_argument("--setups", default="average,peak,joint",
+                    help="which setups to run, of average (the average's fixed split), peak, joint: at 1,000 "
+                         "replicas each is ~30 min here")
     args = ap.parse_args()
 
     from dataclasses import replace
@@ -91,10 +95,16 @@ def main() -> None:
         return bench_requests(spec, args.seed + 1, rate_steps=steps, duration_s=args.duration)
 
     peak = at_peak["_candidate"]
-    runs = {"fixed split (plan at the average rate)": replace(base, decode=fixed.decode, prefill=fixed.prefill),
-            "fixed split (plan at the peak rate)": replace(base, decode=peak.decode, prefill=peak.prefill),
-            "joint autoscaling": replace(base, decode=fixed.decode, prefill=fixed.prefill, autoscale=AutoscaleSpec(
-                args.max_total_replicas, tick_s=5.0, downscale_delay_s=30.0, replica_start_s=args.replica_start_s))}
+    setups = {"average": ("fixed split (plan at the average rate)", replace(base, decode=fixed.decode,
+                                                                           prefill=fixed.prefill)),
+              "peak": ("fixed split (plan at the peak rate)", replace(base, decode=peak.decode, prefill=peak.prefill)),
+              "joint": ("joint autoscaling", replace(base, decode=fixed.decode, prefill=fixed.prefill,
+                                                     autoscale=AutoscaleSpec(args.max_total_replicas, tick_s=5.0,
+                                                                             downscale_delay_s=30.0,
+                                                                             replica_start_s=args.replica_start_s)))}
+    if unknown := set(args.setups.split(",")) - setups.keys():
+        ap.error(f"--setups: no setup {', '.join(sorted(unknown))} (average, peak, joint)")
+    runs = dict(setups[key] for key in args.setups.split(","))
     def simulate(name: str, cfg) -> dict:
         with tqdm(total=args.duration, desc=name, unit="sim s", file=sys.stderr) as bar:
             return Simulation(cfg).run(bursty(), lambda t: bar.update(round(min(t, args.duration), 1) - bar.n))
