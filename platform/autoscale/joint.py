@@ -117,9 +117,9 @@ def resized_occupancy(occupancy: float, kv_share: float, size_ratio: float, load
     grows further. With steps a + k b long, a request m steps and arrivals at a rate L, a replica's
     batch b = L (W0 + m (a + k b)) / n' at steady load, so b (n' - L m k) = L (W0 + m a), and
     L m k = x n (x = k b / (a + k b) at the size measured). At g L arrivals the same holds with g L:
-    b'/b = g (1 - x) / (r - g x). The load's growth grows the KV's part of each step too: sized
-    on the occupancy times g alone, a pool whose steps were 77% KV asked for 4 replicas for a 4x
-    step where it needed 8. At r = g x and below the pool cannot keep up (infinite)."""
+    b'/b = g (1 - x) / (r - g x). The load's growth lengthens each step's KV part too: sized on
+    the occupancy times g alone, two replicas that a 4x step had filled, their steps 77% KV,
+    asked for 6 where this asks for 8. At r = g x and below the pool cannot keep up (infinite)."""
     g = load_ratio
     return occupancy * g * (1 - kv_share) / (size_ratio - g * kv_share) if size_ratio > g * kv_share else math.inf
 
@@ -144,7 +144,8 @@ def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start
     return max(1, p), max(1, d)
 
 
-def within_budget(prefill: int, decode: int, max_total_replicas: int, current: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+def within_budget(prefill: int, decode: int, max_total_replicas: int,
+                  current: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """Both pools' wants fitted into the budget (each keeps at least one replica).
 
     Neither pool is cut below what it runs now and still wants: the budget's rest goes to the
