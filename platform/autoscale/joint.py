@@ -18,7 +18,10 @@ What each pool needs (`wanted`):
   brought to TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to
   hand over) at the size it will have (`resized_occupancy`: fewer replicas, or more requests,
   run bigger batches, whose steps read more KV and take longer, so each request stays longer
-  and the pool holds more), plus slots for the requests waiting to be admitted. Its arrivals
+  and the pool holds more), plus slots for the requests waiting to be admitted, as many as
+  clear them within the time a prompt backlog is cleared in (a slot holds one for its residence:
+  a slot each put a 56,677-request wait at 221 replicas of 256 slots, for a backlog 44 replicas
+  had gathered in the 10 s a replica takes to start). Its arrivals
   count the requests that queued for it (`JointScaler`: a full pool admits only what it has
   room for);
 - and each pool whose attainment over the window is below the SLO's percentile grows by STEP_UP
@@ -29,8 +32,10 @@ What each pool needs (`wanted`):
   load figures cannot see (long contexts, local prefill stalling decodes). Not while replicas of
   the pool are still starting: the misses then are the ones those replicas are coming to fix,
   and stepping again on every tick of a start overshoots by a step a tick.
-When both together exceed the budget, neither pool is cut below what it runs and still wants;
-the rest of the budget goes to their growth in proportion to it (`within_budget`).
+When both together exceed the budget, each pool's share of it is first what keeps it up with its
+load (`kept_up`), then the rest in proportion to what it wants beyond that (at least one replica
+each), and the shares pass through the hysteresis below like wants: a pool held above its share
+leaves the other only the rest of the budget.
 
 Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
 has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
@@ -124,6 +129,21 @@ def resized_occupancy(occupancy: float, kv_share: float, size_ratio: float, load
     return occupancy * g * (1 - kv_share) / (size_ratio - g * kv_share) if size_ratio > g * kv_share else math.inf
 
 
+def kept_up(prefill: PrefillSignal, decode: DecodeSignal) -> tuple[float, float]:
+    """The replicas each pool needs just to keep up with its load: prefill's arrivals at full
+    utilisation, decode's occupancy at the load to come filling its replicas (no headroom, no
+    backlog cleared, no latency step)."""
+    p = prefill.arrival_tokens_per_s / max(prefill.tokens_per_s_per_replica, 1e-9)
+    return p, _decode_replicas(decode, 1.0)
+
+
+def _decode_replicas(decode: DecodeSignal, target: float) -> float:
+    """The fewest replicas whose resized occupancy, at the load to come, is at most `target`
+    (resized_occupancy solved for r)."""
+    occupancy, x, g = max(decode.kv_usage, decode.seq_usage), decode.kv_read_share, decode.growth
+    return (decode.num_replicas - decode.num_starting) * g * (x + (1 - x) * occupancy / target)
+
+
 def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:
     """What each pool needs for this window's load and latency, before the budget and hysteresis."""
     rate = max(prefill.tokens_per_s_per_replica, 1e-9)
@@ -133,39 +153,36 @@ def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start
     if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment \
             and queue_s > QUEUE_SHARE * slo.ttft_s and not prefill.num_starting:
         p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
-    serving = decode.num_replicas - decode.num_starting
-    occupancy, x, g = max(decode.kv_usage, decode.seq_usage), decode.kv_read_share, decode.growth
-    # The fewest replicas whose resized occupancy, at the load to come, is at most the target
-    # (resized_occupancy solved for r).
-    d = math.ceil(serving * g * (x + (1 - x) * occupancy / TARGET_KV_USAGE)
-                  + decode.num_waiting / decode.slots_per_replica - 1e-9)
+    # The requests waiting hold a slot each for their residence: cleared within the time the
+    # prompt backlog is (a slot each at most: unmeasured, or held longer than that time).
+    clear_s = max(slo.ttft_s / 2, replica_start_s)
+    backlog_slots = decode.num_waiting * min(1.0, (decode.residence_s or clear_s) / clear_s)
+    d = math.ceil(_decode_replicas(decode, TARGET_KV_USAGE) + backlog_slots / decode.slots_per_replica - 1e-9)
     if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment and not decode.num_starting:
         d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
     return max(1, p), max(1, d)
 
 
 def within_budget(prefill: int, decode: int, max_total_replicas: int,
-                  current: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+                  kept_up: tuple[float, float] = (0.0, 0.0)) -> tuple[int, int]:
     """Both pools' wants fitted into the budget (each keeps at least one replica).
 
-    Neither pool is cut below what it runs now and still wants: the budget's rest goes to the
-    pools' growth in proportion to it. A replica moved from one pool to the other is drained
-    there and started here, a start time of the budget serving neither, and shares in proportion
-    to the wants move with each tick's noise: a binding budget turned 3 + 5 into 2 + 6 and back,
-    tick after tick, and the backlog of a step up waited through each move. A pool gives up
-    replicas through its own hysteresis only. Pools already over the budget (it was lowered)
-    get shares of it in proportion to their wants."""
+    Each pool first gets what keeps it up with its load (`kept_up`, at most its want), the rest
+    of the budget goes in proportion to what each wants beyond that (headroom, a backlog to
+    clear, a missed target's step): shares in proportion to whole wants gave a decode pool that
+    kept up only at 5 replicas 4, beside a prefill pool that wanted 5 for its headroom and its
+    queue. When even that exceeds the budget, in proportion to it."""
     if max_total_replicas < 2:
         raise ValueError("max_total_replicas must leave each pool a replica (at least 2)")
     if prefill + decode <= max_total_replicas:
         return prefill, decode
-    keep_p, keep_d = min(prefill, max(current[0], 1)), min(decode, max(current[1], 1))
-    room = max_total_replicas - keep_p - keep_d
-    if room < 0:
-        p = min(max_total_replicas - 1, max(1, round(max_total_replicas * prefill / (prefill + decode))))
-        return p, max_total_replicas - p
-    grow_p, grow_d = prefill - keep_p, decode - keep_d  # their sum exceeds the room
-    p = keep_p + min(grow_p, round(room * grow_p / (grow_p + grow_d)))
+    need_p, need_d = min(kept_up[0], prefill), min(kept_up[1], decode)
+    room = max_total_replicas - need_p - need_d
+    if room > 0:
+        share = need_p + room * (prefill - need_p) / (prefill - need_p + decode - need_d)
+    else:
+        share = max_total_replicas * (need_p / (need_p + need_d))
+    p = min(max_total_replicas - 1, max(1, round(share)))
     return p, max_total_replicas - p
 
 
@@ -255,15 +272,26 @@ class JointScaler:
     def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float,
                max_prefill: int | None = None, max_decode: int | None = None) -> tuple[int, int]:
         """Both pools' next sizes. A pool's own ceiling (`max_prefill`, `max_decode`) applies
-        before the budget is split, so a share one pool cannot take stays with the other."""
+        before the budget is split, so a share one pool cannot take stays with the other. The
+        shares go through each pool's hysteresis like its wants: a pool gives replicas up to the
+        other's share only once its own has stayed lower for the delay (a replica moved is
+        drained there and started here, a start time of the budget serving neither, and shares
+        move with each tick's noise: a binding budget turned 3 + 5 into 2 + 6 and back, tick
+        after tick, and the backlog of a step up waited through each move)."""
         for pool, signal in (("prefill", prefill), ("decode", decode)):
             self.starts.saw(pool, now_s, signal.num_replicas - signal.num_starting, signal.num_starting)
         decode = self._with_queued_arrivals(decode, now_s)
         p, d = wanted(prefill, decode, self.slo, self.starts.seconds)
+        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas,
+                             kept_up(prefill, decode))
         p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
         d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
-        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas,
-                             (prefill.num_replicas, decode.num_replicas))
+        # A pool its hysteresis holds above its share leaves the other only the budget's rest.
+        if p + d > self.max_total_replicas:
+            if p > prefill.num_replicas:
+                p = max(prefill.num_replicas, self.max_total_replicas - d)
+            if d > decode.num_replicas:
+                d = max(decode.num_replicas, self.max_total_replicas - p)
         self.starts.ask("prefill", now_s, p - prefill.num_replicas)
         self.starts.ask("decode", now_s, d - decode.num_replicas)
         return p, d
