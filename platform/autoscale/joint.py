@@ -16,14 +16,9 @@ What each pool needs (`wanted`):
   in proportion (a step of the load shows in the arrival rate a tick after it happens; the
   occupancy, full at most, never shows it, and mid-step it shows the step only in part). That
   brought to TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to
-  hand over) at the size it will have (`resized_occupancy`: fewer replicas, or more requests,
-  run bigger batches, whose steps read more KV and take longer, so each request stays longer
-  and the pool holds more), plus slots for the requests waiting to be admitted, as many as
-  clear them within the time a prompt backlog is cleared in (a slot holds one for its residence:
-  a slot each put a 56,677-request wait at 221 replicas of 256 slots, for a backlog 44 replicas
-  had gathered in the 10 s a replica takes to start). Its arrivals
-  count the requests that queued for it (`JointScaler`: a full pool admits only what it has
-  room for);
+  hand over) at the size it will have (`resized_occupancy`: fewer replicas run bigger batches,
+  whose steps read more KV and take longer, so each request stays longer and the pool holds
+  more), plus slots for the requests waiting to be admitted;
 - and each pool whose attainment over the window is below the SLO's percentile grows by STEP_UP
   of its size (at least one replica): decode on the share of inter-token gaps within the ITL
   target, prefill on the share of first tokens within the TTFT target, but only while its own
@@ -32,10 +27,8 @@ What each pool needs (`wanted`):
   load figures cannot see (long contexts, local prefill stalling decodes). Not while replicas of
   the pool are still starting: the misses then are the ones those replicas are coming to fix,
   and stepping again on every tick of a start overshoots by a step a tick.
-When both together exceed the budget, each pool's share of it is first what keeps it up with its
-load (`kept_up`), then the rest in proportion to what it wants beyond that (at least one replica
-each), and the shares pass through the hysteresis below like wants: a pool held above its share
-leaves the other only the rest of the budget.
+When both together exceed the budget, each pool gets its share of the budget in proportion to
+what it wants (at least one replica each).
 
 Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
 has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
@@ -56,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pdserve.telemetry.averages import Average
 
@@ -112,36 +105,17 @@ class DecodeSignal:
         return max(1.0, self.arrivals_per_s * self.residence_s / self.num_held)
 
 
-def resized_occupancy(occupancy: float, kv_share: float, size_ratio: float, load_ratio: float = 1.0) -> float:
-    """A decode pool's occupancy once it has `size_ratio` times its replicas and `load_ratio` times
-    its arrivals (the requests it will hold over those it holds: `DecodeSignal.growth`).
+def resized_occupancy(occupancy: float, kv_share: float, size_ratio: float) -> float:
+    """A decode pool's occupancy once it has `size_ratio` times its replicas, the load unchanged.
 
     A step takes a fixed part (the weights) and a part that grows with the batch (its KV), the
     latter `kv_share` (x) of it now. Over n' = r n replicas each batch is 1/r times as large; a
     request stays as many steps, each that much longer, so the pool holds more and each batch
     grows further. With steps a + k b long, a request m steps and arrivals at a rate L, a replica's
-    batch b = L (W0 + m (a + k b)) / n' at steady load, so b (n' - L m k) = L (W0 + m a), and
-    L m k = x n (x = k b / (a + k b) at the size measured). At g L arrivals the same holds with g L:
-    b'/b = g (1 - x) / (r - g x). The load's growth lengthens each step's KV part too: sized on
-    the occupancy times g alone, two replicas that a 4x step had filled, their steps 77% KV,
-    asked for 6 where this asks for 8. At r = g x and below the pool cannot keep up (infinite)."""
-    g = load_ratio
-    return occupancy * g * (1 - kv_share) / (size_ratio - g * kv_share) if size_ratio > g * kv_share else math.inf
-
-
-def kept_up(prefill: PrefillSignal, decode: DecodeSignal) -> tuple[float, float]:
-    """The replicas each pool needs just to keep up with its load: prefill's arrivals at full
-    utilisation, decode's occupancy at the load to come filling its replicas (no headroom, no
-    backlog cleared, no latency step)."""
-    p = prefill.arrival_tokens_per_s / max(prefill.tokens_per_s_per_replica, 1e-9)
-    return p, _decode_replicas(decode, 1.0)
-
-
-def _decode_replicas(decode: DecodeSignal, target: float) -> float:
-    """The fewest replicas whose resized occupancy, at the load to come, is at most `target`
-    (resized_occupancy solved for r)."""
-    occupancy, x, g = max(decode.kv_usage, decode.seq_usage), decode.kv_read_share, decode.growth
-    return (decode.num_replicas - decode.num_starting) * g * (x + (1 - x) * occupancy / target)
+    batch b = L (W0 + m (a + k b)) / n' at steady load, so b (n' - L m k) is the same at every size,
+    and L m k = x n (x = k b / (a + k b) at the size measured): b'/b = (1 - x) / (r - x). At r = x
+    and below the pool cannot keep up (infinite)."""
+    return occupancy * (1 - kv_share) / (size_ratio - kv_share) if size_ratio > kv_share else math.inf
 
 
 def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:
@@ -153,36 +127,23 @@ def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start
     if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment \
             and queue_s > QUEUE_SHARE * slo.ttft_s and not prefill.num_starting:
         p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
-    # The requests waiting hold a slot each for their residence: cleared within the time the
-    # prompt backlog is (a slot each at most: unmeasured, or held longer than that time).
-    clear_s = max(slo.ttft_s / 2, replica_start_s)
-    backlog_slots = decode.num_waiting * min(1.0, (decode.residence_s or clear_s) / clear_s)
-    d = math.ceil(_decode_replicas(decode, TARGET_KV_USAGE) + backlog_slots / decode.slots_per_replica - 1e-9)
+    serving = decode.num_replicas - decode.num_starting
+    occupancy, x = max(decode.kv_usage, decode.seq_usage) * decode.growth, decode.kv_read_share
+    # The fewest replicas whose resized occupancy is at most the target (resized_occupancy solved for r).
+    d = math.ceil(serving * (x + (1 - x) * occupancy / TARGET_KV_USAGE)
+                  + decode.num_waiting / decode.slots_per_replica - 1e-9)
     if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment and not decode.num_starting:
         d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
     return max(1, p), max(1, d)
 
 
-def within_budget(prefill: int, decode: int, max_total_replicas: int,
-                  kept_up: tuple[float, float] = (0.0, 0.0)) -> tuple[int, int]:
-    """Both pools' wants fitted into the budget (each keeps at least one replica).
-
-    Each pool first gets what keeps it up with its load (`kept_up`, at most its want), the rest
-    of the budget goes in proportion to what each wants beyond that (headroom, a backlog to
-    clear, a missed target's step): shares in proportion to whole wants gave a decode pool that
-    kept up only at 5 replicas 4, beside a prefill pool that wanted 5 for its headroom and its
-    queue. When even that exceeds the budget, in proportion to it."""
+def within_budget(prefill: int, decode: int, max_total_replicas: int) -> tuple[int, int]:
+    """Both pools' wants scaled into the budget in proportion (each keeps at least one)."""
     if max_total_replicas < 2:
         raise ValueError("max_total_replicas must leave each pool a replica (at least 2)")
     if prefill + decode <= max_total_replicas:
         return prefill, decode
-    need_p, need_d = min(kept_up[0], prefill), min(kept_up[1], decode)
-    room = max_total_replicas - need_p - need_d
-    if room > 0:
-        share = need_p + room * (prefill - need_p) / (prefill - need_p + decode - need_d)
-    else:
-        share = max_total_replicas * (need_p / (need_p + need_d))
-    p = min(max_total_replicas - 1, max(1, round(share)))
+    p = min(max_total_replicas - 1, max(1, round(max_total_replicas * prefill / (prefill + decode))))
     return p, max_total_replicas - p
 
 
@@ -256,42 +217,17 @@ class JointScaler:
         self.slo, self.max_total_replicas = slo, max_total_replicas
         self.starts = StartClock(replica_start_s)
         self._prefill, self._decode = _Damper(downscale_delay_s), _Damper(downscale_delay_s)
-        self._last_waiting: tuple[float, float] | None = None  # (when, decode's num_waiting)
-
-    def _with_queued_arrivals(self, decode: DecodeSignal, now_s: float) -> DecodeSignal:
-        """The decode pool's arrivals with those that queued for it: a full pool admits only what
-        it has room for, so the requests it takes a second (`arrivals_per_s`) stop growing with
-        the load exactly when the load outgrows it (a 4x step read as no growth at all); the
-        requests waiting for it grew by the rest since the last tick."""
-        last, self._last_waiting = self._last_waiting, (now_s, decode.num_waiting)
-        if decode.arrivals_per_s is None or last is None or now_s <= last[0]:
-            return decode
-        queued_per_s = max(0.0, (decode.num_waiting - last[1]) / (now_s - last[0]))
-        return replace(decode, arrivals_per_s=decode.arrivals_per_s + queued_per_s)
 
     def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float,
                max_prefill: int | None = None, max_decode: int | None = None) -> tuple[int, int]:
         """Both pools' next sizes. A pool's own ceiling (`max_prefill`, `max_decode`) applies
-        before the budget is split, so a share one pool cannot take stays with the other. The
-        shares go through each pool's hysteresis like its wants: a pool gives replicas up to the
-        other's share only once its own has stayed lower for the delay (a replica moved is
-        drained there and started here, a start time of the budget serving neither, and shares
-        move with each tick's noise: a binding budget turned 3 + 5 into 2 + 6 and back, tick
-        after tick, and the backlog of a step up waited through each move)."""
+        before the budget is split, so a share one pool cannot take stays with the other."""
         for pool, signal in (("prefill", prefill), ("decode", decode)):
             self.starts.saw(pool, now_s, signal.num_replicas - signal.num_starting, signal.num_starting)
-        decode = self._with_queued_arrivals(decode, now_s)
         p, d = wanted(prefill, decode, self.slo, self.starts.seconds)
-        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas,
-                             kept_up(prefill, decode))
         p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
         d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
-        # A pool its hysteresis holds above its share leaves the other only the budget's rest.
-        if p + d > self.max_total_replicas:
-            if p > prefill.num_replicas:
-                p = max(prefill.num_replicas, self.max_total_replicas - d)
-            if d > decode.num_replicas:
-                d = max(decode.num_replicas, self.max_total_replicas - p)
+        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas)
         self.starts.ask("prefill", now_s, p - prefill.num_replicas)
         self.starts.ask("decode", now_s, d - decode.num_replicas)
         return p, d
