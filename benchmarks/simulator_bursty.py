@@ -102,9 +102,10 @@ def main() -> None:
                                                      autoscale=AutoscaleSpec(args.max_total_replicas, tick_s=5.0,
                                                                              downscale_delay_s=30.0,
                                                                              replica_start_s=args.replica_start_s)))}
-    if unknown := set(args.setups.split(",")) - setups.keys():
+    chosen = args.setups.split(",")
+    if unknown := set(chosen) - setups.keys():
         ap.error(f"--setups: no setup {', '.join(sorted(unknown))} (average, peak, joint)")
-    runs = dict(setups[key] for key in args.setups.split(","))
+    runs = dict(setups[key] for key in chosen)
     def simulate(name: str, cfg) -> dict:
         with tqdm(total=args.duration, desc=name, unit="sim s", file=sys.stderr) as bar:
             return Simulation(cfg).run(bursty(), lambda t: bar.update(round(min(t, args.duration), 1) - bar.n))
