@@ -17,6 +17,7 @@ sequences.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -76,61 +77,68 @@ class InFlight:
 
     An entry is keyed by its routing attempt (`key`: a retried choice replaces it) and finished by
     `(request id, replica)`, which is all a completion says; several entries may share a request
-    id (one client request fanning out), so a completion finishes the oldest one."""
+    id (one client request fanning out), so a completion finishes the oldest one. Thread-safe: the
+    router writes on its loop while a decode replica's placement reads (`least_queued_tokens`)."""
 
     def __init__(self, keep_s: float = 10.0, max_age_s: float = 600.0):
         self._max_age_s = max_age_s  # a choice never dispatched (client gone) never completes
         self._entries: dict[object, tuple[str, str, float, float]] = {}  # key -> (request, replica, amount, sent at)
         self._totals: dict[str, float] = {}
-        self._done: dict[str, deque[tuple[float, float]]] = {}  # replica -> (finished at, amount)
+        self._done: dict[str, deque[tuple[float, float, float]]] = {}  # replica -> (finished at, amount, sent at)
         self._keep_s = keep_s
+        self._lock = threading.RLock()
 
     def add(self, key: object, request_id: str, replica: str, amount: float) -> None:
-        self._drop(key, finished=False)  # a retried choice replaces the earlier one
-        now = time.time()
-        while self._entries:  # oldest first (insertion order)
-            oldest = next(iter(self._entries))
-            if self._entries[oldest][3] >= now - self._max_age_s:
-                break
-            self._drop(oldest, finished=False)
-        self._entries[key] = (request_id, replica, amount, now)
-        self._totals[replica] = self._totals.get(replica, 0.0) + amount
+        with self._lock:
+            self._drop(key, finished=False)  # a retried choice replaces the earlier one
+            now = time.time()
+            while self._entries:  # oldest first (insertion order)
+                oldest = next(iter(self._entries))
+                if self._entries[oldest][3] >= now - self._max_age_s:
+                    break
+                self._drop(oldest, finished=False)
+            self._entries[key] = (request_id, replica, amount, now)
+            self._totals[replica] = self._totals.get(replica, 0.0) + amount
 
     def finish(self, request_id: str, replica: str | None = None) -> None:
-        for key, (rid, rep, _, _) in self._entries.items():
-            if rid == request_id and (replica is None or rep == replica):
-                self._drop(key, finished=True)
-                return
+        with self._lock:
+            for key, (rid, rep, _, _) in self._entries.items():
+                if rid == request_id and (replica is None or rep == replica):
+                    self._drop(key, finished=True)
+                    return
 
     def _drop(self, key: object, finished: bool) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        _, replica, amount, _ = entry
+        _, replica, amount, sent_at = entry
         self._totals[replica] = max(0.0, self._totals[replica] - amount)
         if finished:
             now = time.time()
             done = self._done.setdefault(replica, deque())
-            done.append((now, amount))
+            done.append((now, amount, sent_at))
             while done and done[0][0] < now - self._keep_s:
                 done.popleft()
 
     def total(self, replica: str) -> float:
-        return self._totals.get(replica, 0.0)
+        with self._lock:
+            return self._totals.get(replica, 0.0)
 
     def estimate(self, replica: str, reported: float | None, reported_at: float | None) -> float:
-        """The replica's queue now: its report, less what finished since, plus what was sent since
-        (never less than this router's own in-flight work)."""
-        own = self.total(replica)
-        if reported is None or reported_at is None:
-            return own
-        finished = sum(a for t, a in self._done.get(replica, ()) if t > reported_at)
-        sent = sum(a for _, r, a, t in self._entries.values() if r == replica and t > reported_at)
+        """The replica's queue now: its report, less what it held then and finished since, plus what
+        was sent since and is still there (never less than this router's own in-flight work)."""
+        with self._lock:
+            own = self._totals.get(replica, 0.0)
+            if reported is None or reported_at is None:
+                return own
+            finished = sum(a for t, a, sent in self._done.get(replica, ()) if sent <= reported_at < t)
+            sent = sum(a for _, r, a, t in self._entries.values() if r == replica and t > reported_at)
         return max(own, reported - finished + sent)
 
     def forget_replicas(self, keep: set[str]) -> None:
-        for key, (_, replica, _, _) in list(self._entries.items()):
-            if replica not in keep:
-                self._drop(key, finished=False)
-        self._totals = {r: v for r, v in self._totals.items() if r in keep}
-        self._done = {r: v for r, v in self._done.items() if r in keep}
+        with self._lock:
+            for key, (_, replica, _, _) in list(self._entries.items()):
+                if replica not in keep:
+                    self._drop(key, finished=False)
+            self._totals = {r: v for r, v in self._totals.items() if r in keep}
+            self._done = {r: v for r, v in self._done.items() if r in keep}

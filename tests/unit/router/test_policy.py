@@ -55,6 +55,9 @@ def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since(monkey
     assert f.estimate("a", 100, t_report) == 0
     f.add("try-2", "q2", "a", 40)  # sent after the report
     assert f.estimate("a", 250, t_report) == 250 - 100 + 40  # other routers' work stays counted
+    f.add("try-4", "q4", "a", 30)  # sent and finished since the report: never in it, so nothing to take off
+    f.finish("q4", "a")
+    assert f.estimate("a", 250, t_report) == 250 - 100 + 40
     f.add("try-2", "q2", "a", 40)  # a retried choice replaces, not adds
     assert f.total("a") == 40
     f.add("try-3", "q2", "b", 10)  # one client request fanning out: two entries, one request id
