@@ -26,6 +26,7 @@ from pdserve.output.frames import ChannelDone, ChannelOffer
 from pdserve.output.sender import OutputChannelServer
 from pdserve.replica.engine_replica import EngineReplica
 from pdserve.replica.rank_workers import RankWorkers
+from pdserve.router import pool_views
 from pdserve.router.request_router import start_kv_events
 
 
@@ -55,7 +56,8 @@ class Decode(EngineReplica):
             self.ranks = RankWorkers(engine_config, cfg.transfer if prefill is not None else None)
         self.server = DecodeServer(engine_config, cfg.transfer, remote_prefill, make_importer,
                                    self.ranks and self.ranks.init_method, self.ranks and self.ranks.pull,
-                                   self.metrics.pull, cfg.slo)
+                                   self.metrics.pull, cfg.slo,
+                                   pool_views.least_queued_tokens if prefill is not None else None)
         self.kv_events = start_kv_events(cfg, self.server.engine)
         self.outputs = OutputChannelServer(ray.util.get_node_ip_address(), self._abort)
         self._start_reporting(cfg)

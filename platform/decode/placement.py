@@ -3,10 +3,12 @@
 A decode replica either sends a prompt to the prefill pool ("remote": its KV is pulled back) or
 prefills it in its own steps beside the streams it decodes ("local"). `place` predicts both:
 
-- remote TTFT: the prompts this replica already has waiting on the prefill pool plus this one's
+- remote TTFT: the prompt tokens queued on the prefill pool's least-queued replica, as this
+  replica's router for the pool sees them now (every decode replica's prompts: a queue that
+  other replicas filled, or that drained, shows at once, not a call later), plus this one's
   uncached tokens, at the pool's measured prefill rate; plus what a call took beyond that (the
-  hops, and waiting behind other replicas' prompts), as measured; plus the KV transfer at the
-  measured link rate; plus a decode step (the request joins the batch between two steps).
+  hops, reports' age), as measured; plus the KV transfer at the measured link rate; plus a
+  decode step (the request joins the batch between two steps).
 - local TTFT: this replica's own queued prefill tokens plus this prompt's, in chunks sized so a
   step stays inside `itl_s` (every stream here, and any that joins meanwhile, keeps its pace), each
   chunk in one step beside the decodes.
@@ -59,7 +61,7 @@ class Rates:
     decode_step_s: float  # a step of this replica that only decodes, at its recent batch size
     prefill_token_s: float  # the time one more prompt token adds to a step of this replica
     remote_tokens_per_s: float  # prompt tokens a prefill replica computes per second (as it reports)
-    remote_wait_s: float  # what a remote prefill call takes beyond computing this replica's prompts
+    remote_wait_s: float  # what a remote prefill call takes beyond computing the tokens it waits behind
     link_bytes_per_s: float  # KV pulled per second from a prefill replica
     # How much later than predicted a first token comes, at the target's percentile, per path
     remote_margin_s: float = 0.0
@@ -70,7 +72,7 @@ class Rates:
 class Load:
     """One prompt and the replica's state as it arrives."""
     num_uncached_tokens: int  # the prompt tokens this replica's cache lacks
-    num_remote_queued_tokens: int  # uncached tokens of this replica's prompts still with the prefill pool
+    num_remote_queued_tokens: int  # prompt tokens a remote prefill sent now waits behind (the least queue)
     num_local_queued_tokens: int  # prompt tokens waiting in this replica's own prefill queue
     num_running: int  # streams this replica decodes
     kv_bytes_per_token: int
@@ -167,8 +169,8 @@ class CostModel:
             self.prefill_token.add(extra / num_prefill_tokens)
 
     def remote_prefill(self, num_tokens: int, seconds: float, replica_tokens_per_s: float | None) -> None:
-        """A remote prefill call returned `seconds` after it was made, with `num_tokens` uncached
-        tokens of this replica's prompts (its own included) then with the prefill pool; the prefill
+        """A remote prefill call returned `seconds` after it was made, predicted to compute
+        `num_tokens` prompt tokens (those it waited behind and its own uncached ones); the prefill
         replica reported computing `replica_tokens_per_s` prompt tokens a second (None: not yet
         measured there)."""
         if replica_tokens_per_s:

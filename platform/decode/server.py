@@ -63,11 +63,13 @@ class DecodeServer:
                  remote_prefill: RemotePrefill | None = None,
                  make_importer: Callable[[LLMEngine], KVImporter] | None = None, init_method: str | None = None,
                  pull_rank: PullRank | None = None, on_pull: Callable[[float], None] | None = None,
-                 slo: SLOConfig | None = None):
+                 slo: SLOConfig | None = None, prefill_queue: Callable[[], float | None] | None = None):
         # init_method: where a tensor-parallel engine's rank workers meet (see LLMEngine);
         # pull_rank(rank, handle, dst, first_block, timeout_s): rank >= 1 pulls its own KV heads;
         # on_pull(seconds): told the duration of every successful pull (a metric);
-        # slo: the latency target placement aims at (ServeConfig.slo; None: SLOConfig's defaults).
+        # slo: the latency target placement aims at (ServeConfig.slo; None: SLOConfig's defaults);
+        # prefill_queue(): the prompt tokens a remote prefill sent now waits behind (the prefill pool's
+        # router's view; None, or no callable: only this replica's own prompts in flight are known).
         self.engine = AsyncLLMEngine(LLMEngine(engine_config, init_method))
         kv = self.engine.engine.kv_cache.kv  # [layers, 2, blocks, ...] per rank; ranks hold equal shares
         self.block_bytes = kv[:, :, 0].nbytes * self.engine.engine.parallel.size
@@ -76,7 +78,7 @@ class DecodeServer:
         engine = self.engine.engine
         self.decode_weight_bytes = engine.model.num_decode_weight_bytes() * engine.parallel.size
         self.pull_rank, self.on_pull = pull_rank, on_pull
-        self.remote_prefill = remote_prefill
+        self.remote_prefill, self.prefill_queue = remote_prefill, prefill_queue
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()
         slo = slo or SLOConfig()
@@ -129,7 +131,7 @@ class DecodeServer:
         self.num_resumed_requests += bool(req.output_token_ids)
         try:
             await self.engine.prepare(req.params)  # its grammar compiled off the step loop, before any work
-            placement, num_uncached = await self._where_to_prefill(req)
+            placement, num_uncached, ahead = await self._where_to_prefill(req)
             if placement is not None:
                 self.placed[req.request_id] = (placement.where, placement.expected_ttft_s, time.monotonic())
             if placement is None or placement.where == "local":
@@ -137,7 +139,6 @@ class DecodeServer:
                 async for out in self._prefill_here(req, "local", forward, placement):
                     yield out
                 return
-            ahead = self.remote_queued_tokens
             self.remote_queued_tokens += num_uncached
             called = time.monotonic()
             try:
@@ -303,22 +304,25 @@ class DecodeServer:
         for handle in result.kv_by_rank:
             await asyncio.to_thread(self.importer.release, handle)
 
-    async def _where_to_prefill(self, req: GenerateRequest) -> tuple[Placement | None, int]:
-        """Where `req`'s prompt is prefilled (None: here, whatever the cost: nothing else can), and
-        the prompt tokens this cache lacks."""
+    async def _where_to_prefill(self, req: GenerateRequest) -> tuple[Placement | None, int, float]:
+        """Where `req`'s prompt is prefilled (None: here, whatever the cost: nothing else can), the
+        prompt tokens this cache lacks, and the prompt tokens a remote prefill would wait behind."""
         if self.remote_prefill is None or req.params.prompt_logprobs is not None:
-            return None, 0  # prompt logprobs need every prompt position's logits: prefill here
+            return None, 0, 0  # prompt logprobs need every prompt position's logits: prefill here
         engine = self.engine.engine
         # (the call waits for a running step to end: the prefix cache is the engine thread's)
         num_uncached = await self.engine.call(engine.num_uncached_prompt_tokens,
                                               req.prompt_token_ids + req.output_token_ids, req.params.cache_salt)
-        load = Load(num_uncached, self.remote_queued_tokens, engine.scheduler.num_queued_prefill_tokens(),
+        ahead = self.prefill_queue() if self.prefill_queue is not None else None
+        if ahead is None:
+            ahead = self.remote_queued_tokens
+        load = Load(num_uncached, int(ahead), engine.scheduler.num_queued_prefill_tokens(),
                     len(engine.scheduler.running), self.kv_bytes_per_token,
                     engine.config.max_num_batched_tokens)
         rates = self.costs.rates()
         placement = place(load, rates, self.target)
         log.debug("placement of %s: %s (%s); %s; %s", req.request_id, placement.where, placement.reason, load, rates)
-        return placement, num_uncached
+        return placement, num_uncached, ahead
 
     def _kv_read_share(self) -> float:
         e = self.engine.engine
@@ -335,6 +339,7 @@ class DecodeServer:
                 "num_local_prefills_for_target": self.num_local_prefills_for_target,
                 "num_early_first_tokens": self.num_early_first_tokens,
                 **{f"placement_{name}": value for name, value in asdict(self.costs.rates()).items()},
+                "placement_prefill_queued_tokens": self.prefill_queue() if self.prefill_queue is not None else None,
                 "ttft_attainment": self.ttft.share(time.monotonic()), "itl_attainment": self.itl.share(time.monotonic()),
                 "num_resumed_requests": self.num_resumed_requests,
                 "num_pulled_blocks": self.num_pulled_blocks,

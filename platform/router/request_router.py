@@ -26,6 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pdserve.config import ServeConfig
 from pdserve.protocol import GenerateRequest
 from pdserve.engine.block_hash import block_hashes, root_hash
+from pdserve.router import pool_views
 from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
 from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
 from pdserve.telemetry.metrics import kv_event_rejected, router_decision
@@ -107,6 +108,20 @@ class PrefixAwareRouter(_PdserveRouter):
                                    password_env=kwargs.get("redis_password_env"),
                                    on_reject=partial(kv_event_rejected, self._pool, self._model)).start()
         log.info("prefix-aware router for %s: %s mode", kwargs.get("stream"), self._index.mode)
+        pool_views.routers[self._pool] = self
+
+    def _queued(self, replica: RunningReplica) -> float:
+        """The replica's queued prompt tokens: its last report corrected by what this router sent
+        and saw finish since."""
+        stats = replica.routing_stats
+        return self._in_flight.estimate(replica.replica_id.unique_id, stats.get("queued_prefill_tokens"),
+                                        stats.get("time"))
+
+    def least_queued_tokens(self) -> float | None:
+        """What a prompt routed now waits behind at best (None: no replica). Called from the
+        decode replica's loop while this router runs on its own: it reads a copy of the replicas."""
+        replicas = list(self.curr_replicas.values())
+        return min(map(self._queued, replicas)) if replicas else None
 
     def _replicas_changed(self, ids: set[str]) -> None:
         super()._replicas_changed(ids)
@@ -125,7 +140,7 @@ class PrefixAwareRouter(_PdserveRouter):
         queued = {}
         for r in ids:
             stats = by_id[r].routing_stats
-            queued[r] = self._in_flight.estimate(r, stats.get("queued_prefill_tokens"), stats.get("time"))
+            queued[r] = self._queued(by_id[r])
             if "num_kv_blocks" in stats and self._capacity.get(r) != stats["num_kv_blocks"]:
                 self._capacity[r] = int(stats["num_kv_blocks"])
                 self._index.set_capacity(r, self._capacity[r])

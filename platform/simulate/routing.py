@@ -89,6 +89,12 @@ class PrefillRouter:
         if replica.name in self._heap.members:
             self._heap.push(replica)
 
+    def least_queued_tokens(self) -> int:
+        """The prompt tokens queued on the pool's least-queued replica (0: no replica): what a
+        prompt sent now waits behind, as the decode replica's router sees it."""
+        least = self._heap.first(1)
+        return least[0].queued_tokens if least else 0
+
     def choose(self, prompt_tokens: int, prefix_id, hashes: tuple) -> tuple[object, int]:
         """(the replica, the prompt tokens it must compute)."""
         members = self._heap.members

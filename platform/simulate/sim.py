@@ -283,7 +283,8 @@ class Simulation:
             self._placed("local", "no prefill pool")
             d.prefill_locally(req, 0, now, now)
             return
-        p = place(Load(req.uncached, d.remote_queued_tokens, d.local_queued_tokens, d.num_running, self.kv_bytes,
+        ahead = self.prefill_router.least_queued_tokens()
+        p = place(Load(req.uncached, ahead, d.local_queued_tokens, d.num_running, self.kv_bytes,
                        self.config.max_num_batched_tokens), d.cm.rates(), self.target)
         self._placed(p.where, p.reason)
         req.placed = (p.where, p.expected_ttft_s, now)
@@ -291,7 +292,7 @@ class Simulation:
             d.prefill_locally(req, p.chunk_tokens, now + p.pause_s, now)
             return
         d.remote_queued_tokens += req.uncached
-        req.ahead, req.dispatched = d.remote_queued_tokens, now
+        req.ahead, req.dispatched = ahead + req.uncached, now
         prefill, num_tokens = self.prefill_router.choose(req.prompt, req.prefix_id, hashes)
         self.window.prompt_tokens += num_tokens
         prefill.enqueue(req, num_tokens, now)

@@ -66,9 +66,13 @@ def series() -> SimpleNamespace:
         remote_rate=gauge("placement_remote_prefill_tokens_per_second", "Prompt tokens a second prefill replicas "
                                                                        "compute, as a decode replica last heard."),
         remote_wait=gauge("placement_remote_prefill_wait_seconds", "What a decode replica's remote prefill calls "
-                                                                   "take beyond computing its prompts (moving "
-                                                                   "average): hops, other replicas' prompts."),
+                                                                   "take beyond computing the prompt tokens "
+                                                                   "queued ahead and their own (moving average): "
+                                                                   "hops, reports' age."),
         link_rate=gauge("placement_link_bytes_per_second", "KV bytes a second a decode replica pulls."),
+        prefill_queue=gauge("placement_prefill_queued_tokens", "The prompt tokens a decode replica's remote "
+                                                               "prefill sent now would wait behind, as its router "
+                                                               "for the prefill pool sees them."),
         remote_margin=gauge("placement_remote_margin_seconds", "How much later than predicted remotely prefilled "
                                                                "first tokens come, at the SLO's percentile."),
         local_margin=gauge("placement_local_margin_seconds", "How much later than predicted locally prefilled "
@@ -167,7 +171,8 @@ _GAUGED = {"num_kv_leases": "kv_leases", "num_open_kv_reads": "open_kv_reads", "
 _MEASURED = {"placement_decode_step_s": "decode_step", "placement_prefill_token_s": "prefill_token",
              "placement_remote_tokens_per_s": "remote_rate", "placement_remote_wait_s": "remote_wait",
              "placement_link_bytes_per_s": "link_rate", "placement_remote_margin_s": "remote_margin",
-             "placement_local_margin_s": "local_margin", "prefill_tokens_per_s": "prefill_rate"}
+             "placement_local_margin_s": "local_margin", "prefill_tokens_per_s": "prefill_rate",
+             "placement_prefill_queued_tokens": "prefill_queue"}
 
 
 class ReplicaMetrics:

@@ -147,6 +147,8 @@ def test_metrics_count_the_traffic_sent(telem):
     # One host: every pull copied the blocks out of the prefill replica's cache in shared memory,
     # its lease checked on the prefill replica's lease board (the tcp backend's local read).
     assert decode["num_shared_memory_pulls"] == decode["num_board_reads"] == 5
+    # Placement read the prefill pool's queue from the decode replica's router for that pool: empty now.
+    assert decode["placement_prefill_queued_tokens"] == 0
     model = {"model": MODEL}
     expected = {  # series -> (labels, value), exact
         "ray_pdserve_requests_total": [({"outcome": "ok"}, 5), ({"outcome": "invalid"}, 2)],
@@ -162,7 +164,7 @@ def test_metrics_count_the_traffic_sent(telem):
                                                ({"pool": "prefill"}, 5)],
     }
     gauges = ["ray_pdserve_waiting_requests", "ray_pdserve_waiting_prompt_tokens", "ray_pdserve_running_sequences",
-              "ray_pdserve_kv_cache_usage", "ray_pdserve_kv_leases"]
+              "ray_pdserve_kv_cache_usage", "ray_pdserve_kv_leases", "ray_pdserve_placement_prefill_queued_tokens"]
     deadline = time.monotonic() + 60
     while True:  # replicas publish every 0.5 s and Ray exports every 0.5 s
         samples = scrape()

@@ -281,6 +281,25 @@ def test_prompts_prefill_here_when_the_prefill_pool_would_miss_the_ttft_target(p
     assert decode.stats()["num_free_kv_blocks"] == 96 and prefill.stats()["num_free_kv_blocks"] == 96
 
 
+def test_placement_waits_behind_the_prefill_pools_queue_as_its_router_sees_it(pools, tiny_llama):
+    """Other replicas' prompts queued on the prefill pool count too: this replica reads them from its
+    router for the pool (`prefill_queue`). At 1 ms a prompt token, 40 tokens behind 100 queued take
+    140 ms there and 40 ms here (nothing decodes): prefilled here for a 70 ms target; with the
+    queue gone, remote again."""
+    prefill, decode = pools
+    fix_costs(decode, ttft_s=0.07)
+    queue = [100]
+    decode.prefill_queue = lambda: queue[0]
+    prompts = {"behind": list(range(5, 45)), "after": list(range(60, 100))}
+    expected = _offline_greedy(tiny_llama, prompts)
+    got = {"behind": _tokens(_run(decode, [GenerateRequest("behind", prompts["behind"], GREEDY)])[0])}
+    assert decode.stats()["num_local_prefills_for_target"] == 1 and decode.stats()["num_remote_prefills"] == 0
+    queue[0] = 0
+    got["after"] = _tokens(_run(decode, [GenerateRequest("after", prompts["after"], GREEDY)])[0])
+    assert got == expected
+    assert decode.stats()["num_remote_prefills"] == 1 and decode.stats()["num_local_prefills_for_target"] == 1
+
+
 def test_a_prompt_prefilled_beside_streams_yields_then_takes_chunks_inside_the_itl_target(pools, tiny_llama):
     """With a stream decoding here, a prompt prefilled here waits for the TTFT target's slack, then
     takes chunks that keep a step inside the ITL target. (Rates fixed: 20 ms a decode step, 1 ms a
