@@ -27,8 +27,10 @@ What each pool needs (`wanted`):
   load figures cannot see (long contexts, local prefill stalling decodes). Not while replicas of
   the pool are still starting: the misses then are the ones those replicas are coming to fix,
   and stepping again on every tick of a start overshoots by a step a tick.
-When both together exceed the budget, each pool gets its share of the budget in proportion to
-what it wants (at least one replica each).
+When both together exceed the budget, each pool first gets what keeps it up with its load
+(`kept_up`), the rest in proportion to what each wants beyond that (at least one replica each);
+with the budget spent, the split moves only once a pool's share is a whole replica from its size
+(`within_budget`).
 
 Hysteresis (`JointScaler`): a pool grows at once to what it wants; it shrinks only after its want
 has stayed below its size by more than DEADBAND for `downscale_delay_s` (every tick of it), and
@@ -127,23 +129,53 @@ def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start
     if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment \
             and queue_s > QUEUE_SHARE * slo.ttft_s and not prefill.num_starting:
         p = max(p, prefill.num_replicas + max(1, math.ceil(STEP_UP * prefill.num_replicas)))
-    serving = decode.num_replicas - decode.num_starting
-    occupancy, x = max(decode.kv_usage, decode.seq_usage) * decode.growth, decode.kv_read_share
-    # The fewest replicas whose resized occupancy is at most the target (resized_occupancy solved for r).
-    d = math.ceil(serving * (x + (1 - x) * occupancy / TARGET_KV_USAGE)
-                  + decode.num_waiting / decode.slots_per_replica - 1e-9)
+    d = math.ceil(_decode_replicas(decode, TARGET_KV_USAGE) + decode.num_waiting / decode.slots_per_replica - 1e-9)
     if decode.itl_attainment is not None and decode.itl_attainment < slo.attainment and not decode.num_starting:
         d = max(d, decode.num_replicas + max(1, math.ceil(STEP_UP * decode.num_replicas)))
     return max(1, p), max(1, d)
 
 
-def within_budget(prefill: int, decode: int, max_total_replicas: int) -> tuple[int, int]:
-    """Both pools' wants scaled into the budget in proportion (each keeps at least one)."""
+def _decode_replicas(decode: DecodeSignal, target: float) -> float:
+    """The fewest decode replicas whose resized occupancy is at most `target` (resized_occupancy
+    solved for r)."""
+    occupancy, x = max(decode.kv_usage, decode.seq_usage) * decode.growth, decode.kv_read_share
+    return (decode.num_replicas - decode.num_starting) * (x + (1 - x) * occupancy / target)
+
+
+def kept_up(prefill: PrefillSignal, decode: DecodeSignal) -> tuple[float, float]:
+    """The replicas each pool needs just to keep up with its load: prefill's arrivals at full
+    utilization, decode's occupancy to come filling its replicas (no headroom, no backlog, no
+    missed target's step)."""
+    return (prefill.arrival_tokens_per_s / max(prefill.tokens_per_s_per_replica, 1e-9),
+            _decode_replicas(decode, 1.0))
+
+
+def within_budget(prefill: int, decode: int, max_total_replicas: int, current: tuple[int, int] | None = None,
+                  needed: tuple[float, float] = (0.0, 0.0)) -> tuple[int, int]:
+    """Both pools' wants fitted into the budget (each keeps at least one replica).
+
+    Each pool first gets what keeps it up with its load (`needed`: `kept_up`, at most its want);
+    the rest goes in proportion to what each wants beyond that (headroom, a backlog, a missed
+    target's step): in proportion to whole wants, a prefill pool that kept up at 3 replicas but
+    wanted 5 for its headroom took a replica from a decode pool that kept up only at 5. When even
+    the needs exceed the budget, in proportion to them. With the budget spent already (`current`,
+    the pools' sizes now), the split moves only once a pool's share is a whole replica away from
+    its size: a move drains a replica in one pool and starts one in the other, and the wants'
+    tick-to-tick noise moves the share by fractions (rounded afresh each tick, 3 + 5 flipped to
+    4 + 4 and back)."""
     if max_total_replicas < 2:
         raise ValueError("max_total_replicas must leave each pool a replica (at least 2)")
     if prefill + decode <= max_total_replicas:
         return prefill, decode
-    p = min(max_total_replicas - 1, max(1, round(max_total_replicas * prefill / (prefill + decode))))
+    need_p, need_d = min(needed[0], prefill), min(needed[1], decode)
+    room = max_total_replicas - need_p - need_d
+    if room > 0:
+        share = need_p + room * (prefill - need_p) / (prefill - need_p + decode - need_d)
+    else:
+        share = max_total_replicas * need_p / (need_p + need_d)
+    if current is not None and sum(current) == max_total_replicas and abs(share - current[0]) < 1:
+        return current
+    p = min(max_total_replicas - 1, max(1, round(share)))
     return p, max_total_replicas - p
 
 
@@ -227,7 +259,8 @@ class JointScaler:
         p, d = wanted(prefill, decode, self.slo, self.starts.seconds)
         p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
         d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
-        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas)
+        p, d = within_budget(min(p, max_prefill or p), min(d, max_decode or d), self.max_total_replicas,
+                             (prefill.num_replicas, decode.num_replicas), kept_up(prefill, decode))
         self.starts.ask("prefill", now_s, p - prefill.num_replicas)
         self.starts.ask("decode", now_s, d - decode.num_replicas)
         return p, d

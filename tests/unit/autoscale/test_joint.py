@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.autoscale.joint import (DecodeSignal, JointScaler, PrefillSignal, Slo, StartClock, resized_occupancy,
-                                     wanted, within_budget)
+from pdserve.autoscale.joint import (DecodeSignal, JointScaler, PrefillSignal, Slo, StartClock, kept_up,
+                                     resized_occupancy, wanted, within_budget)
 from pdserve.decode.placement import kv_read_share
 
 SLO = Slo(ttft_s=1.0, itl_s=0.05, percentile=99)
@@ -106,6 +106,32 @@ def test_the_budget_is_shared_in_proportion():
     assert within_budget(1, 100, 10) == (1, 9)
     with pytest.raises(ValueError):
         within_budget(1, 1, 1)
+
+
+
+def test_a_binding_budget_first_keeps_each_pool_up_with_its_load():
+    """Prefill keeps up at 3 replicas (30,000 tokens/s at 10,000 each) and wants 5 with headroom;
+    decode fills 5 (2 serving at full occupancy, the load to grow 2.5x, its steps' time all weights) and
+    wants 6. In proportion to whole wants a budget of 8 is 4 + 4, and decode falls behind; its
+    needs first, 3 + 5. When even the needs exceed the budget, in proportion to them."""
+    # (Little's law: 100 requests a second held 5 s each, against the 200 held now: 2.5x.)
+    need = kept_up(prefill(3, 30_000), DecodeSignal(2, 1.0, kv_read_share=0.0, arrivals_per_s=100, residence_s=5,
+                                                    num_held=200))
+    assert need == pytest.approx((3.0, 5.0))
+    assert within_budget(5, 6, 8) == (4, 4)
+    assert within_budget(5, 6, 8, needed=need) == (3, 5)
+    assert within_budget(6, 8, 8, needed=(4.0, 6.0)) == (3, 5)  # 8 x 4 / 10 = 3.2
+
+
+def test_a_spent_budget_moves_a_replica_across_pools_only_for_a_whole_replica_of_share():
+    """Wants of 5 + 8 and 5 + 6 in a budget of 8 round to 3 + 5 and 4 + 4: each tick's noise
+    would drain a replica in one pool and start one in the other. From 3 + 5 the split holds while
+    prefill's share (8 x 5 / 11 = 3.6) is under a replica away, and moves once it is one."""
+    assert within_budget(5, 6, 8, current=(3, 5)) == (3, 5)
+    assert within_budget(5, 5, 8, current=(3, 5)) == (4, 4)  # a share of 4.0: one replica away
+    assert within_budget(5, 8, 8, current=(4, 4)) == (4, 4)  # 3.08
+    assert within_budget(2, 8, 8, current=(4, 4)) == (2, 6)  # 1.6: more than a replica away, rounded
+    assert within_budget(5, 6, 8, current=(3, 4)) == (4, 4)  # the budget not all spent: rounded
 
 
 def test_a_fluctuating_load_does_not_make_it_oscillate():
