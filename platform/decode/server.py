@@ -78,7 +78,7 @@ class DecodeServer:
         engine = self.engine.engine
         self.decode_weight_bytes = engine.model.num_decode_weight_bytes() * engine.parallel.size
         self.pull_rank, self.on_pull = pull_rank, on_pull
-        self.remote_prefill, self.prefill_queue = remote_prefill, prefill_queue
+        self.remote_prefill, self.prefill_queue = remote_prefill, prefill_queue or (lambda: None)
         self.importer = make_importer(self.engine.engine) if remote_prefill is not None else None
         self.transfer = transfer or TransferConfig()
         slo = slo or SLOConfig()
@@ -313,7 +313,7 @@ class DecodeServer:
         # (the call waits for a running step to end: the prefix cache is the engine thread's)
         num_uncached = await self.engine.call(engine.num_uncached_prompt_tokens,
                                               req.prompt_token_ids + req.output_token_ids, req.params.cache_salt)
-        ahead = self.prefill_queue() if self.prefill_queue is not None else None
+        ahead = self.prefill_queue()
         if ahead is None:
             ahead = self.remote_queued_tokens
         load = Load(num_uncached, int(ahead), engine.scheduler.num_queued_prefill_tokens(),
@@ -339,7 +339,7 @@ class DecodeServer:
                 "num_local_prefills_for_target": self.num_local_prefills_for_target,
                 "num_early_first_tokens": self.num_early_first_tokens,
                 **{f"placement_{name}": value for name, value in asdict(self.costs.rates()).items()},
-                "placement_prefill_queued_tokens": self.prefill_queue() if self.prefill_queue is not None else None,
+                "placement_prefill_queued_tokens": self.prefill_queue(),
                 "ttft_attainment": self.ttft.share(time.monotonic()), "itl_attainment": self.itl.share(time.monotonic()),
                 "num_resumed_requests": self.num_resumed_requests,
                 "num_pulled_blocks": self.num_pulled_blocks,

@@ -83,7 +83,8 @@ class InFlight:
     def __init__(self, keep_s: float = 10.0, max_age_s: float = 600.0):
         self._max_age_s = max_age_s  # a choice never dispatched (client gone) never completes
         self._entries: dict[object, tuple[str, str, float, float]] = {}  # key -> (request, replica, amount, sent at)
-        self._totals: dict[str, float] = {}
+        # The same open entries by replica, key -> (amount, sent at): a replica's figures read only its own.
+        self._open: dict[str, dict[object, tuple[float, float]]] = {}
         self._done: dict[str, deque[tuple[float, float, float]]] = {}  # replica -> (finished at, amount, sent at)
         self._keep_s = keep_s
         self._lock = threading.RLock()
@@ -98,7 +99,7 @@ class InFlight:
                     break
                 self._drop(oldest, finished=False)
             self._entries[key] = (request_id, replica, amount, now)
-            self._totals[replica] = self._totals.get(replica, 0.0) + amount
+            self._open.setdefault(replica, {})[key] = (amount, now)
 
     def finish(self, request_id: str, replica: str | None = None) -> None:
         with self._lock:
@@ -112,7 +113,7 @@ class InFlight:
         if entry is None:
             return
         _, replica, amount, sent_at = entry
-        self._totals[replica] = max(0.0, self._totals[replica] - amount)
+        self._open[replica].pop(key)
         if finished:
             now = time.time()
             done = self._done.setdefault(replica, deque())
@@ -122,17 +123,18 @@ class InFlight:
 
     def total(self, replica: str) -> float:
         with self._lock:
-            return self._totals.get(replica, 0.0)
+            return sum(a for a, _ in self._open.get(replica, {}).values())
 
     def estimate(self, replica: str, reported: float | None, reported_at: float | None) -> float:
         """The replica's queue now: its report, less what it held then and finished since, plus what
         was sent since and is still there (never less than this router's own in-flight work)."""
         with self._lock:
-            own = self._totals.get(replica, 0.0)
+            open_ = list(self._open.get(replica, {}).values())
+            own = sum(a for a, _ in open_)
             if reported is None or reported_at is None:
                 return own
             finished = sum(a for t, a, sent in self._done.get(replica, ()) if sent <= reported_at < t)
-            sent = sum(a for _, r, a, t in self._entries.values() if r == replica and t > reported_at)
+            sent = sum(a for a, t in open_ if t > reported_at)
         return max(own, reported - finished + sent)
 
     def forget_replicas(self, keep: set[str]) -> None:
@@ -140,5 +142,5 @@ class InFlight:
             for key, (_, replica, _, _) in list(self._entries.items()):
                 if replica not in keep:
                     self._drop(key, finished=False)
-            self._totals = {r: v for r, v in self._totals.items() if r in keep}
+            self._open = {r: v for r, v in self._open.items() if r in keep}
             self._done = {r: v for r, v in self._done.items() if r in keep}
