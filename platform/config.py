@@ -372,9 +372,12 @@ class SLOConfig(BaseModel):
 
     ttft_ms: float = Field(2000.0, gt=0, description="Time to first token, from arrival at a decode replica.")
     itl_ms: float = Field(100.0, gt=0, description="Gap between two tokens of a stream (inter-token latency).")
-    percentile: float = Field(99.0, gt=0, le=100, description="Share of requests (percent) the targets hold for: "
-                                                             "how attainment is counted, and the percentile of "
-                                                             "its prediction errors placement adds as a margin.")
+    percentile: float = Field(99.0, gt=0, lt=100, description="Share of requests (percent) the targets hold for: "
+                                                             "how attainment is counted, the percentile of its "
+                                                             "prediction errors placement adds as a margin, and the "
+                                                             "share of prompts the prefill pool is sized to start "
+                                                             "in time. Below 100: no pool size makes every prompt's "
+                                                             "wait certain (99.9 asks for one in a thousand late).")
 
 
 # Fields a config no longer takes -> what replaces them (`pdserve config validate` and the Helm

@@ -3,7 +3,7 @@ P:D policy against the latency target (`pdserve.autoscale.policies`, its core in
 `pdserve.autoscale.joint`), fed by what each replica reports."""
 
 # Figures a replica reports when its engine measures them (the joint policy reads them).
-OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "ttft_attainment", "itl_attainment",
+OPTIONAL_STATS = ("prefill_tokens_per_s", "prompt_tokens_per_s", "prompts_per_s", "ttft_attainment", "itl_attainment",
                   "requests_per_s", "residence_s", "num_in_flight_requests", "kv_read_share")
 
 

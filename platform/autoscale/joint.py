@@ -5,11 +5,18 @@ In, each control tick: what each pool saw over its look-back window (`PrefillSig
 Out: the replicas each pool should run (`JointScaler.decide`).
 
 What each pool needs (`wanted`):
-- prefill: the prompt tokens arriving per second over what one replica computes per second, at
-  TARGET_UTILIZATION (a queue's wait grows as rho / (1 - rho): at 0.8 it is four services), plus
-  enough to clear the tokens already queued within half the TTFT target, or within the time a
-  new replica takes to start when that is longer (a replica that comes after a backlog is
-  cleared does not clear it; `StartClock` measures that time);
+- prefill: the fewest replicas at which no more than the SLO's share of misses (1 - percentile)
+  of the arriving prompts would wait longer than half the TTFT target for a replica to start them
+  (`replicas_for_wait`: Erlang's formula for a pool of servers, the work arriving in prompt tokens
+  at what one replica computes a second, each prompt the mean's size; the other half is for the
+  prompt's own compute, its KV's transfer and the first decode step). A prompt that would wait
+  longer is placed on its decode replica instead (`decode.placement`), so this is the share the
+  pool leaves to decode replicas. A constant utilization cannot say this: a prompt's wait is in
+  units of its service, which are milliseconds on a GPU against a TTFT target of a second (a
+  large pool then runs at 95% and more), and a second on a small CPU model. Plus enough to clear
+  a backlog (the tokens queued beyond what those replicas start within the wait) within half the
+  TTFT target, or within the time a new replica takes to start when that is longer (a replica
+  that comes after a backlog is cleared does not clear it; `StartClock` measures that time);
 - decode: its occupancy (the larger of KV blocks held and sequence slots held, on the replicas
   serving) as it will be once the arrival rate holds: by Little's law a pool holds arrival rate x
   residence time requests, so while that exceeds the requests it holds now, the occupancy grows
@@ -55,7 +62,6 @@ from dataclasses import dataclass
 
 from pdserve.telemetry.averages import Average
 
-TARGET_UTILIZATION = 0.8
 TARGET_KV_USAGE = 0.8
 STEP_UP = 0.2
 DEADBAND = 0.1
@@ -82,6 +88,14 @@ class PrefillSignal:
     tokens_per_s_per_replica: float  # what one busy replica computes per second (measured)
     ttft_attainment: float | None = None  # share of first tokens within the TTFT target (None: no requests)
     num_starting: int = 0  # of num_replicas, those not serving yet
+    prompts_per_s: float | None = None  # prompts sent to the pool per second over the window (None: not measured)
+
+    @property
+    def service_s(self) -> float | None:
+        """How long one replica computes the mean prompt (None: no prompts measured)."""
+        if not self.prompts_per_s or not self.arrival_tokens_per_s:
+            return None
+        return self.arrival_tokens_per_s / self.prompts_per_s / max(self.tokens_per_s_per_replica, 1e-9)
 
 
 @dataclass(frozen=True)
@@ -120,11 +134,40 @@ def resized_occupancy(occupancy: float, kv_share: float, size_ratio: float) -> f
     return occupancy * (1 - kv_share) / (size_ratio - kv_share) if size_ratio > kv_share else math.inf
 
 
+def replicas_for_wait(offered: float, service_s: float, wait_s: float, late_share: float) -> int:
+    """The fewest servers at which at most `late_share` of arrivals wait longer than `wait_s` to
+    start, when `offered` servers' worth of work arrives (arrival rate x mean service time) in jobs
+    of `service_s` on average: Erlang's delay formula (M/M/n), P(wait > t) = C(n, a) e^-(n - a) t / s,
+    C(n, a) the chance to wait at all. With exponential service times it overstates the wait of
+    jobs that vary less (prompt lengths within a range): it errs towards a replica more.
+
+    C(n, a) comes from Erlang's loss formula B(n, a), built up one server at a time (B(0) = 1,
+    B(n) = a B(n-1) / (n + a B(n-1))), which stays within floating point at thousands of servers
+    where the factorials do not."""
+    if offered <= 0:
+        return 0
+    if wait_s <= 0 or service_s <= 0 or not 0 < late_share < 1:
+        raise ValueError("the wait and service times must be positive, the late share within (0, 1)")
+    n, loss = 0, 1.0
+    while True:
+        n += 1
+        loss = offered * loss / (n + offered * loss)
+        if n > offered:
+            delay = loss / (1 - offered / n * (1 - loss))
+            if delay * math.exp(-(n - offered) * wait_s / service_s) <= late_share:
+                return n
+
+
 def wanted(prefill: PrefillSignal, decode: DecodeSignal, slo: Slo, replica_start_s: float = 0.0) -> tuple[int, int]:
     """What each pool needs for this window's load and latency, before the budget and hysteresis."""
-    rate = max(prefill.tokens_per_s_per_replica, 1e-9)
-    p = math.ceil(prefill.arrival_tokens_per_s / rate / TARGET_UTILIZATION
-                  + prefill.queued_tokens / (rate * max(slo.ttft_s / 2, replica_start_s)) - 1e-9)
+    rate, wait_s = max(prefill.tokens_per_s_per_replica, 1e-9), slo.ttft_s / 2
+    # Prompts not counted (a pool just started): each as long as the wait it may take.
+    p = replicas_for_wait(prefill.arrival_tokens_per_s / rate, prefill.service_s or wait_s, wait_s,
+                          1 - slo.attainment)
+    # A backlog: more queued than those replicas start within the wait (after a step of the load;
+    # the queue a sized pool holds as it is, one prompt or two a replica, is no backlog).
+    backlog = prefill.queued_tokens - p * rate * wait_s
+    p += max(0, math.ceil(backlog / (rate * max(wait_s, replica_start_s)) - 1e-9))
     queue_s = prefill.queued_tokens / (rate * max(prefill.num_replicas - prefill.num_starting, 1))
     if prefill.ttft_attainment is not None and prefill.ttft_attainment < slo.attainment \
             and queue_s > QUEUE_SHARE * slo.ttft_s and not prefill.num_starting:

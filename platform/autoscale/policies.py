@@ -137,7 +137,8 @@ class JointSloPolicy:
 
     The figures come from the replicas' autoscaling stats (`autoscaling_stats`): prefill replicas'
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
-    `prompt_tokens_per_s` (what it computed over its last window, the pool's load); decode
+    `prompt_tokens_per_s` and `prompts_per_s` (what it computed over its last window, the pool's
+    load, in tokens and in prompts); decode
     replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
     waiting for a slot: in callers' handles (`total_num_requests` beyond those the replicas hold,
     `num_in_flight_requests`) and on the replicas (`num_waiting`: prompts, and requests prefilled
@@ -176,7 +177,8 @@ class JointSloPolicy:
         rate = _mean(p_ctx, "prefill_tokens_per_s") or self.prefill_tokens_per_s
         prefill = PrefillSignal(_asked(p_ctx), _total(p_ctx, "queued_prefill_tokens") or 0.0,
                                 _total(p_ctx, "prompt_tokens_per_s") or 0.0, rate,
-                                _mean(d_ctx, "ttft_attainment"), _asked(p_ctx) - p_ctx.current_num_replicas)
+                                _mean(d_ctx, "ttft_attainment"), _asked(p_ctx) - p_ctx.current_num_replicas,
+                                _total(p_ctx, "prompts_per_s"))
         running = _total(d_ctx, "num_running") or 0.0
         held = _total(d_ctx, "num_in_flight_requests") or 0.0
         slots = max(d_ctx.current_num_replicas, 1) * self.max_num_seqs

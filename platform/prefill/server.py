@@ -43,9 +43,10 @@ class PrefillServer:
         # Its prompt tokens a second, told to decode replicas with each result (their placement).
         self.prefill_rate = Average(0.0)
         self.engine.engine.on_step = self._measure_step
-        # Prompt tokens computed, read at each stats(): their rate is the pool's load (the joint
-        # autoscaling policy's), the rate above what one replica can take.
-        self.computed = Window(RATE_WINDOW_S)
+        # Prompt tokens computed and prompts served, read at each stats(): their rates are the
+        # pool's load (the joint autoscaling policy's), in tokens against what one replica can take
+        # a second, and in prompts (the mean prompt's compute: how long one waits behind another).
+        self.computed, self.prompts, self.num_prompts = Window(RATE_WINDOW_S), Window(RATE_WINDOW_S), 0
         kv = self.engine.engine.kv_cache.kv
         self.layout = layout_of(kv, Path(engine_config.model).name, engine_config.tensor_parallel_size)
         pool = self.engine.engine.block_pool
@@ -78,6 +79,7 @@ class PrefillServer:
                                             deadline_s=req.deadline_s, output_token_ids=req.output_token_ids)
         async for out in stream:
             first = out
+        self.num_prompts += 1
         rate = self._prefill_tokens_per_s()
         if not first.needs_decode:
             return PrefillResult(first, prefill_tokens_per_s=rate)
@@ -105,15 +107,16 @@ class PrefillServer:
         leases = self.exporter.leases
         return {**self.engine.stats(), "num_kv_leases": len(leases), "num_open_kv_reads": leases.num_open_reads,
                 "num_expired_kv_leases": leases.num_expired, "prefill_tokens_per_s": self._prefill_tokens_per_s(),
-                "prompt_tokens_per_s": self._prompt_tokens_per_s()}
+                **self._load()}
 
     def _prefill_tokens_per_s(self) -> float | None:
         return self.prefill_rate.value if self.prefill_rate.num_samples else None  # None: not measured yet
 
-    def _prompt_tokens_per_s(self) -> float | None:
+    def _load(self) -> dict[str, float | None]:
         now = time.monotonic()
         self.computed.add(now, self.engine.engine.scheduler.num_computed_prompt_tokens)
-        return self.computed.rate(now)
+        self.prompts.add(now, self.num_prompts)
+        return {"prompt_tokens_per_s": self.computed.rate(now), "prompts_per_s": self.prompts.rate(now)}
 
     def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop; with `drain_s`, first give decode replicas that long to pull what is leased (a

@@ -295,6 +295,7 @@ class Simulation:
         req.ahead, req.dispatched = ahead + req.uncached, now
         prefill, num_tokens = self.prefill_router.choose(req.prompt, req.prefix_id, hashes)
         self.window.prompt_tokens += num_tokens
+        self.window.num_prompts += 1
         prefill.enqueue(req, num_tokens, now)
 
     def _placed(self, where: str, reason: str) -> None:
@@ -437,7 +438,7 @@ class Simulation:
             self._prefill_rate = w.prefill_tokens / w.prefill_busy_s
         p_signal = PrefillSignal(len(prefill), sum(r.queued_tokens for r in prefill), w.prompt_tokens / spec.tick_s,
                                  self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None,
-                                 sum(not r.is_active for r in prefill))
+                                 sum(not r.is_active for r in prefill), w.num_prompts / spec.tick_s)
         serving = [r for r in decode if r.is_active]
         capacity, slots = sum(r.num_blocks for r in serving), len(serving) * self.config.max_num_seqs
         # As the serving replicas report them: blocks and sequences of the requests whose KV they

@@ -60,13 +60,13 @@ class LogHistogram:
 class Window:
     """What one autoscaling window saw: first tokens and inter-token gaps against the targets,
     the prefill pool's work, and the requests that reached and left the decode pool."""
-    __slots__ = ("num_first", "num_first_within", "gap_weight", "gap_weight_within", "prompt_tokens",
+    __slots__ = ("num_first", "num_first_within", "gap_weight", "gap_weight_within", "prompt_tokens", "num_prompts",
                  "prefill_tokens", "prefill_busy_s", "num_routed", "num_finished", "held_s")
 
     def __init__(self):
         self.num_first = self.num_first_within = 0
         self.gap_weight = self.gap_weight_within = 0.0
-        self.prompt_tokens = 0  # uncached prompt tokens sent to the prefill pool
+        self.prompt_tokens = self.num_prompts = 0  # uncached prompt tokens, and prompts, sent to the prefill pool
         self.prefill_tokens = 0  # prompt tokens the prefill pool computed
         self.prefill_busy_s = 0.0  # seconds its replicas spent computing them
         self.num_routed = self.num_finished = 0  # requests routed to a decode replica, and ended there

@@ -17,6 +17,8 @@ def test_mistakes_fail_at_load_time_naming_the_field():
         ServeConfig(unknown_field=1)
     with pytest.raises(ValidationError, match="percentile"):
         ServeConfig(slo={"ttft_ms": 500, "percentile": 120})
+    with pytest.raises(ValidationError, match="percentile"):  # every prompt in time: no pool size is sure of it
+        ServeConfig(slo={"ttft_ms": 500, "percentile": 100})
 
 
 def test_a_removed_field_names_what_replaced_it():

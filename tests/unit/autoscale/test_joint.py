@@ -1,18 +1,22 @@
 """The joint P:D policy's core: what each pool wants, the shared budget, and hysteresis."""
 
+import heapq
+import random
 from dataclasses import replace
 
 import pytest
 
 from pdserve.autoscale.joint import (DecodeSignal, JointScaler, PrefillSignal, Slo, StartClock, kept_up,
-                                     resized_occupancy, wanted, within_budget)
+                                     replicas_for_wait, resized_occupancy, wanted, within_budget)
 from pdserve.decode.placement import kv_read_share
 
 SLO = Slo(ttft_s=1.0, itl_s=0.05, percentile=99)
 
 
-def prefill(n, tokens_per_s, queued=0.0, attainment=None):
-    return PrefillSignal(n, queued, tokens_per_s, tokens_per_s_per_replica=10_000, ttft_attainment=attainment)
+def prefill(n, tokens_per_s, queued=0.0, attainment=None, prompt_tokens=1_000):
+    """Prompts of 1,000 tokens: 0.1 s each on a replica computing 10,000 a second."""
+    return PrefillSignal(n, queued, tokens_per_s, tokens_per_s_per_replica=10_000, ttft_attainment=attainment,
+                         prompts_per_s=tokens_per_s / prompt_tokens)
 
 
 def decode(n, kv_usage, attainment=None):
@@ -20,10 +24,15 @@ def decode(n, kv_usage, attainment=None):
 
 
 def test_each_pool_is_sized_by_its_load():
-    # 40,000 prompt tokens/s over 10,000 per replica at 0.8 utilisation: 5; KV 3 x 0.8 / 0.8: 3.
+    # 40,000 prompt tokens/s over 10,000 per replica: 4 replicas' work, in prompts of 0.1 s. At 5
+    # under 1% wait over half the TTFT target (replicas_for_wait); KV 3 x 0.8 / 0.8: 3.
     assert wanted(prefill(2, 40_000), decode(3, 0.8), SLO) == (5, 3)
-    # 5,000 tokens queued must clear within half the TTFT target: one more replica's worth.
-    assert wanted(prefill(2, 40_000, queued=5_000), decode(3, 0.8), SLO) == (6, 3)
+    # A queue those 5 start within 0.5 s (25,000 tokens) is no backlog.
+    assert wanted(prefill(2, 40_000, queued=25_000), decode(3, 0.8), SLO) == (5, 3)
+    # 60,000 queued: 35,000 beyond, cleared within half the target by 7 more.
+    assert wanted(prefill(2, 40_000, queued=60_000), decode(3, 0.8), SLO) == (12, 3)
+    # Prompts not counted yet: each taken to last the whole wait (4 replicas' work in 0.5 s prompts).
+    assert wanted(replace(prefill(2, 40_000), prompts_per_s=None), decode(3, 0.8), SLO) == (7, 3)
     # Nothing at all: one replica each.
     assert wanted(prefill(4, 0), decode(4, 0.0), SLO) == (1, 1)
 
@@ -35,6 +44,39 @@ def test_a_missed_latency_target_grows_the_pool_that_missed_it():
     assert wanted(prefill(10, 0, queued=30_000, attainment=0.95), decode(10, 0.1, attainment=1.0), SLO) == (12, 2)
     assert wanted(prefill(10, 0, attainment=1.0), decode(10, 0.1, attainment=0.9), SLO) == (1, 12)
     assert wanted(prefill(1, 0, queued=3_000, attainment=0.5), decode(1, 0.1, attainment=0.5), SLO) == (2, 2)
+
+
+def test_replicas_for_wait_is_erlangs_delay_formula():
+    """2 servers' work on 3 servers (M/M/3): a job waits at all with chance 4/9 (the textbook
+    value), longer than t with 4/9 e^-(3 - 2) t / s. For at most 10% late that is t >= 1.49 s at
+    s = 1: 1.5 s takes 3 servers, 1.4 s a fourth."""
+    assert replicas_for_wait(2.0, service_s=1.0, wait_s=1.5, late_share=0.1) == 3
+    assert replicas_for_wait(2.0, service_s=1.0, wait_s=1.4, late_share=0.1) == 4
+    assert replicas_for_wait(0.0, 1.0, 1.0, 0.1) == 0
+    # Thousands of servers stay within floating point; the work in short jobs fills them nearly all.
+    assert replicas_for_wait(3_600.0, service_s=0.07, wait_s=0.5, late_share=0.01) == 3_601
+    with pytest.raises(ValueError):
+        replicas_for_wait(1.0, 1.0, 0.0, 0.1)
+
+
+def test_replicas_for_wait_holds_in_a_queue_run_job_by_job():
+    """Jobs into a first-come pool of servers, each taken by the first server free, Poisson
+    arrivals and exponential service: at the size replicas_for_wait gives at most the share asked
+    waits longer than the wait, one server fewer and more do."""
+    offered, wait_s, late_share = 20.0, 1.0, 0.05
+    n = replicas_for_wait(offered, 1.0, wait_s, late_share)
+
+    def late(servers: int) -> float:
+        rng, now, free, num_late, num_jobs = random.Random(0), 0.0, [0.0] * servers, 0, 200_000
+        for _ in range(num_jobs):
+            now += rng.expovariate(offered)  # arrivals at `offered` a second, jobs of 1 s on average
+            start = max(now, heapq.heappop(free))
+            num_late += start - now > wait_s
+            heapq.heappush(free, start + rng.expovariate(1.0))
+        return num_late / num_jobs
+
+    assert n == 23
+    assert late(n) <= late_share < late(n - 1)
 
 
 def test_first_tokens_late_behind_an_empty_prefill_queue_are_decodes_to_fix():
@@ -135,15 +177,15 @@ def test_a_spent_budget_moves_a_replica_across_pools_only_for_a_whole_replica_of
 
 
 def test_a_fluctuating_load_does_not_make_it_oscillate():
-    """A load that swings every tick between what needs 10 and 6 prefill replicas: the pool goes
-    to 10 and stays there."""
+    """A load that swings every tick between what needs 9 and 6 prefill replicas: the pool goes
+    to 9 and stays there."""
     scaler = JointScaler(SLO, max_total_replicas=100, downscale_delay_s=3)
     p, d, history = 4, 2, []
     for tick in range(40):
         rate = 80_000 if tick % 2 == 0 else 48_000
         p, d = scaler.decide(prefill(p, rate), decode(d, 0.4), now_s=tick)
         history.append(p)
-    assert history[0] == 10 and set(history) == {10}
+    assert history[0] == 9 and set(history) == {9}
 
 
 def test_it_scales_down_only_after_a_sustained_drop_and_in_bounded_steps():
@@ -261,10 +303,11 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
                                aggregated_metrics={k: dict(enumerate(v)) for k, v in metrics.items()})
 
     policy = JointSloPolicy(ttft_ms=1000, itl_ms=50, percentile=99, max_total_replicas=12, downscale_delay_s=60)
-    # Prefill: 20,000 prompt tokens/s over 10,000 a replica at 0.8 utilisation: 2.5 -> 3. Decode:
-    # KV 2 x 0.9 / 0.8 = 2.25 -> 3, and ITL attainment under 0.99 asks for at least 2 + 1.
+    # Prefill: 20,000 prompt tokens/s over 10,000 a replica, prompts of 1,000 tokens: 3
+    # (replicas_for_wait). Decode: KV 2 x 0.9 / 0.8 = 2.25 -> 3, and ITL attainment under 0.99 asks
+    # for at least 2 + 1.
     prefill = pool("Prefill", 2, queued_prefill_tokens=[0, 0], prefill_tokens_per_s=[10_000, 10_000],
-                   prompt_tokens_per_s=[10_000, 10_000])
+                   prompt_tokens_per_s=[10_000, 10_000], prompts_per_s=[10, 10])
     decode = pool("Decode", 2, kv_usage=[0.9, 0.9], itl_attainment=[0.9, 0.95], num_running=[100, 100])
     assert policy({"p": prefill, "d": decode})[0] == {"p": 3, "d": 3}
     assert recorded == [("prefill", "app", 2, 3), ("decode", "app", 2, 3)]
@@ -277,13 +320,13 @@ def test_the_ray_serve_policy_sizes_both_pools_from_their_reports(monkeypatch):
     assert policy.scaler.starts.num_samples == 2
     assert policy({"p": prefill})[0] == {"p": 2}
     # Decode: 60 requests/s held 1 s each, 20 held now: 3x the occupancy, 2 x 0.5 x 3 / 0.8 = 3.75 -> 4. Prefill
-    # (0.5 + 3,000 queued / 5,000 -> 2) misses TTFT with 0.3 s queued on the replica serving, but its
-    # second replica is still starting: no step to 3 while it starts.
+    # (0.4 replicas' work in 0.1 s prompts: 2) misses TTFT with 0.3 s queued on the replica serving,
+    # but its second replica is still starting: no step to 3 while it starts.
     policy = JointSloPolicy(ttft_ms=1000, itl_ms=50, percentile=99, max_total_replicas=12, downscale_delay_s=60)
     growing = pool("Decode", 2, kv_usage=[0.5, 0.5], requests_per_s=[30, 30], residence_s=[1.0, 1.0],
                    num_in_flight_requests=[10, 10], ttft_attainment=[0.5, 0.5], num_running=[10, 10])
     starting = pool("Prefill", 1, target=2, queued_prefill_tokens=[3_000], prefill_tokens_per_s=[10_000],
-                    prompt_tokens_per_s=[4_000])
+                    prompt_tokens_per_s=[4_000], prompts_per_s=[4])
     assert policy({"p": starting, "d": growing})[0] == {"p": 2, "d": 4}
     # Decode waits for slots with 100 requests in callers' handles (300 asked, 200 on the replicas)
     # and 60 on the replicas; the other 40 are with the prefill pool, which is its load, not

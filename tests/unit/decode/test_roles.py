@@ -55,7 +55,11 @@ def test_disaggregated_greedy_and_seeded_match_one_engine(pools, tiny_llama):
 
 def test_placement_learns_from_the_prefill_replicas_report_and_its_own_steps(pools):
     prefill, decode = pools
+    prefill.stats()  # the load counters' first reading
     _run(decode, [GenerateRequest("r", list(range(5, 45)), GREEDY)])
+    load = prefill.stats()  # the second: their rates
+    # The pool's load, in tokens and prompts: their ratio is the prompt computed, 40 tokens.
+    assert load["prompts_per_s"] > 0 and load["prompt_tokens_per_s"] == pytest.approx(40 * load["prompts_per_s"])
     reported = prefill.stats()["prefill_tokens_per_s"]  # its one prefill step's rate: no step since
     stats = decode.stats()
     assert reported > 0 and stats["placement_remote_tokens_per_s"] == reported
@@ -63,7 +67,6 @@ def test_placement_learns_from_the_prefill_replicas_report_and_its_own_steps(poo
     assert stats["placement_decode_step_s"] != CostModel().rates().decode_step_s  # its steps replaced the prior
     assert stats["placement_link_bytes_per_s"] != CostModel().rates().link_bytes_per_s  # and its pull
     assert 0 <= stats["itl_attainment"] <= 1 and stats["ttft_attainment"] in (0.0, 1.0)  # measured, one request
-    assert prefill.stats()["prompt_tokens_per_s"] is not None  # (two readings of its counter: a rate)
 
 
 def test_each_first_token_measures_its_paths_prediction_error(pools):
