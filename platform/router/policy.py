@@ -103,8 +103,10 @@ class InFlight:
 
     def finish(self, request_id: str, replica: str | None = None) -> None:
         with self._lock:
-            for key, (rid, rep, _, _) in self._entries.items():
-                if rid == request_id and (replica is None or rep == replica):
+            # Oldest first either way; with the replica known, among its own entries only.
+            keys = self._entries if replica is None else self._open.get(replica, {})
+            for key in keys:
+                if self._entries[key][0] == request_id:
                     self._drop(key, finished=True)
                     return
 

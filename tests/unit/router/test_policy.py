@@ -63,5 +63,11 @@ def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since(monkey
     f.add("try-3", "q2", "b", 10)  # one client request fanning out: two entries, one request id
     f.finish("q2", "b")
     assert f.total("a") == 40 and f.total("b") == 0
+    f.add("try-5", "q5", "a", 1)  # two attempts of one request id on one replica: the oldest finishes first
+    f.add("try-6", "q5", "a", 2)
+    f.finish("q5", "a")
+    assert f.total("a") == 40 + 2
+    f.finish("q5")  # the replica not known: the oldest of the request id's anywhere
+    assert f.total("a") == 40
     f.forget_replicas({"b"})
     assert f.total("a") == 0 and f.estimate("a", 0, t_report) == 0
