@@ -41,6 +41,8 @@ MISTAKES = [
     {"slo": {"ttft_ms": "1500", "itl_ms": 50, "percentile": "99.9"},
      "engine": {"max_model_len": None, "enable_prefix_caching": "off", "max_num_seqs": "8"},
      "prefill": {"autoscaling": None}, "gateway": {"port": 0}, "pool_ratio": None},
+    # an exclusive bound: the bound itself is refused
+    {"slo": {"percentile": 100}},
     # a pool's merged engine: a budget too small, from the top-level engine or the pool's own
     {"engine": {"max_num_seqs": 4096}, "prefill": {"engine": {"max_num_batched_tokens": 8192}}},
     {"decode": {"engine": {"max_num_seqs": 600, "max_num_batched_tokens": 512}}, "gateway": {"port": "x"}},

@@ -101,6 +101,8 @@ without one; "" outside models) "model" (a model's name when node is a field hol
 {{- $message = printf "Input should be greater than %s" (include "pdserve.check.number" (get $node "exclusiveMinimum")) -}}
 {{- else if and (hasKey $node "maximum") (gt $number (get $node "maximum")) -}}
 {{- $message = printf "Input should be less than or equal to %s" (include "pdserve.check.number" (get $node "maximum")) -}}
+{{- else if and (hasKey $node "exclusiveMaximum") (ge $number (get $node "exclusiveMaximum")) -}}
+{{- $message = printf "Input should be less than %s" (include "pdserve.check.number" (get $node "exclusiveMaximum")) -}}
 {{- end -}}
 {{- end -}}
 {{- with get $node "pattern" -}}
