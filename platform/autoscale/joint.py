@@ -69,6 +69,7 @@ STEP_UP = 0.2
 DEADBAND = 0.1
 MAX_STEP_DOWN = 0.5
 QUEUE_SHARE = 0.25
+MAX_SERVERS = 100_000
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,13 @@ def replicas_for_wait(offered: float, service_s: float, wait_s: float, late_shar
 
     C(n, a) comes from Erlang's loss formula B(n, a), built up one server at a time (B(0) = 1,
     B(n) = a B(n-1) / (n + a B(n-1))), which stays within floating point at thousands of servers
-    where the factorials do not."""
+    where the factorials do not. It takes a step a server: past MAX_SERVERS' worth of work (more
+    than any budget, e.g. a replica's rate measured near zero) the work's own count is returned,
+    for the budget to cut, instead of a control tick spent counting."""
     if offered <= 0:
         return 0
+    if offered >= MAX_SERVERS:
+        return math.ceil(offered)
     if wait_s <= 0 or service_s <= 0 or not 0 < late_share < 1:
         raise ValueError("the wait and service times must be positive, the late share within (0, 1)")
     n, loss = 0, 1.0

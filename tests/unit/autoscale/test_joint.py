@@ -55,6 +55,8 @@ def test_replicas_for_wait_is_erlangs_delay_formula():
     assert replicas_for_wait(0.0, 1.0, 1.0, 0.1) == 0
     # Thousands of servers stay within floating point; the work in short jobs fills them nearly all.
     assert replicas_for_wait(3_600.0, service_s=0.07, wait_s=0.5, late_share=0.01) == 3_601
+    # A rate measured near zero: no count to a trillion servers, the work's own count (the budget cuts it).
+    assert replicas_for_wait(1e12, service_s=0.07, wait_s=0.5, late_share=0.01) == 10**12
     with pytest.raises(ValueError):
         replicas_for_wait(1.0, 1.0, 0.0, 0.1)
 
