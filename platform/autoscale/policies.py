@@ -138,13 +138,13 @@ class JointSloPolicy:
     The figures come from the replicas' autoscaling stats (`autoscaling_stats`): prefill replicas'
     `queued_prefill_tokens`, `prefill_tokens_per_s` (a busy replica's rate) and
     `prompt_tokens_per_s` and `prompts_per_s` (what it computed over its last window, the pool's
-    load, in tokens and in prompts); decode
-    replicas' `kv_usage` and `num_running` (of `max_num_seqs` slots each), plus the requests
-    waiting for a slot: in callers' handles (`total_num_requests` beyond those the replicas hold,
-    `num_in_flight_requests`) and on the replicas (`num_waiting`: prompts, and requests prefilled
-    elsewhere; not those with the prefill pool, which are its load), the requests they
-    take a second (`requests_per_s`; with the growth of those in callers' handles, the arrivals), hold (`num_in_flight_requests`) and how long they held
-    those that ended (`residence_s`), and the KV's share of the bytes their steps read
+    load, in tokens and in prompts); decode replicas' `kv_usage` and `num_running` (of
+    `max_num_seqs` slots each), plus the requests waiting for a slot: in callers' handles
+    (`total_num_requests` beyond those the replicas hold, `num_in_flight_requests`) and on the
+    replicas (`num_waiting`: prompts, and requests prefilled elsewhere; not those with the prefill
+    pool, which are its load), the requests they take a second (`requests_per_s`; with the growth
+    of those in callers' handles, the arrivals), hold (`num_in_flight_requests`) and how long they
+    held those that ended (`residence_s`), and the KV's share of the bytes their steps read
     (`kv_read_share`: how much longer a step grows when the pool shrinks); the decode replicas'
     `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
     asked for and not running yet (the last target beyond `current_num_replicas`) count as
