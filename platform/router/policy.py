@@ -12,6 +12,10 @@ within ~1.5x (benchmarks/RESULTS.md, "Router").
 
 Decode: the replica with the most KV headroom after this request, then the fewest running
 sequences.
+
+Requests waiting for a replica with room (every replica at `max_ongoing_requests`) are routed
+oldest first among those that can still meet the TTFT target, then those past it, oldest first
+(`LateLast`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Generic, Mapping, Sequence, TypeVar
 
 
 DEFAULT_QUEUE_WEIGHT = 3.0
@@ -146,3 +150,32 @@ class InFlight:
                     self._drop(key, finished=False)
             self._open = {r: v for r, v in self._open.items() if r in keep}
             self._done = {r: v for r, v in self._done.items() if r in keep}
+
+
+T = TypeVar("T")
+
+
+class LateLast(Generic[T]):
+    """The order of the requests waiting for a replica with room, under a TTFT target: oldest
+    first among those still inside it, then those past it, oldest first.
+
+    First come, first served, a queue that outgrew the pool (a step of the load, before the new
+    replicas start) makes every request late until it drains, each new one behind the old: the
+    step costs the target to all it brings while the queue lasts. Routed past the late ones, the
+    new requests meet the target from the time the pool keeps up with them, and the late ones wait
+    for its slack (bounded by their own deadline, `gateway.request_timeout_s`). `queue` is the
+    caller's, in arrival order; the requests found past the target at its head move here."""
+
+    def __init__(self, target_s: float, arrived_at: Callable[[T], float]):
+        self.target_s, self.arrived_at = target_s, arrived_at
+        self.late: deque[T] = deque()
+
+    def next_queue(self, queue: deque[T], now: float) -> deque[T]:
+        """The queue whose head goes next: `queue` (once its head is inside the target), else the
+        late ones (both empty: the late ones, empty)."""
+        while queue and now - self.arrived_at(queue[0]) >= self.target_s:
+            self.late.append(queue.popleft())
+        return queue or self.late
+
+    def __len__(self) -> int:
+        return len(self.late)

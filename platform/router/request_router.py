@@ -7,7 +7,8 @@ reads a `KVEventIndex` fed by the pool's KV-event stream; both read the figures 
 (reports are periodic; in-flight accounting covers the gap between them).
 
 `request_router_kwargs` (JSON, see `pdserve.app`): redis_url, stream, block_size, queue_weight,
-approx_ttl_s, and pool and model (metric labels). Each placement is counted
+approx_ttl_s, ttft_s (the SLO's, on the pools the gateway calls: requests waiting for a replica
+with room are taken late ones last, `policy.LateLast`), and pool and model (metric labels). Each placement is counted
 (`pdserve_router_decisions`) and traced (a `pdserve.route` span in the request's trace).
 The replica side (publishing KV events, reporting routing stats) is here too: `start_kv_events`
 and `routing_stats`, called by the pool deployments.
@@ -28,7 +29,7 @@ from pdserve.protocol import GenerateRequest
 from pdserve.engine.block_hash import block_hashes, root_hash
 from pdserve.router import pool_views
 from pdserve.router.kv_events import KVEventIndex, KVEventPublisher, stream_name
-from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, rank_decode, rank_prefill
+from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, DecodeLoad, InFlight, LateLast, rank_decode, rank_prefill
 from pdserve.telemetry.metrics import kv_event_rejected, router_decision
 from pdserve.telemetry.tracing import span
 
@@ -51,6 +52,19 @@ class _PdserveRouter(RequestRouter):
         self._in_flight = InFlight()
         self._block_size = int(kwargs.get("block_size", 16))
         self._pool, self._model = kwargs.get("pool", ""), kwargs.get("model", "")
+        ttft_s = kwargs.get("ttft_s")  # the pools clients wait on, under an SLO: late requests last
+        self._late = LateLast(float(ttft_s), lambda pending: pending.created_at) if ttft_s else None
+
+    def _get_next_pending_request_to_route(self) -> PendingRequest | None:
+        # Ray Serve's routing tasks take the waiting requests one at a time, oldest first; with a
+        # TTFT target, those past it go after the others (policy.LateLast).
+        if self._late is None:
+            return super()._get_next_pending_request_to_route()
+        while queue := self._late.next_queue(self._pending_requests_to_route, time.time()):
+            pending = queue.popleft()
+            if not pending.future.done():
+                return pending
+        return None
 
     def _record(self, req: GenerateRequest, replica: str, decision: str, mode: str, **attributes: Any) -> None:
         router_decision(self._pool, replica, self._model, decision, mode)

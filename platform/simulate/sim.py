@@ -8,8 +8,9 @@ simulated to real time).
 
 A request's way, as in the app (DESIGN.md section 2): the decode router picks a decode replica
 (`DecodeRouter`, `rank_decode`) among those with room (fewer than `max_ongoing_requests`
-requests); with none, the request waits, first come first served, until a replica has room or
-starts (as requests wait in Ray Serve's handles). The replica looks up the prefix it caches and
+requests); with none, the request waits until a replica has room or starts (as requests wait in
+Ray Serve's handles), taken oldest first, those already past the TTFT target last (as pdserve's
+routers take them). The replica looks up the prefix it caches and
 asks `pdserve.decode.placement.place` with its own `CostModel`'s rates where to prefill; a remote
 prompt goes to the prefill replica `PrefillRouter` picks (`rank_prefill` over the `RadixIndex`),
 then the decode replica reserves its blocks (none free: it recomputes the prompt itself), its KV
@@ -48,7 +49,7 @@ from typing import Iterable
 from pdserve.autoscale.joint import DecodeSignal, JointScaler, PrefillSignal, Slo
 from pdserve.config import default_max_ongoing_requests
 from pdserve.decode.placement import Load, Target, kv_read_share, place
-from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT
+from pdserve.router.policy import DEFAULT_QUEUE_WEIGHT, LateLast
 from pdserve.router.radix_index import RadixIndex
 from pdserve.simulate.hardware import Accelerator, Host
 from pdserve.simulate.model import ModelSpec
@@ -140,6 +141,7 @@ class Simulation:
         self.ttft, self.itl, self.tpot = LogHistogram(), LogHistogram(), LogHistogram()
         self.window = Window()
         self.pending: deque[Req] = deque()  # arrived, waiting for a decode replica with room
+        self.late = LateLast(c.slo.ttft_s, lambda req: req.arrival)  # of those, the ones past the TTFT target
         self.num_arrived = self.num_finished = self.num_good = 0
         self.finish_counts = bytearray()  # per request id: how many times it finished
         self.placements: dict[str, int] = {}
@@ -245,14 +247,14 @@ class Simulation:
         self.route_pending(now)
 
     def route_pending(self, now: float) -> None:
-        """Route waiting requests, oldest first, while the decode router's choice can admit them
-        (else they wait in the callers' handles, as Ray Serve queues past max_ongoing_requests)."""
-        pending = self.pending
-        while pending:
-            d = self.decode_router.choose(pending[0].blocks)
+        """Route waiting requests while the decode router's choice can admit them (else they wait
+        in the callers' handles, as Ray Serve queues past max_ongoing_requests), in the order the
+        app's routers take them (`LateLast`: oldest first, those past the TTFT target last)."""
+        while queue := self.late.next_queue(self.pending, now):
+            d = self.decode_router.choose(queue[0].blocks)
             if d is None:
                 return
-            d.route(pending.popleft(), now)
+            d.route(queue.popleft(), now)
 
     def _most_cached(self, req: Req) -> int:
         """The most of the prompt any decode replica holds cached: the path's cost is charged as the
@@ -440,6 +442,7 @@ class Simulation:
                                  self._prefill_rate, w.num_first_within / w.num_first if w.num_first else None,
                                  sum(not r.is_active for r in prefill), w.num_prompts / spec.tick_s)
         serving = [r for r in decode if r.is_active]
+        num_unrouted = len(self.pending) + len(self.late)
         capacity, slots = sum(r.num_blocks for r in serving), len(serving) * self.config.max_num_seqs
         # As the serving replicas report them: blocks and sequences of the requests whose KV they
         # hold (not those still with the prefill pool); the requests waiting for a slot (for a
@@ -448,11 +451,11 @@ class Simulation:
         d_signal = DecodeSignal(len(decode), sum(r.used_blocks for r in serving) / capacity if capacity else 0.0,
                                 w.gap_weight_within / w.gap_weight if w.gap_weight else None,
                                 sum(r.num_seqs for r in serving) / slots if slots else 0.0,
-                                len(self.pending) + sum(r.num_waiting for r in serving), self.config.max_num_seqs,
+                                num_unrouted + sum(r.num_waiting for r in serving), self.config.max_num_seqs,
                                 len(decode) - len(serving),
                                 w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
                                 sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"),
-                                self._kv_read_share(serving), len(self.pending))
+                                self._kv_read_share(serving), num_unrouted)
         (p_min, p_max), (d_min, d_max) = spec.bounds("prefill"), spec.bounds("decode")
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now, p_max, d_max)
         want_p, want_d = max(p_min, want_p), max(d_min, want_d)

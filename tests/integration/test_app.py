@@ -6,7 +6,7 @@ from ray.serve import Application
 
 from pdserve.app import (ENGINE_ENV, KV_HEADROOM_ROUTER, PREFIX_AWARE_ROUTER, SERVE_ENV, _pool_options, build,
                          with_env)
-from pdserve.config import ServeConfig
+from pdserve.config import SLOConfig, ServeConfig
 
 
 def test_both_modes_build_an_application(tiny_llama):
@@ -29,6 +29,12 @@ def test_pools_get_pdserve_routers_unless_configured(tiny_llama):
     cfg = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"request_router_class": pow2})})
     decode = _pool_options(cfg, cfg.decode, "Decode", KV_HEADROOM_ROUTER)["request_router_config"]
     assert decode.request_router_class == pow2
+    assert "ttft_s" not in decode.request_router_kwargs  # no SLO: first come, first served
+    # With an SLO, the pools the gateway calls take requests past its TTFT target last.
+    slo = cfg.model_copy(update={"slo": SLOConfig(ttft_ms=1500)})
+    kwargs = {name: _pool_options(slo, pool, name, KV_HEADROOM_ROUTER)["request_router_config"].request_router_kwargs
+              for name, pool in (("Prefill", slo.prefill), ("Decode", slo.decode), ("Unified", slo.decode))}
+    assert [k.get("ttft_s") for k in kwargs.values()] == [None, 1.5, 1.5]
 
 
 def test_pools_get_their_policy_and_bounds(tiny_llama):

@@ -78,3 +78,36 @@ def test_placement_reads_the_least_queue_as_the_prefill_router_sees_it_now():
         await asyncio.sleep(0)  # (Ray Serve's probes of the new replicas run)
 
     asyncio.run(main())
+
+
+def test_the_routers_take_waiting_requests_past_the_ttft_target_last():
+    """Ray Serve's routing tasks take the next waiting request from `_get_next_pending_request_to_route`;
+    with `ttft_s` pdserve's routers take those inside it first (policy.LateLast), skipping
+    cancelled ones; without it, first come first served (Ray Serve's own)."""
+    import inspect
+
+    from ray.serve.request_router import RequestRouter
+
+    from pdserve.router.request_router import KVHeadroomRouter
+
+    assert "_get_next_pending_request_to_route" in inspect.getsource(RequestRouter._fulfill_pending_requests)
+
+    async def main():
+        taken = {}
+        for kwargs in ({"ttft_s": 1.0}, {}):
+            router = KVHeadroomRouter(DeploymentID(name="Decode", app_name="app"), DeploymentHandleSource.PROXY)
+            router.initialize_state(pool="decode", **kwargs)
+            now = time.time()
+            for name, age_s in (("first", 5.0), ("second", 2.0), ("cancelled", 0.3), ("new", 0.2)):  # arrival order
+                pending = _pending(name, 4)
+                pending.created_at = now - age_s
+                if name == "cancelled":
+                    pending.future.cancel()
+                router._pending_requests_to_route.append(pending)
+            names = []
+            while (pending := router._get_next_pending_request_to_route()) is not None:
+                names.append(pending.metadata.request_id)
+            taken[bool(kwargs)] = names
+        assert taken == {True: ["new", "first", "second"], False: ["first", "second", "new"]}
+
+    asyncio.run(main())

@@ -71,3 +71,22 @@ def test_in_flight_corrects_a_report_for_what_finished_and_was_sent_since(monkey
     assert f.total("a") == 40
     f.forget_replicas({"b"})
     assert f.total("a") == 0 and f.estimate("a", 0, t_report) == 0
+
+
+def test_late_last_routes_the_requests_inside_the_target_first_then_the_late_oldest_first():
+    from collections import deque
+
+    from pdserve.router.policy import LateLast
+
+    order = LateLast(1.0, lambda req: req[1])
+    queue = deque([("a", 0.0), ("b", 0.5), ("c", 2.9), ("d", 3.0)])
+    taken = []
+    while q := order.next_queue(queue, now=3.5):
+        taken.append(q.popleft()[0])
+    assert taken == ["c", "d", "a", "b"]  # a and b arrived 3.5 and 3.0 s ago: past the 1 s target
+    # The boundary: a request exactly the target old is late; one just inside is not.
+    queue = deque([("e", 2.0), ("f", 2.0001)])
+    assert order.next_queue(queue, now=3.0)[0][0] == "f" and list(order.late) == [("e", 2.0)]
+    assert len(order) == 1
+    # Nothing waiting: the (empty) late queue, which is falsy.
+    assert not LateLast(1.0, lambda req: req).next_queue(deque(), now=0.0)
