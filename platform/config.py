@@ -370,7 +370,9 @@ class SLOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ttft_ms: float = Field(2000.0, gt=0, description="Time to first token, from arrival at a decode replica.")
+    ttft_ms: float = Field(2000.0, gt=0, description="Time to first token. Placement predicts it from a request's "
+                                                      "arrival at a decode replica; requests that waited this long "
+                                                      "for a replica with room are routed after the others.")
     itl_ms: float = Field(100.0, gt=0, description="Gap between two tokens of a stream (inter-token latency).")
     percentile: float = Field(99.0, gt=0, lt=100, description="Share of requests (percent) the targets hold for: "
                                                              "how attainment is counted, the percentile of its "
