@@ -30,6 +30,7 @@ def assert_balanced(sim, result):
             assert (r.local_queued_tokens, r.remote_queued_tokens) == (0, 0), r.name
         else:
             assert not r.queue and r.queued_tokens == 0, r.name
+    assert not sim.pending and not sim.late  # the callers' queue
     lifetimes = sum(end - start for _, start, end in sim.lifetimes)
     assert len(sim.lifetimes) == len(replicas(sim))
     assert result["replica_seconds"]["total"] == pytest.approx(lifetimes, rel=1e-9)
@@ -171,3 +172,21 @@ def test_a_pull_with_no_free_blocks_recomputes_on_the_decode_replica(monkeypatch
     assert_balanced(sim, result)
     assert result["recomputed"] == 7
     assert max(s for s, _, _ in seen) <= 5  # (the blocks bound them, not the 64 slots)
+
+
+def test_requests_waiting_for_a_replica_with_room_go_late_ones_last(monkeypatch):
+    """As pdserve's routers take them (`LateLast`): one replica taking one request, busy ~6 s with
+    the first; the second waited past the 1 s TTFT target by then, the third (arrived at 5.5 s) has
+    not: the third goes first and meets the target, the second after it."""
+    sim = Simulation(replace(config(prefill=0, decode=1, ttft_s=1.0), max_num_seqs=1, max_ongoing_requests=1))
+    first_token, firsts = sim.first_token, {}
+
+    def seen(req, now):
+        firsts[req.id] = now - req.arrival
+        first_token(req, now)
+
+    monkeypatch.setattr(sim, "first_token", seen)
+    result = sim.run(iter([SimRequest(0.0, 64, 2000), SimRequest(0.1, 64, 4), SimRequest(5.5, 64, 4)]))
+    assert_balanced(sim, result)
+    assert firsts[2] <= 1.0 < firsts[1]
+    assert 0.1 + firsts[1] > 5.5 + firsts[2]  # the second's first token came after the third's
