@@ -4,9 +4,11 @@ first vetted in a process of its own (`pdserve.gateway.body_vetter`, after), sid
     python benchmarks/body_vetting.py --repeats 5
 
 The event loop runs a ticker (`asyncio.sleep(0.001)` in a loop, as an SSE writer waits for its
-next token) while each body goes through the gateway's body stage: before, `parse_json_object`
-and `check_counts` on a worker thread, as the gateway did for every body; after, `BodyVetter.vet`
-and then, for a body the bounds accept, the same parse on the thread. Reported per body: the
+next token) while each body goes through the gateway's body stage: before, `parse_json_object`,
+`check_counts` and the completions model's validation on a worker thread, as the gateway did for
+every body; after, `BodyVetter.vet` and then, for a body the bounds accept, the same on the thread
+with the body parsed a piece at a time (`parse_json_object_in_pieces`, as the gateway parses the
+bodies it vetted; the model validates many token-id prompts one list at a time). Reported per body: the
 largest gap between two ticks (what every stream on the gateway would have waited) and the time
 to the verdict, medians over --repeats, with a run of the ticker alone as the floor. The bounds
 are the gateway's defaults for a model of --max-model-len tokens whose longest token piece is
@@ -77,22 +79,25 @@ def main() -> None:
     from pdserve.config import GatewayConfig
     from pdserve.gateway.body_vetter import BodyVetter
     from pdserve.gateway.bounds import RequestBounds
-    from pdserve.gateway.request_body import parse_json_object
+    from pdserve.gateway.protocol import CompletionRequest
+    from pdserve.gateway.request_body import parse_json_object, parse_json_object_in_pieces
 
     tokenizer_json = {"model": {"vocab": {"x" * args.chars_per_token: 0}}}
     bounds = RequestBounds.of(GatewayConfig(), tokenizer_json, args.max_model_len)
     thread = ThreadPoolExecutor(1)
     vetter = BodyVetter(bounds)
 
-    def parse(body: bytes) -> None:
-        bounds.check_counts(parse_json_object(body))
+    def stage(parse, body: bytes) -> None:
+        data = parse(body)
+        bounds.check_counts(data)
+        CompletionRequest.model_validate(data)
 
     async def before(body: bytes) -> None:
-        await asyncio.get_running_loop().run_in_executor(thread, parse, body)
+        await asyncio.get_running_loop().run_in_executor(thread, stage, parse_json_object, body)
 
     async def after(body: bytes) -> None:
         await vetter.vet(body, 30.0)
-        await before(body)
+        await asyncio.get_running_loop().run_in_executor(thread, stage, parse_json_object_in_pieces, body)
 
     async def idle(body: bytes) -> None:
         await asyncio.sleep(0.3)

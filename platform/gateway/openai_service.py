@@ -50,7 +50,7 @@ from pdserve.gateway.bounds import RequestBounds, check_logit_bias, tokenizer_js
 from pdserve.gateway.chat_output import ChatChoiceOutput
 from pdserve.gateway.errors import APIError, error_response, outcome_of
 from pdserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pdserve.gateway.request_body import parse_json_object, read_body
+from pdserve.gateway.request_body import parse_json_object, parse_json_object_in_pieces, read_body
 from pdserve.gateway.reasoning import CLOSED, reasoning_mode, template_thinks
 from pdserve.gateway.structured import StructuredOutputChecker
 from pdserve.gateway.reasoning_effort import ReasoningEffort
@@ -166,7 +166,8 @@ class OpenAIService:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def _parse(self, raw: bytes, model: type[BaseModel], prepare: Callable | None, key_salt: str | None = None):
-        data = parse_json_object(raw)
+        # A body the vetting process accepted, a piece at a time: the event loop runs between them.
+        data = parse_json_object(raw) if len(raw) <= VET_BODY_BYTES else parse_json_object_in_pieces(raw)
         self.bounds.check_counts(data)
         try:
             body = model.model_validate(data)
