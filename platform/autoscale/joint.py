@@ -21,9 +21,7 @@ What each pool needs (`wanted`):
   serving) as it will be once the arrival rate holds: by Little's law a pool holds arrival rate x
   residence time requests, so while that exceeds the requests it holds now, the occupancy grows
   in proportion (a step of the load shows in the arrival rate a tick after it happens; the
-  occupancy, full at most, never shows it, and mid-step it shows the step only in part). The
-  arrival rate is what the replicas took plus the growth of the queue in front of them
-  (`JointScaler`): a step fills the replicas, and what they took then is what they had room for. That
+  occupancy, full at most, never shows it, and mid-step it shows the step only in part). That
   brought to TARGET_KV_USAGE (the rest is headroom for the prompts the prefill pool is about to
   hand over) at the size it will have (`resized_occupancy`: fewer replicas run bigger batches,
   whose steps read more KV and take longer, so each request stays longer and the pool holds
@@ -60,9 +58,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from pdserve.telemetry.averages import Average, Window
+from pdserve.telemetry.averages import Average
 
 TARGET_KV_USAGE = 0.8
 STEP_UP = 0.2
@@ -114,7 +112,6 @@ class DecodeSignal:
     residence_s: float | None = None  # how long the requests that ended over the window were held, on average
     num_held: float = 0.0  # requests the pool holds now
     kv_read_share: float = 0.0  # the KV's share of the bytes a decode step reads (decode.placement), mean a replica
-    num_unrouted: float = 0.0  # of num_waiting, those in callers' queues: no replica has taken them yet
 
     @property
     def growth(self) -> float:
@@ -290,20 +287,16 @@ class StartClock:
 
 class JointScaler:
     """The joint policy's state across ticks; `decide` once per control tick. `replica_start_s`
-    is the prior of the measured start time (`StartClock`); `window_s` the window the replicas
-    measure their rates over (the decode replicas' arrivals: 10 s), over which the queue in front
-    of them is measured growing too (a control loop ticks every fraction of a second, and a
-    queue's growth over one tick is noise)."""
+    is the prior of the measured start time (`StartClock`)."""
 
     def __init__(self, slo: Slo, max_total_replicas: int, downscale_delay_s: float = 30.0,
-                 replica_start_s: float = 0.0, window_s: float = 10.0):
+                 replica_start_s: float = 0.0):
         if downscale_delay_s < 0:
             raise ValueError("downscale_delay_s must not be negative")
         within_budget(1, 1, max_total_replicas)  # validates the budget
         self.slo, self.max_total_replicas = slo, max_total_replicas
         self.starts = StartClock(replica_start_s)
         self._prefill, self._decode = _Damper(downscale_delay_s), _Damper(downscale_delay_s)
-        self._unrouted = Window(window_s)  # the requests in callers' queues, tick by tick
 
     def decide(self, prefill: PrefillSignal, decode: DecodeSignal, now_s: float,
                max_prefill: int | None = None, max_decode: int | None = None) -> tuple[int, int]:
@@ -311,7 +304,6 @@ class JointScaler:
         before the budget is split, so a share one pool cannot take stays with the other."""
         for pool, signal in (("prefill", prefill), ("decode", decode)):
             self.starts.saw(pool, now_s, signal.num_replicas - signal.num_starting, signal.num_starting)
-        decode = self._arrived(decode, now_s)
         p, d = wanted(prefill, decode, self.slo, self.starts.seconds)
         p = self._prefill.next(prefill.num_replicas, p, now_s, prefill.num_starting > 0)
         d = self._decode.next(decode.num_replicas, d, now_s, decode.num_starting > 0)
@@ -320,13 +312,3 @@ class JointScaler:
         self.starts.ask("prefill", now_s, p - prefill.num_replicas)
         self.starts.ask("decode", now_s, d - decode.num_replicas)
         return p, d
-
-    def _arrived(self, decode: DecodeSignal, now_s: float) -> DecodeSignal:
-        """The decode pool's arrivals: those its replicas took over the window, plus the growth of
-        the queue in front of them (a step of the load fills the replicas' slots, and the arrivals
-        beyond them wait in callers' queues: counted as taken only, the step shows as admitted)."""
-        self._unrouted.add(now_s, decode.num_unrouted)
-        queued_per_s = self._unrouted.rate(now_s, min_span_s=self._unrouted.window_s / 2)
-        if queued_per_s is None or decode.arrivals_per_s is None:
-            return decode
-        return replace(decode, arrivals_per_s=max(0.0, decode.arrivals_per_s + queued_per_s))

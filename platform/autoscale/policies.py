@@ -142,9 +142,9 @@ class JointSloPolicy:
     `max_num_seqs` slots each), plus the requests waiting for a slot: in callers' handles
     (`total_num_requests` beyond those the replicas hold, `num_in_flight_requests`) and on the
     replicas (`num_waiting`: prompts, and requests prefilled elsewhere; not those with the prefill
-    pool, which are its load), the requests they take a second (`requests_per_s`; with the growth
-    of those in callers' handles, the arrivals), hold (`num_in_flight_requests`) and how long they
-    held those that ended (`residence_s`), and the KV's share of the bytes their steps read
+    pool, which are its load), the requests they take a second (`requests_per_s`), hold
+    (`num_in_flight_requests`) and how long they held those that ended (`residence_s`), and the
+    KV's share of the bytes their steps read
     (`kv_read_share`: how much longer a step grows when the pool shrinks); the decode replicas'
     `ttft_attainment` / `itl_attainment` (the share within target over the window). Replicas
     asked for and not running yet (the last target beyond `current_num_replicas`) count as
@@ -182,12 +182,11 @@ class JointSloPolicy:
         running = _total(d_ctx, "num_running") or 0.0
         held = _total(d_ctx, "num_in_flight_requests") or 0.0
         slots = max(d_ctx.current_num_replicas, 1) * self.max_num_seqs
-        unrouted = max(0.0, d_ctx.total_num_requests - max(held, running))
-        waiting = unrouted + (_total(d_ctx, "num_waiting") or 0.0)
+        waiting = max(0.0, d_ctx.total_num_requests - max(held, running)) + (_total(d_ctx, "num_waiting") or 0.0)
         decode = DecodeSignal(_asked(d_ctx), _mean(d_ctx, "kv_usage") or 0.0,
                               _mean(d_ctx, "itl_attainment"), running / slots, waiting, self.max_num_seqs,
                               _asked(d_ctx) - d_ctx.current_num_replicas, _total(d_ctx, "requests_per_s"),
-                              _mean(d_ctx, "residence_s"), held, _mean(d_ctx, "kv_read_share") or 0.0, unrouted)
+                              _mean(d_ctx, "residence_s"), held, _mean(d_ctx, "kv_read_share") or 0.0)
         p, d = self.scaler.decide(prefill, decode, time.monotonic(), p_ctx.capacity_adjusted_max_replicas,
                                   d_ctx.capacity_adjusted_max_replicas)
         targets = (_bounded(p_ctx, p), _bounded(d_ctx, d))

@@ -150,7 +150,7 @@ class Simulation:
         self.num_events = 0
         self._arrivals = None
         self.scaler = (JointScaler(c.slo, c.autoscale.max_total_replicas, c.autoscale.downscale_delay_s,
-                                   c.autoscale.replica_start_s, c.autoscale.tick_s)
+                                   c.autoscale.replica_start_s)
                        if c.autoscale else None)
         self._prefill_rate = 0.0  # a full step's prompt tokens a second, until the window measures it
         if c.prefill:
@@ -455,7 +455,7 @@ class Simulation:
                                 len(decode) - len(serving),
                                 w.num_routed / spec.tick_s, w.held_s / w.num_finished if w.num_finished else None,
                                 sum(r.num_in_flight for r in (*decode, *self.draining) if r.pool == "decode"),
-                                self._kv_read_share(serving), num_unrouted)
+                                self._kv_read_share(serving))
         (p_min, p_max), (d_min, d_max) = spec.bounds("prefill"), spec.bounds("decode")
         want_p, want_d = self.scaler.decide(p_signal, d_signal, now, p_max, d_max)
         want_p, want_d = max(p_min, want_p), max(d_min, want_d)

@@ -62,16 +62,13 @@ class Window:
         total = sum(w for _, _, w in samples)
         return sum(v * w for _, v, w in samples) / total if total else None
 
-    def rate(self, now: float, min_span_s: float = 0.0) -> float | None:
-        """Growth per second of the counter whose readings the samples are (None: under two, or
-        spanning less than `min_span_s`)."""
+    def rate(self, now: float) -> float | None:
+        """Growth per second of the counter whose readings the samples are (None: under two)."""
         with self._lock:
             self._drop(now)
-            if len(self.samples) < 2:
+            if len(self.samples) < 2 or self.samples[-1][0] <= self.samples[0][0]:
                 return None
             (t0, v0, _), (t1, v1, _) = self.samples[0], self.samples[-1]
-        if t1 <= t0 or t1 - t0 < min_span_s - 1e-9:
-            return None
         return (v1 - v0) / (t1 - t0)
 
 

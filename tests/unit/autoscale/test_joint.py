@@ -109,24 +109,6 @@ def test_arrivals_outpacing_the_pool_size_decode_for_the_occupancy_to_come():
     assert want(arrivals=200, held=0) == want(arrivals=200, held=100, residence=None) == 2
 
 
-def test_arrivals_count_the_queue_growing_in_front_of_a_full_decode_pool():
-    """A step of the load fills the replicas' slots; what they take is then what they have room
-    for (50/s as before), and the rest waits in callers' queues. The policy counts the queue's
-    growth as arrivals: 750 more waiting after 5 s is 150/s, 200/s in all, 4x the occupancy to come
-    (2 x 0.8 x 4 / 0.8 = 8) plus the 750 waiting's slots (2.9): 11. A queue that does not grow adds
-    its slots only (2 + 2.9: 5), and so does growth over less than half the window the replicas'
-    rates are measured over (a control loop ticks every fraction of a second)."""
-    def tick(scaler, now_s, unrouted):
-        signal = DecodeSignal(2, 0.8, 1.0, seq_usage=0.8, num_waiting=unrouted, arrivals_per_s=50, residence_s=2.0,
-                              num_held=100, num_unrouted=unrouted)
-        return scaler.decide(prefill(1, 0), signal, now_s)[1]
-
-    growing, standing, early = JointScaler(SLO, 100), JointScaler(SLO, 100), JointScaler(SLO, 100)
-    assert tick(growing, 0.0, 0) == 2 and tick(growing, 5.0, 750) == 11
-    assert tick(standing, 0.0, 750) == 5 and tick(standing, 5.0, 750) == 5
-    assert tick(early, 0.0, 0) == 2 and tick(early, 0.5, 750) == 5
-
-
 def test_decode_is_sized_for_the_longer_steps_of_a_smaller_pool():
     """A decode step reads the weights once and every sequence's KV: on fewer replicas each batch
     is larger, each step longer, requests stay longer and the pool holds more. Sized on the
