@@ -8,8 +8,9 @@ reads a `KVEventIndex` fed by the pool's KV-event stream; both read the figures 
 
 `request_router_kwargs` (JSON, see `pdserve.app`): redis_url, stream, block_size, queue_weight,
 approx_ttl_s, ttft_s (the SLO's, on the pools the gateway calls: requests waiting for a replica
-with room are taken late ones last, `policy.LateLast`), and pool and model (metric labels). Each placement is counted
-(`pdserve_router_decisions`) and traced (a `pdserve.route` span in the request's trace).
+with room are taken late ones last, `policy.LateLast`), and pool and model (metric labels). Each
+placement is counted (`pdserve_router_decisions`) and traced (a `pdserve.route` span in the
+request's trace).
 The replica side (publishing KV events, reporting routing stats) is here too: `start_kv_events`
 and `routing_stats`, called by the pool deployments.
 """
