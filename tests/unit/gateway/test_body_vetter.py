@@ -11,6 +11,7 @@ from pdserve.errors import InvalidRequestError, PromptTooLongError
 from pdserve.gateway.body_vetter import BodyVetter
 from pdserve.gateway.bounds import RequestBounds
 from pdserve.gateway.errors import APIError
+from tests.fakes.ticker import ticking
 
 BOUNDS = RequestBounds(max_prompts=3, max_sequences=6, max_n=2, max_stops=2, max_stop_chars=5,
                        max_stop_token_ids=2, max_logit_bias=2, max_messages=2, max_prompt_chars=10,
@@ -53,20 +54,12 @@ def test_the_event_loop_runs_while_a_costly_body_is_parsed():
     """Parsed on the gateway's thread, this body would hold the GIL for its whole parse (~0.3 s)
     and no tick could run meanwhile."""
     async def run():
-        vetter, ticks = BodyVetter(BOUNDS), 0
+        vetter = BodyVetter(BOUNDS)
         await vetter.vet(b"{}", 30)  # started
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        with pytest.raises(InvalidRequestError):
-            await vetter.vet(EMPTY_PROMPTS, 30)
-        during = ticks
-        ticker.cancel()
+        async with ticking() as ticks:
+            with pytest.raises(InvalidRequestError):
+                await vetter.vet(EMPTY_PROMPTS, 30)
+            during = ticks.count
         vetter.close()
         return during
 

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from pdserve.errors import InvalidRequestError
 from pdserve.gateway.protocol import CompletionRequest
 from pdserve.gateway.request_body import parse_json_object, parse_json_object_in_pieces
+from tests.fakes.ticker import ticking
 
 BODIES = [
     b'{"prompt": [[1,2],[3,4]], "max_tokens": 3}', b' {\n "prompt" : [ [1 , 2] ,\t[3] ] , "n":2 } ', b"{}",
@@ -66,22 +67,12 @@ def test_the_event_loop_runs_while_a_large_accepted_body_is_parsed_and_validated
         return CompletionRequest.model_validate(parse_json_object_in_pieces(body))
 
     async def run():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.001)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0.01)
-        ticks = 0
-        with ThreadPoolExecutor(1) as pool:
-            request = await asyncio.get_running_loop().run_in_executor(pool, parse_and_validate)
-        during = ticks
-        ticker.cancel()
-        return request, during
+        async with ticking() as ticks:
+            await asyncio.sleep(0.01)
+            ticks.count = 0
+            with ThreadPoolExecutor(1) as pool:
+                request = await asyncio.get_running_loop().run_in_executor(pool, parse_and_validate)
+            return request, ticks.count
 
     request, during = asyncio.run(run())
     assert len(request.prompt) == 256 and request.prompt[255] == [5] * 8000
