@@ -3,7 +3,8 @@
     python benchmarks/hostile.py              # 3 rounds each way (~3 minutes on 2 cores)
     python benchmarks/hostile.py --rounds 1
 
-The disaggregated app (tiny-llama, prefill and decode replicas one core each, HAProxy ingress as
+The disaggregated app (--preset, Serving's serve-llama-40m by default: a stream at a served model's
+pace, which outlasts the heavy requests; prefill and decode replicas one core each, HAProxy ingress as
 `pdserve serve` starts it) streams one long greedy completion over HTTP; every chunk's arrival is
 timed. After the first `--before` chunks, three clients send, in parallel and `--repeats` times
 each, the heaviest requests the gateway's default bounds let in: a text prompt just under the
@@ -15,7 +16,11 @@ measured ones: the same stream with no heavy requests (what a quiet stream shows
 same heavy requests sent, by the same client processes, to a discarding HTTP server instead of
 the gateway (`--sink`: what sending those bytes costs this machine, pdserve aside).
 `--heavy empties` sends instead a body of a million empty prompts (`[[], [], ...]`, ~4 MB), the
-costliest JSON to parse per byte. Prints a markdown table and one JSON line.
+costliest JSON to parse per byte. `--link-mbit N` (root) sends the heavy requests, to the gateway
+and to the sink alike, from a network namespace over a link of N Mbit/s (tests/harness/netns.py's
+lab: a veth and a bridge, the node's sends shaped by tc tbf), as a client on another machine sends
+them, instead of over loopback at memory speed; the stream stays on loopback. Prints a markdown
+table and one JSON line.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import requests
 
@@ -48,7 +55,7 @@ def _p99(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else (xs[0] if xs else 0.0)
 
 
-def _sink(ports) -> None:
+def _sink(ports, host: str) -> None:
     """A discarding HTTP server (a thread per connection): reads each request whole, answers 400."""
     import socketserver
 
@@ -70,31 +77,43 @@ def _sink(ports) -> None:
                 body += chunk
             self.request.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
 
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Discard)
+    server = socketserver.ThreadingTCPServer((host, 0), Discard)
     ports.put(server.server_address[1])
     server.serve_forever()
 
 
-def _send(url: str, data: bytes, repeats: int, statuses, go) -> None:
+def _send(url: str, data: bytes, repeats: int, statuses, go, netns: str | None) -> None:
     """A heavy client, in a process of its own (started before the stream, waiting for `go`):
-    this process's GIL and its fork are then no part of what the stream's gaps show."""
+    this process's GIL and its fork are then no part of what the stream's gaps show. With `netns`,
+    it sends from that namespace (entered first: the forked process has one thread)."""
+    if netns:
+        _netns_lab().enter(netns)
     go.wait()
     for _ in range(repeats):
         statuses.append(requests.post(url, data=data, timeout=120, headers={"Content-Type": "application/json"})
                         .status_code)
 
 
+def _netns_lab():
+    """tests/harness/netns.py (the repository's root on sys.path)."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from tests.harness import netns
+
+    return netns
+
+
 def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: int, heavy: bool,
-                 control_window_s: float = 0.0, which: tuple[str, ...] = HEAVY, heavy_url: str | None = None) -> dict:
-    """One stream; with `heavy`, the heavy requests (to the gateway, or to `heavy_url`) from its
-    `before`-th chunk on, the window lasting until they are all answered; without, a window of
-    `control_window_s` there."""
+                 control_window_s: float = 0.0, which: tuple[str, ...] = HEAVY, heavy_url: str | None = None,
+                 sink: bool = False, netns: str | None = None) -> dict:
+    """One stream; with `heavy`, the heavy requests (to `heavy_url`: the gateway's by default, or
+    a discarding server's, `sink`; sent from `netns` when given) from its `before`-th chunk on, the
+    window lasting until they are all answered; without, a window of `control_window_s` there."""
     arrivals: list[float] = []
     window: dict[str, float] = {}
     ctx = mp.get_context("fork")
     statuses, go = ctx.Manager().list(), ctx.Event()
     url = heavy_url or f"{base}/v1/completions"
-    senders = [ctx.Process(target=_send, args=(url, json.dumps(body).encode(), repeats, statuses, go))
+    senders = [ctx.Process(target=_send, args=(url, json.dumps(body).encode(), repeats, statuses, go, netns))
                for body in _heavy(model, which)] if heavy else []
     for t in senders:
         t.start()
@@ -113,8 +132,12 @@ def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: i
             if "start" in window and "end" not in window and (
                     not any(t.is_alive() for t in senders) if heavy else arrivals[-1] - window["start"] >= control_window_s):
                 window["end"] = arrivals[-1]
+    unfinished = heavy and "end" not in window  # the stream ended first: its window would be cut short
     for t in senders:
         t.join()
+    if unfinished:
+        raise RuntimeError(f"the stream ended ({len(arrivals)} chunks) before the heavy requests were answered: "
+                           "give it more --max-tokens")
     if "start" not in window:
         raise RuntimeError(f"the stream ended after {len(arrivals)} chunks, before chunk {before}")
     window.setdefault("end", arrivals[-1])
@@ -122,7 +145,7 @@ def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: i
     # Before: from chunk 10 (past the first steps' warm-up) to the start of the window.
     before_gaps = gaps[min(10, before // 2):before - 1] or gaps[:1]
     during = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]) if window["start"] <= a < window["end"]]
-    return {"heavy": ("to the sink" if heavy_url else "yes") if heavy else "no", "chunks": len(arrivals),
+    return {"heavy": ("to the sink" if sink else "yes") if heavy else "no", "chunks": len(arrivals),
             "window_ms": (window["end"] - window["start"]) * 1e3, "statuses": sorted(statuses),
             "p99_gap_before_ms": _p99(before_gaps), "max_gap_before_ms": max(before_gaps),
             "p99_gap_during_ms": _p99(during) if during else None, "max_gap_during_ms": max(during) if during else None,
@@ -140,17 +163,25 @@ def main() -> None:
                                                              "or empties)")
     ap.add_argument("--sink", action="store_true", help="add control rounds that send the heavy requests to a "
                                                         "discarding server instead of the gateway")
+    ap.add_argument("--preset", default="serve-llama-40m", help="the model (a checkpoint preset, generated on "
+                                                                "first use)")
+    ap.add_argument("--link-mbit", type=int, help="send the heavy requests from a network namespace over a link "
+                                                  "of this many Mbit/s (root) instead of over loopback")
     args = ap.parse_args()
+    if args.link_mbit and (why := _netns_lab().unavailable()) is not None:
+        raise SystemExit(f"--link-mbit {why}")
 
     import ray
     from ray import serve
 
-    from pdserve.app import build, resolve_model
+    from pdserve.app import build
     from pdserve.config import ServeConfig
+    from pdserve.engine.checkpoint import default_model
     from pdserve.launch import ray_env
 
     one_core = {"ray_actor_options": {"num_cpus": 1}, "engine": {"num_threads": 1}}
-    config = resolve_model(ServeConfig(name="hostile", prefill=one_core, decode=one_core, transfer={"host": "127.0.0.1"}))
+    config = ServeConfig(name="hostile", model=str(default_model(args.preset)), prefill=one_core, decode=one_core,
+                         transfer={"host": "127.0.0.1"})
     for name, value in ray_env(config, None).items():  # as `pdserve serve` starts Ray
         os.environ.setdefault(name, value)
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
@@ -161,34 +192,45 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    rows = []
+    # With a link, the gateway listens on every address: the heavy clients reach it on the lab's bridge.
+    serve.start(http_options={"host": "0.0.0.0" if args.link_mbit else "127.0.0.1", "port": port})
+    rows, lab, from_netns, heavy_host = [], None, None, "127.0.0.1"
     try:
+        if args.link_mbit:
+            lab = _netns_lab().Lab()
+            node = lab.add_node("clients")
+            lab.rate(node, args.link_mbit)
+            from_netns, heavy_host = node.netns, lab.head_ip
         serve.run(build(config), name=config.name, route_prefix="/")
         base, model = f"http://127.0.0.1:{port}", config.served_model_name
         stream_round(base, model, 64, 1, 0, heavy=False)  # warm-up (a cold gateway may send its tokens in few chunks)
         sink_url = None
         if args.sink:
             ports = mp.get_context("fork").Queue()
-            sink = mp.get_context("fork").Process(target=_sink, args=(ports,), daemon=True)
+            sink = mp.get_context("fork").Process(target=_sink, args=(ports, heavy_host), daemon=True)
             sink.start()
-            sink_url = f"http://127.0.0.1:{ports.get(timeout=10)}/"
+            sink_url = f"http://{heavy_host}:{ports.get(timeout=10)}/"
         which = tuple(args.heavy.split(","))
         for r in range(args.rounds):  # each measured round, then the control rounds over as long a window
-            measured = stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True, which=which)
+            measured = stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True, which=which,
+                                    heavy_url=f"http://{heavy_host}:{port}/v1/completions", netns=from_netns)
             round_rows = [measured, stream_round(base, model, args.max_tokens, args.before, 0, heavy=False,
                                                  control_window_s=measured["window_ms"] / 1e3)]
             if sink_url:
                 round_rows.append(stream_round(base, model, args.max_tokens, args.before, args.repeats, heavy=True,
-                                               which=which, heavy_url=sink_url))
+                                               which=which, heavy_url=sink_url, sink=True, netns=from_netns))
             for row in round_rows:
                 rows.append({"round": r + 1, **row})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
+        if lab:
+            lab.close()
     print(f"\n{machine_line()}\n`python benchmarks/hostile.py --rounds {args.rounds} --repeats {args.repeats}"
-          f"{' --heavy ' + args.heavy if args.heavy != ','.join(HEAVY) else ''}{' --sink' if args.sink else ''}`\n")
+          f"{' --heavy ' + args.heavy if args.heavy != ','.join(HEAVY) else ''}{' --sink' if args.sink else ''}"
+          f"{f' --link-mbit {args.link_mbit}' if args.link_mbit else ''}"
+          f"{f' --preset {args.preset}' if args.preset != 'serve-llama-40m' else ''}`\n")
     print("| round | heavy requests | answers | p99 gap before (ms) | max gap before (ms) | window (ms) "
           "| p99 gap during (ms) | max gap during (ms) | max during / p99 before |")
     print("|---|---|---|---|---|---|---|---|---|")
