@@ -15,8 +15,10 @@ they hold, and are parsed in place.
 The child speaks a framed pipe protocol, no pickle: the parent writes an 8-byte little-endian
 length and the body, the child answers one JSON line: `{}` (accepted), `{"error", "param",
 "kind"}` (refused: the error's message, field and class) or `{"fault"}` (a bug, the gateway's 500).
-One child a gateway replica, bodies vetted one at a time; it exits when its stdin closes (the
-replica going away), and is started again when it dies or overruns its time.
+One child a gateway replica, started with it (`start`: its imports take ~0.4 s of a core, which a
+replica's first large body would otherwise cost every stream beside it), bodies vetted one at a
+time; it exits when its stdin closes (the replica going away), and is started again when it dies
+or overruns its time.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class BodyVetter:
         # One thread talks to the child: bodies go one at a time, and an exchange whose caller has
         # gone (a client hanging up) still runs to its verdict, so no verdict answers another body.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-vet")
+
+    def start(self) -> None:
+        """Start the child now, in the background: bodies wait behind it. A start that fails is
+        logged here and tried again at the first body (whose request then gets the error)."""
+        self._thread.submit(self._started).add_done_callback(_log_failed_start)
 
     async def vet(self, raw: bytes, timeout_s: float) -> None:
         """Raise the `InvalidRequestError` the bounds give `raw`, or return: it may be parsed.
@@ -110,6 +117,11 @@ class BodyVetter:
         proc, self._proc = self._proc, None
         if proc is not None:
             _end(proc)
+
+
+def _log_failed_start(started) -> None:
+    if not started.cancelled() and started.exception() is not None:
+        log.error("the body-vetting process did not start: %s", started.exception())
 
 
 def _end(proc: subprocess.Popen) -> None:

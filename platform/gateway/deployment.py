@@ -180,6 +180,7 @@ class Gateway:
         self.client = client = PoolsClient(decode, pools, cfg.gateway.migration_limit, metrics.migration)
         self.service = OpenAIService(client, Tokenizer(cfg.model), cfg.served_model_name, max_model_len, cfg.gateway,
                                      metrics)
+        self.service.vetter.start()  # now, not at the first large body: the streams beside it would wait
         self.grpc = GrpcGeneration(self.service, metrics)
 
     def __del__(self):  # Serve's graceful shutdown; the vetting process also ends when its pipe closes

@@ -76,6 +76,30 @@ def _child(code: str) -> BodyVetter:
 READY = "import sys, time; sys.stdout.write('ready\\n'); sys.stdout.flush(); "
 
 
+def test_started_ahead_the_child_serves_the_first_body():
+    async def run():
+        vetter = BodyVetter(BOUNDS)
+        vetter.start()
+        for _ in range(300):
+            if vetter._proc is not None:
+                break
+            await asyncio.sleep(0.1)
+        started = vetter._proc
+        assert started is not None and started.poll() is None  # up before any body came
+        assert await vetter.vet(b"{}", 30) is None and vetter._proc is started
+        vetter.close()
+
+    asyncio.run(run())
+
+
+def test_a_child_that_cannot_start_ahead_fails_the_first_body_instead(caplog):
+    vetter = _child("import sys; sys.exit(3)")
+    vetter.start()
+    [e] = vetting(b"{}", vetter=vetter)
+    assert type(e) is RuntimeError and "before it was ready" in str(e)
+    assert "did not start" in caplog.text
+
+
 def test_a_child_killed_between_bodies_is_replaced():
     async def run():
         vetter = BodyVetter(BOUNDS)
