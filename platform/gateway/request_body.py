@@ -29,7 +29,9 @@ def _too_large(limit_bytes: int) -> APIError:
     return APIError(413, f"request body over {limit_bytes} bytes", "invalid_request_error", "body_too_large")
 
 
-async def read_body(request: Request, limit_bytes: int, timeout_s: float) -> bytes:
+async def read_body(request: Request, limit_bytes: int, timeout_s: float) -> bytearray:
+    """The body, read within `timeout_s` and `limit_bytes` (a 408, a 413). A bytearray, not copied
+    into bytes: at 4 MiB that copy held the event loop ~3 ms (fresh pages to fault in)."""
     try:
         declared = int(request.headers.get("content-length") or 0)
     except ValueError:
@@ -37,13 +39,13 @@ async def read_body(request: Request, limit_bytes: int, timeout_s: float) -> byt
     if declared > limit_bytes:
         raise _too_large(limit_bytes)
 
-    async def read() -> bytes:
+    async def read() -> bytearray:
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > limit_bytes:
                 raise _too_large(limit_bytes)
-        return bytes(raw)
+        return raw
 
     try:
         return await asyncio.wait_for(read(), timeout_s)
