@@ -30,13 +30,11 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import requests
 
-from machine import machine_line  # this folder's scripts run with it on sys.path
+from machine import machine_line, netns_lab  # this folder's scripts run with it on sys.path
 
 
 HEAVY = ("4mib", "prompts", "stops")
@@ -87,19 +85,11 @@ def _send(url: str, data: bytes, repeats: int, statuses, go, netns: str | None) 
     this process's GIL and its fork are then no part of what the stream's gaps show. With `netns`,
     it sends from that namespace (entered first: the forked process has one thread)."""
     if netns:
-        _netns_lab().enter(netns)
+        netns_lab().enter(netns)
     go.wait()
     for _ in range(repeats):
         statuses.append(requests.post(url, data=data, timeout=120, headers={"Content-Type": "application/json"})
                         .status_code)
-
-
-def _netns_lab():
-    """tests/harness/netns.py (the repository's root on sys.path)."""
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from tests.harness import netns
-
-    return netns
 
 
 def stream_round(base: str, model: str, max_tokens: int, before: int, repeats: int, heavy: bool,
@@ -168,7 +158,7 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=int, help="send the heavy requests from a network namespace over a link "
                                                   "of this many Mbit/s (root) instead of over loopback")
     args = ap.parse_args()
-    if args.link_mbit and (why := _netns_lab().unavailable()) is not None:
+    if args.link_mbit and (why := netns_lab().unavailable()) is not None:
         raise SystemExit(f"--link-mbit {why}")
 
     import ray
@@ -197,7 +187,7 @@ def main() -> None:
     rows, lab, from_netns, heavy_host = [], None, None, "127.0.0.1"
     try:
         if args.link_mbit:
-            lab = _netns_lab().Lab()
+            lab = netns_lab().Lab()
             node = lab.add_node("clients")
             lab.rate(node, args.link_mbit)
             from_netns, heavy_host = node.netns, lab.head_ip

@@ -39,8 +39,9 @@ import os
 import socket
 import statistics
 import struct
-import sys
 import time
+
+from machine import netns_lab  # this folder's scripts run with it on sys.path (it starts no thread)
 
 os.environ.setdefault("UCX_TLS", "tcp")
 
@@ -50,14 +51,6 @@ LAYOUT = dict(model_id="bench-llama-56m", num_layers=8, block_size=16, num_kv_he
 PAYLOADS = {"2048-token KV (32 MiB)": (2048, 1), "64 MiB": (4096, 1), "2048-token KV, scattered blocks": (2048, 2),
             "one block (16 tokens, 256 KiB)": (16, 1)}
 NUM_BLOCKS = 4096 // 16 + 8  # also holds 2,048 tokens at every other block
-
-
-def _netns_lab():
-    """tests/harness/netns.py (the repository's root on sys.path)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.harness import netns
-
-    return netns
 
 
 def _block_ids(tokens: int, stride: int) -> list[int]:
@@ -84,7 +77,7 @@ def _tokenless_leases(table):
 def _server(replies, repeats: int, netns: str | None = None, host: str = "127.0.0.1") -> None:
     """The sending process: a pdserve exporter, a raw ucxx listener and a TCP listener."""
     if netns:  # first: numpy, torch and UCX start threads, and setns moves only the calling one
-        _netns_lab().enter(netns)
+        netns_lab().enter(netns)
     import numpy as np
     import torch
     import ucxx
@@ -298,7 +291,7 @@ def main() -> None:
         return _layouts(args.repeats)
     lab = host = None
     if args.netns:
-        netns = _netns_lab()
+        netns = netns_lab()
         if (why := netns.unavailable()) is not None:
             raise SystemExit(f"--netns {why}")
         lab = netns.Lab()
