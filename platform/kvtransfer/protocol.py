@@ -136,7 +136,7 @@ class KVHandle:
             if region is not None:
                 region = (CudaRegion if "device_uuid" in region else SharedRegion).from_dict(region)
             board = d.get("lease_board")
-            return cls(**{**d, "block_ids": tuple(int(b) for b in d["block_ids"]), "layout": KVLayout(**d["layout"]),
+            return cls(**{**d, "block_ids": tuple(map(int, d["block_ids"])), "layout": KVLayout(**d["layout"]),
                           "cache_region": region, "lease_board": None if board is None else SharedRegion.from_dict(board),
                           "lease_slot": int(d.get("lease_slot", -1)), "lease_generation": int(d.get("lease_generation", 0))})
         except (TypeError, KeyError, ValueError) as e:

@@ -155,6 +155,19 @@ def test_gpu_copy_blocks_by_runs_or_ids_matches_numpy_path(dtype, head_dim, src_
     assert torch.equal(kv.cpu(), expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU branch of kvtransfer.blocks.copy_blocks")
+@pytest.mark.parametrize("src_ids,dst_ids", [([11, 12], [0, 1]), ([0, 1], [9, 10]), ([-1, 0], [0, 1]),
+                                             ([3, 12], [0, 1]), ([3, 2], [-1, 4])])
+def test_gpu_copy_blocks_refuses_ids_outside_either_cache(src_ids, dst_ids):
+    """Runs (checked by their ends) and ids that are no run alike, before anything is launched."""
+    src = torch.randn(2, 2, 12, 4, 2, 8, device="cuda")
+    kv = torch.zeros(2, 2, 10, 4, 2, 8, device="cuda")
+    with pytest.raises(IndexError):
+        ref_blocks.copy_blocks(src, src_ids, (0, 2), kv, dst_ids)
+    assert not kv.any()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_mixed_step_runs_its_prefill_chunks_in_one_launch(device):
     """`ops`' Triton path on decodes followed by two prefill chunks (one varlen launch for both,
