@@ -352,90 +352,124 @@ def _report_first_differences(rep, log, disaggregated: dict, dis_logprobs: dict,
             f"{d['disaggregated_top']}, reference top {d['reference_top']}")
 
 
+def _two_runs(free: list[int], n: int) -> tuple[list[int], list[int]]:
+    """Two disjoint runs of `n` consecutive block ids out of `free` (sorted), as a fresh pool gives
+    a prompt; the first 2n ids where there are no such runs."""
+    runs, i = [], 0
+    while i + n <= len(free) and len(runs) < 2:
+        if free[i + n - 1] - free[i] == n - 1:
+            runs.append(free[i:i + n])
+            i += n
+        else:
+            i += 1
+    return (runs[0], runs[1]) if len(runs) == 2 else (free[:n], free[n:2 * n])
+
+
 def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, log) -> None:
-    """The default's local read taken apart: `copy_blocks` alone (this cache's blocks into its
-    other blocks, as many as a prompt has; both sides one run, a strided copy, and the same blocks
-    in another order, the kernel over ids) against the copy bandwidth, by the clock (launch and
-    sync included, as a pull waits for it) and by CUDA events; the tcp backend's local read of one
-    block (the board's checks and the ACK, and little else); the same prompt read again and again
-    (nothing between), and as the phase reads (its blocks zeroed before, a handle parsed each
-    time), with where the host's time goes (cProfile)."""
-    from pdserve.kvtransfer.blocks import copy_blocks
-    from pdserve.kvtransfer.protocol import KVHandle
+    """The default's local read taken apart, on the host's clock (a pull waits for all of it):
+    `copy_blocks` alone (this cache's blocks into its other blocks, as many as a prompt has; both
+    sides one run, a strided copy, and the same blocks in another order, the kernel over ids); the
+    block ids' upload, from pageable and from pinned memory; a local read's steps one by one (the
+    handle parsed, the exporter's cache and board looked up, the board's checks, the copy enqueued,
+    its wait); and the same prompt read again and again with nothing, a zeroing, an idle device
+    (20 ms) or a digest of its blocks between the reads (a phase read has the last two)."""
+    from pdserve.kvtransfer.blocks import _check_ids, _wide, block_run, copy_blocks
+    from pdserve.kvtransfer.lease_board import token_digest
+    from pdserve.kvtransfer.protocol import KVHandle, head_slice
 
     kv, pool = engine.kv_cache.kv, engine.block_pool
-    taken = pool.allocate(2 * num_blocks)
+    taken = pool.allocate(pool.num_free_blocks)  # all: two runs of a prompt's length are picked from them
     copy_bw = rep.limits.get("copy_bytes_per_s", 0) / 1e9
+
+    def clocked(step, before=None, n: int = 8) -> list[float]:
+        times = []
+        for _ in range(n):
+            if before is not None:
+                before()
+            _sync(kv)
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        return times
+
+    def ms(times: list[float]) -> str:
+        return f"{statistics.median(times) * 1e3:.3f} ms"
+
     try:
-        src, dst = sorted(taken)[:num_blocks], sorted(taken)[num_blocks:]
+        src, dst = _two_runs(sorted(taken), num_blocks)
         heads = (0, kv.shape[4])
         shuffled = [dst[1], dst[0], *dst[2:]]  # the same blocks, no run: the kernel over ids
-        for label, key, into in (("one run each side (one strided copy)", "run", dst),
+        is_runs = block_run(src) is not None and block_run(dst) is not None
+        for label, key, into in (("one run each side (one strided copy)" if is_runs else
+                                  "ids not one run, the pool had no two free runs (the kernel over ids)", "run", dst),
                                  ("ids not one run (the kernel over ids)", "ids", shuffled)):
             copy_blocks(kv, src, heads, kv, into)  # compiled before it is timed
             _sync(kv)
-            times, device_times = [], []
-            for _ in range(8):
-                if kv.is_cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                t = time.perf_counter()
-                copy_blocks(kv, src, heads, kv, into)
-                if kv.is_cuda:
-                    end.record()
-                _sync(kv)
-                times.append(time.perf_counter() - t)
-                if kv.is_cuda:
-                    device_times.append(start.elapsed_time(end) / 1e3)
+            times = clocked(lambda into=into: (copy_blocks(kv, src, heads, kv, into), _sync(kv)))
             nbytes = 2 * num_blocks * pulls.block_bytes  # read + written
             seconds = statistics.median(times)
-            rep.figures("pd", **{f"copy_blocks_{key}_s": times, f"copy_blocks_{key}_device_s": device_times,
-                                 "copy_blocks_bytes": nbytes})
+            rep.figures("pd", **{f"copy_blocks_{key}_s": times, "copy_blocks_bytes": nbytes})
             rep.row("pd", f"copy_blocks alone, {num_blocks} blocks cache to cache in one process, {label}, bytes "
                     "read + written", nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None,
-                    note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included"
-                    + (f"; from the first event to the last {statistics.median(device_times) * 1e6:.0f} us"
-                       if device_times else ""))
+                    note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included")
+        if kv.is_cuda:  # the ids' upload a copy over ids makes, as it makes it and from pinned memory
+            ids = [*src, *dst]
+            pageable = clocked(lambda: (torch.as_tensor(ids, dtype=torch.long, device=kv.device), _sync(kv)), n=20)
+            pinned = clocked(lambda: (torch.as_tensor(ids, dtype=torch.long).pin_memory().to(kv.device, non_blocking=True),
+                                      _sync(kv)), n=20)
+            rep.figures("pd", ids_upload_pageable_s=pageable, ids_upload_pinned_s=pinned)
+            log(f"pd: {len(ids)} block ids uploaded and synchronized: from pageable memory {ms(pageable)}, "
+                f"from pinned memory {ms(pinned)}")
         if "local" in pulls.errors or handle is None or handle.get("cache_region") is None:
             return
         one, importer = KVHandle.from_dict(handle), pulls.importers["tcp"]
-        times = []
-        for _ in range(8):
-            t = time.perf_counter()
-            importer.pull(one, dst[:1], PULL_TIMEOUT_S, None, num_blocks - 1, ack=False)
-            _sync(kv)
-            times.append(time.perf_counter() - t)
-        whole = []  # the same prompt's blocks read again and again, nothing else between the reads
-        for _ in range(8):
-            t = time.perf_counter()
-            importer.pull(one, dst, PULL_TIMEOUT_S, None, 0, ack=False)
-            _sync(kv)
-            whole.append(time.perf_counter() - t)
-        # As the phase reads: the blocks zeroed (and synchronized) before, the handle parsed in the
-        # timed part; the host's time by function (cProfile's own cost included in the times).
-        import cProfile
-        import io
-        import pstats
+        ids = list(one.block_ids)
+        log(f"pd: the exporter's blocks of this prompt are {'one run' if block_run(ids) is not None else 'not one run'}; "
+            f"the reads below go into {'one run' if block_run(dst) is not None else 'blocks not one run'}")
+        one_block = clocked(lambda: (importer.pull(one, dst[:1], PULL_TIMEOUT_S, None, num_blocks - 1, ack=False),
+                                     _sync(kv)))
+        # A local read's steps, as `_fetch` and `read_on_board` take them, and copy_blocks' own.
+        source, board = importer.mapped_cache(one), importer.mapped_board(one)
 
-        as_phase, profile = [], cProfile.Profile()
-        for _ in range(8):
-            kv.index_fill_(2, torch.tensor(dst, device=kv.device), 0)
-            _sync(kv)
-            t = time.perf_counter()
-            profile.enable()
-            importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, 0, ack=False)
-            _sync(kv)
-            profile.disable()
-            as_phase.append(time.perf_counter() - t)
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)
-        log("pd: the phase-like local reads by function (8 reads, cProfile):\n" + text.getvalue())
-        rep.figures("pd", local_one_block_pull_s=times, local_back_to_back_pull_s=whole,
-                    local_as_phase_pull_s=as_phase, local_as_phase_profile=text.getvalue()[-6000:])
-        pulls.notes["local"] = (f"a one-block local read (the round trip) {statistics.median(times) * 1e3:.2f} ms; "
-                                f"this prompt read 8 times back to back, no other pulls between: median "
-                                f"{statistics.median(whole) * 1e3:.2f} ms; zeroed before each read, as in the "
-                                f"phase: {statistics.median(as_phase) * 1e3:.2f} ms (under cProfile)")
+        def views(source):
+            wide_kv, wide_source = _wide(kv, source) if kv.is_cuda else (kv, torch.from_numpy(source))
+            d, s = dst[0], ids[0]
+            return wide_kv.narrow(2, d, len(dst)), wide_source.narrow(2, s, len(ids)).narrow(4, heads[0], heads[1] - heads[0])
+        into, out_of = views(source)
+        lease = (one.lease_slot, one.lease_generation, token_digest(one.lease_token or ""))
+        steps = {
+            "the handle parsed": clocked(lambda: KVHandle.from_dict(handle)),
+            "the head slice and the ids listed": clocked(lambda: (head_slice(one.layout, importer.layout),
+                                                                  list(dst), list(one.block_ids))),
+            "the exporter's cache and board looked up": clocked(lambda: (importer.mapped_cache(one),
+                                                                         importer.mapped_board(one))),
+            "the board's checks (lease live, exporter alive)": clocked(lambda: (board.is_live(*lease),
+                                                                                board.exporter_alive())),
+            "the ids checked (runs, in range)": clocked(lambda: (
+                _check_ids(ids, source.shape[2], (block_run(ids), block_run(ids) + len(ids) - 1)),
+                _check_ids(dst, kv.shape[2], (block_run(dst), block_run(dst) + len(dst) - 1)))),
+            "the strided views made": clocked(lambda: views(source)),
+            "an idle stream synchronized": clocked(importer.finish_copy if kv.is_cuda else lambda: None),
+            "torch's copy_ enqueued, on views made before": clocked(lambda: into.copy_(out_of)),
+            "the copy enqueued (copy_blocks' host part)": clocked(lambda: copy_blocks(source, ids, heads, kv, dst)),
+            "the copy enqueued and waited for": clocked(lambda: (copy_blocks(source, ids, heads, kv, dst),
+                                                                 importer.finish_copy() if kv.is_cuda else None)),
+        }
+        if board is None:  # no board mapped here: the READ decides (its round trip is in the one-block read)
+            del steps["the board's checks (lease live, exporter alive)"]
+        whole = {}  # the same prompt's blocks read again and again, with what a phase has between reads
+        read = lambda: (importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, 0, ack=False),  # noqa: E731
+                        _sync(kv))
+        dst_ids = torch.tensor(dst, device=kv.device)
+        for label, before in (("nothing", None),
+                              ("the blocks zeroed", lambda: kv.index_fill_(2, dst_ids, 0)),
+                              ("the device idle 20 ms", lambda: time.sleep(0.02)),
+                              ("a digest of the blocks (copied to the host)", lambda: _digest(kv, dst))):
+            whole[label] = clocked(read, before)
+        rep.figures("pd", local_one_block_pull_s=one_block, local_read_steps_s=steps, local_reads_after_s=whole)
+        log("pd: a local read's steps (medians of 8): " + "; ".join(f"{k} {ms(v)}" for k, v in steps.items()))
+        pulls.notes["local"] = (f"a one-block local read (the round trip) {ms(one_block)}; this prompt read 8 times "
+                                f"with, between reads, " + ", ".join(f"{k}: {ms(v)}" for k, v in whole.items()))
     except Exception as e:  # noqa: BLE001 - a diagnosis, not a figure the others need
         log(f"pd: timing the local read's parts failed: {e!r}")
     finally:
@@ -465,10 +499,11 @@ def _time_run_copies(rep, kv: torch.Tensor, n: int, block_bytes: int, log) -> No
     this idle engine (its pool is larger than 3n blocks)."""
     import ctypes
 
-    def timed(copy) -> float:
+    def timed(copy) -> tuple[float, float]:
+        """Median seconds on the device's clock, and on the host's (the launch, then the wait)."""
         copy()
         _sync(kv)
-        times = []
+        times, host = [], []
         for _ in range(8):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -476,7 +511,11 @@ def _time_run_copies(rep, kv: torch.Tensor, n: int, block_bytes: int, log) -> No
             end.record()
             _sync(kv)
             times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+            t = time.perf_counter()
+            copy()
+            _sync(kv)
+            host.append(time.perf_counter() - t)
+        return statistics.median(times), statistics.median(host)
 
     es, slabs = kv.element_size(), kv.shape[0] * kv.shape[1]
     assert kv.is_contiguous()
@@ -521,16 +560,18 @@ def _time_run_copies(rep, kv: torch.Tensor, n: int, block_bytes: int, log) -> No
         candidates[f"pdserve's kernel, CHUNK {chunk}, {warps} warps"] = kernel
     for name, copy in candidates.items():
         try:
-            seconds = timed(copy)
+            seconds, host_seconds = timed(copy)
         except Exception as e:  # noqa: BLE001 - a candidate, not a figure the others need
             log(f"pd: {name} failed: {e!r}")
             continue
         if "per run" not in name and not torch.equal(kv[:, :, n:2 * n], kv[:, :, :n]):
             log(f"pd: {name} copied other bytes")
             continue
-        rep.figures("pd", **{f"copy_candidate_s[{name}]": seconds})
+        rep.figures("pd", **{f"copy_candidate_s[{name}]": seconds, f"copy_candidate_host_s[{name}]": host_seconds})
         rep.row("pd", f"KV copy of {n} blocks: {name} (CUDA events), bytes read + written",
-                nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None, note=f"median {seconds * 1e6:.0f} us of 8")
+                nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None,
+                note=f"median {seconds * 1e6:.0f} us of 8; launched and waited for by the host's clock "
+                     f"{host_seconds * 1e6:.0f} us")
 
 
 def _reference_on_same_schedule(engine, prompts: list[list[int]], output_tokens: int,
