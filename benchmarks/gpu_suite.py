@@ -15,7 +15,8 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
 - machine: device-to-device copy bandwidth (bytes read + bytes written per second) and a bf16
   matmul's TFLOP/s; the yardsticks of the other sections, measured in the same run.
 - attention: the Triton paged decode attention kernel at 8B shapes (batch 64, contexts 1k-8k, 32
-  query / 8 KV heads of 128, bf16), K/V bytes read per second against the copy bandwidth.
+  query / 8 KV heads of 128, bf16), K/V bytes read per second against the copy bandwidth, timed
+  as a decode step runs it (replayed in a CUDA graph; the eager call beside it).
 - dense: a Llama-3-8B-shaped model on pdserve's engine, CUDA graphs on: batch-1 decode against the
   roofline (copy bandwidth / weight bytes: a decode step reads every weight once), output
   throughput at batch 64 and 256 against `transformers` `generate` on the same weights, prompts
@@ -24,7 +25,7 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
   MoE (the Mixtral architecture at its shapes: Qwen3-MoE's own model adds only per-head q/k norms,
   and the runs before it was built stay comparable), against the bytes a step must read:
   attention, router, LM head and the experts its tokens chose. And the MoE block alone against
-  the router's and chosen experts' bytes.
+  the router's and chosen experts' bytes (replayed in a CUDA graph, the eager call beside it).
 - pd: prefill and decode engines in two processes, the KV pulled between them by every path
   (torch's CUDA IPC, UCX, the tcp backend, pdserve's local read), and their greedy tokens against
   two references (gpu_suite_pd.py).
