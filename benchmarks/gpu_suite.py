@@ -2,7 +2,7 @@
 against `transformers`, the paged decode attention kernel, a MoE decode step, and P/D with the KV
 pulled between two processes.
 
-    python benchmarks/gpu_suite.py [--out DIR] [--sections machine,attention,dense,moe,pd] [--dry-run]
+    python benchmarks/gpu_suite.py [--out DIR] [--sections machine,attention,gemv,dense,moe,pd] [--dry-run]
 
 (--sections reruns some of them, e.g. machine,pd: the machine's figures are the others' limits.)
 
@@ -17,6 +17,9 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
 - attention: the Triton paged decode attention kernel at 8B shapes (batch 64, contexts 1k-8k, 32
   query / 8 KV heads of 128, bf16), K/V bytes read per second against the copy bandwidth, timed
   as a decode step runs it (replayed in a CUDA graph; the eager call beside it).
+- gemv: a layer's four weight GEMVs at batch 1, cuBLAS against a Triton GEMV at a few tilings
+  (gpu_suite_gemv.py): could GEMVs of our own, with the small kernels around them folded in,
+  bring the batch-1 step to the roofline's 0.8?
 - dense: a Llama-3-8B-shaped model on pdserve's engine, CUDA graphs on: batch-1 decode against the
   roofline (copy bandwidth / weight bytes: a decode step reads every weight once), output
   throughput at batch 64 and 256 against `transformers` `generate` on the same weights, prompts
@@ -59,10 +62,10 @@ from pathlib import Path
 import gpu_suite_sections as measure  # beside this script: how each figure is measured
 from gpu_suite_sections import log
 
-SECTIONS = ("machine", "attention", "dense", "moe", "pd")
+SECTIONS = ("machine", "attention", "gemv", "dense", "moe", "pd")
 # About what each section takes on an H100 (estimated, not yet measured). At twice this the
 # section's thread stacks are dumped to stderr, so that a hang says where; nothing is stopped.
-EXPECTED_S = {"machine": 15, "attention": 30, "dense": 150, "moe": 45, "pd": 90}
+EXPECTED_S = {"machine": 15, "attention": 30, "gemv": 30, "dense": 150, "moe": 45, "pd": 90}
 
 
 @dataclass(frozen=True)
@@ -258,7 +261,7 @@ def main() -> int:
     rep.write()
     log(f"gpu_suite on {rep.data['env']['device_name']}: sections {', '.join(sections)}")
     runners = {"machine": measure.section_machine, "attention": measure.section_attention,
-               "dense": measure.section_dense, "moe": measure.section_moe, "pd": measure.section_pd}
+               "gemv": measure.section_gemv, "dense": measure.section_dense, "moe": measure.section_moe, "pd": measure.section_pd}
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as work:
         for name in sections:
             s = rep.section(name)

@@ -256,6 +256,14 @@ def section_attention(sh: Shapes, rep: Report, work: Path) -> None:
         raise AssertionError(f"Triton prefill attention differs from the torch path: relative error {err:.2e}")
 
 
+def section_gemv(sh: Shapes, rep: Report, work: Path) -> None:
+    import torch
+
+    import gpu_suite_gemv  # beside this script
+
+    gpu_suite_gemv.run(rep, sh.dense, sh.device, getattr(torch, sh.dtype), sh.timing_iters)
+
+
 def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     import torch
 

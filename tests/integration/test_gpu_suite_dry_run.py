@@ -21,7 +21,7 @@ MISSING = [m for m in ("ucxx", "transformers", "triton") if importlib.util.find_
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}")]
 
 SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
-SECTIONS = {"machine", "attention", "dense", "moe", "pd"}
+SECTIONS = {"machine", "attention", "gemv", "dense", "moe", "pd"}
 
 
 def _run(out: Path, *args: str, **env: str) -> dict:
