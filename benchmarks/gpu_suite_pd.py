@@ -373,6 +373,7 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
     handle parsed, the exporter's cache and board looked up, the board's checks, the copy enqueued,
     its wait); and the same prompt read again and again with nothing, a zeroing, an idle device
     (20 ms) or a digest of its blocks between the reads (a phase read has the last two)."""
+    from pdserve.engine.host_tensors import long_tensor
     from pdserve.kvtransfer.blocks import _check_ids, _wide, block_run, copy_blocks
     from pdserve.kvtransfer.lease_board import token_digest
     from pdserve.kvtransfer.protocol import KVHandle, head_slice
@@ -412,20 +413,20 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
             rep.row("pd", f"copy_blocks alone, {num_blocks} blocks cache to cache in one process, {label}, bytes "
                     "read + written", nbytes / seconds / 1e9, "GB/s", copy_bw, "copy bandwidth", None,
                     note=f"median {seconds * 1e6:.0f} us of 8, launch and sync included")
-        if kv.is_cuda:  # the ids' upload a copy over ids makes, as it makes it and from pinned memory
-            ids = [*src, *dst]
-            pageable = clocked(lambda: (torch.as_tensor(ids, dtype=torch.long, device=kv.device), _sync(kv)), n=20)
-            pinned = clocked(lambda: (torch.as_tensor(ids, dtype=torch.long).pin_memory().to(kv.device, non_blocking=True),
-                                      _sync(kv)), n=20)
-            rep.figures("pd", ids_upload_pageable_s=pageable, ids_upload_pinned_s=pinned)
-            log(f"pd: {len(ids)} block ids uploaded and synchronized: from pageable memory {ms(pageable)}, "
-                f"from pinned memory {ms(pinned)}")
+        # The ids a copy over ids uploads: by torch.tensor from the list (before) and through numpy
+        # (long_tensor, now), each with its wait. (From pinned memory: no faster, 53rd session.)
+        ids = [*src, *dst]
+        by_list = clocked(lambda: (torch.as_tensor(ids, dtype=torch.long, device=kv.device), _sync(kv)), n=20)
+        by_numpy = clocked(lambda: (long_tensor(ids, kv.device), _sync(kv)), n=20)
+        rep.figures("pd", ids_upload_by_list_s=by_list, ids_upload_by_numpy_s=by_numpy)
+        log(f"pd: {len(ids)} block ids uploaded and waited for: by torch.as_tensor of the list {ms(by_list)}, "
+            f"through numpy {ms(by_numpy)}")
         if "local" in pulls.errors or handle is None or handle.get("cache_region") is None:
             return
         one, importer = KVHandle.from_dict(handle), pulls.importers["tcp"]
         ids = list(one.block_ids)
-        log(f"pd: the exporter's blocks of this prompt are {'one run' if block_run(ids) is not None else 'not one run'}; "
-            f"the reads below go into {'one run' if block_run(dst) is not None else 'blocks not one run'}")
+        runs = ["one run" if block_run(b) is not None else "not one run" for b in (ids, dst)]
+        log(f"pd: the exporter's blocks of this prompt are {runs[0]}; the reads below go into {runs[1]}")
         one_block = clocked(lambda: (importer.pull(one, dst[:1], PULL_TIMEOUT_S, None, num_blocks - 1, ack=False),
                                      _sync(kv)))
         # A local read's steps, as `_fetch` and `read_on_board` take them, and copy_blocks' own.
@@ -434,7 +435,8 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
         def views(source):
             wide_kv, wide_source = _wide(kv, source) if kv.is_cuda else (kv, torch.from_numpy(source))
             d, s = dst[0], ids[0]
-            return wide_kv.narrow(2, d, len(dst)), wide_source.narrow(2, s, len(ids)).narrow(4, heads[0], heads[1] - heads[0])
+            return (wide_kv.narrow(2, d, len(dst)),
+                    wide_source.narrow(2, s, len(ids)).narrow(4, heads[0], heads[1] - heads[0]))
         into, out_of = views(source)
         lease = (one.lease_slot, one.lease_generation, token_digest(one.lease_token or ""))
         steps = {
@@ -458,8 +460,9 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
         if board is None:  # no board mapped here: the READ decides (its round trip is in the one-block read)
             del steps["the board's checks (lease live, exporter alive)"]
         whole = {}  # the same prompt's blocks read again and again, with what a phase has between reads
-        read = lambda: (importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, 0, ack=False),  # noqa: E731
-                        _sync(kv))
+        def read():
+            importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, 0, ack=False)
+            _sync(kv)
         dst_ids = torch.tensor(dst, device=kv.device)
         for label, before in (("nothing", None),
                               ("the blocks zeroed", lambda: kv.index_fill_(2, dst_ids, 0)),

@@ -225,7 +225,8 @@ def section_attention(sh: Shapes, rep: Report, work: Path) -> None:
         sweep = {}
         for blocks in (8, 16, 32, 64):
             if blocks <= ctx // block:
-                part = lambda args=args, blocks=blocks: triton_paged.paged_decode_attention(*args, partition_blocks=blocks)  # noqa: E731
+                def part(args=args, blocks=blocks):
+                    return triton_paged.paged_decode_attention(*args, partition_blocks=blocks)
                 sweep[blocks] = replay_seconds_per_call(part, dev, sh.timing_iters) or \
                     seconds_per_call(part, dev, sh.timing_iters)
         rep.figures("attention", **{f"ctx{ctx}_s_by_partition_blocks": sweep})

@@ -23,6 +23,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta, forward_context
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.host_tensors import long_tensor
 from pdserve.engine.kernels import cpu_decoder
 from pdserve.engine.kernels.paged_attention import GatherWorkspace
 from pdserve.engine.kv_cache import KVCache, KVCacheManager
@@ -251,4 +252,4 @@ class ModelRunner:
         return out
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(values, self.device)

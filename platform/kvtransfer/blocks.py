@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pdserve.engine.host_tensors import long_tensor
 from pdserve.engine.kernels import triton_paged
 
 
@@ -35,7 +36,7 @@ def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int]
             out = triton_paged.gather_blocks(kv, block_ids, heads, out)
         else:
             src = kv if heads is None else kv[:, :, :, :, heads[0]:heads[1]]
-            index = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
+            index = long_tensor(block_ids, kv.device)
             out = src.index_select(2, index) if out is None else out.copy_(src.index_select(2, index))
         torch.cuda.current_stream(kv.device).synchronize()
         return out
@@ -53,7 +54,7 @@ def scatter_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -
         if triton_paged.HAS_TRITON:
             triton_paged.scatter_blocks(kv, block_ids, data)
         else:
-            kv.index_copy_(2, torch.as_tensor(block_ids, dtype=torch.long, device=kv.device), data)
+            kv.index_copy_(2, long_tensor(block_ids, kv.device), data)
         torch.cuda.current_stream(kv.device).synchronize()
         return
     _bits(kv)[:, :, _block_index(block_ids, kv.shape[2])] = _bits(data)
@@ -132,8 +133,8 @@ def copy_blocks(src: np.ndarray | torch.Tensor, src_ids: list[int], heads: tuple
         elif triton_paged.HAS_TRITON:
             triton_paged.copy_blocks(src, src_ids, heads, kv, dst_ids)
         else:
-            rows = src[:, :, :, :, heads[0]:heads[1]].index_select(2, torch.as_tensor(src_ids, device=kv.device))
-            kv.index_copy_(2, torch.as_tensor(dst_ids, device=kv.device), rows)
+            rows = src[:, :, :, :, heads[0]:heads[1]].index_select(2, long_tensor(src_ids, kv.device))
+            kv.index_copy_(2, long_tensor(dst_ids, kv.device), rows)
         return
     src_index, dst_index = _block_index(src_ids, src.shape[2]), _block_index(dst_ids, kv.shape[2])
     dst = _bits(kv)

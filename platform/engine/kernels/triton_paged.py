@@ -39,6 +39,8 @@ from types import SimpleNamespace
 
 import torch
 
+from pdserve.engine.host_tensors import long_tensor
+
 # Triton is imported on first use, not with the engine: the CPU engine runs without it, and the
 # interpreter (TRITON_INTERPRET=1) must be chosen before the kernels are defined.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -340,7 +342,7 @@ def _copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, src_heads: tuple[int,
 
 
 def _ids(block_ids: list[int], device) -> torch.Tensor:
-    return torch.as_tensor(block_ids, dtype=torch.long, device=device)
+    return long_tensor(block_ids, device)
 
 
 def gather_blocks(kv: torch.Tensor, block_ids: list[int], heads: tuple[int, int] | None = None,
