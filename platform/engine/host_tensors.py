@@ -8,6 +8,5 @@ import torch
 
 def long_tensor(values, device: torch.device | str) -> torch.Tensor:
     """Ints (a list, tuple or array) as a new int64 tensor on `device`, through numpy: `torch.tensor`
-    converts a list one element at a time, ~3x slower (1,024 ints: 41 against 12 us; RESULTS.md,
-    #47, 53rd session)."""
+    converts a list one element at a time, 2.3-3.5x slower (benchmarks/host_tensors.py)."""
     return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)

@@ -128,7 +128,7 @@ def copy_blocks(src: np.ndarray | torch.Tensor, src_ids: list[int], heads: tuple
         _check_ids(src_ids, src.shape[2], None if s is None else (s, s + n - 1))
         _check_ids(dst_ids, kv.shape[2], None if d is None else (d, d + n - 1))
         if s is not None and d is not None:
-            into, out_of = _wide(kv, src)  # narrow, not slices: fewer microseconds of the host's
+            into, out_of = _wide(kv, src)  # narrow, not slicing: less host work
             into.narrow(2, d, n).copy_(out_of.narrow(2, s, n).narrow(4, heads[0], heads[1] - heads[0]))
         elif triton_paged.HAS_TRITON:
             triton_paged.copy_blocks(src, src_ids, heads, kv, dst_ids)
