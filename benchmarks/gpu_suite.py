@@ -261,7 +261,8 @@ def main() -> int:
     rep.write()
     log(f"gpu_suite on {rep.data['env']['device_name']}: sections {', '.join(sections)}")
     runners = {"machine": measure.section_machine, "attention": measure.section_attention,
-               "gemv": measure.section_gemv, "dense": measure.section_dense, "moe": measure.section_moe, "pd": measure.section_pd}
+               "gemv": measure.section_gemv, "dense": measure.section_dense, "moe": measure.section_moe,
+               "pd": measure.section_pd}
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as work:
         for name in sections:
             s = rep.section(name)

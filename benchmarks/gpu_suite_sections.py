@@ -210,7 +210,8 @@ def section_attention(sh: Shapes, rep: Report, work: Path) -> None:
         # Timed as a decode step runs it (in a CUDA graph), and as an eager call whose host work the
         # device waits for (the kernels' launch included).
         args = (q, k_cache, v_cache, tables, lens, scale)
-        call = lambda args=args: triton_paged.paged_decode_attention(*args)  # noqa: E731
+        def call(args=args):
+            return triton_paged.paged_decode_attention(*args)
         eager = seconds_per_call(call, dev, sh.timing_iters)
         replayed = replay_seconds_per_call(call, dev, sh.timing_iters)
         t = replayed or eager
@@ -463,7 +464,8 @@ def section_moe(sh: Shapes, rep: Report, work: Path) -> None:
         block = moe_blocks[0]
         with torch.inference_mode():
             distinct = block.gate(x).topk(k, dim=-1).indices.unique().numel()
-            call = lambda x=x, block=block: block(x)  # noqa: E731
+            def call(x=x, block=block):
+                return block(x)
             eager = seconds_per_call(call, sh.device, sh.timing_iters)
             replayed = replay_seconds_per_call(call, sh.device, sh.timing_iters)
         t = replayed or eager
