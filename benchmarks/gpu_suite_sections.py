@@ -409,6 +409,8 @@ def section_moe(sh: Shapes, rep: Report, work: Path) -> None:
 
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.kernels import triton_moe
+    from pdserve.engine.kernels.triton_paged import _pow2
     from pdserve.engine.models.arch import ModelArch
 
     model_dir = write_model_dir(work / "moe", sh.moe, _tokenizer())
@@ -468,14 +470,22 @@ def section_moe(sh: Shapes, rep: Report, work: Path) -> None:
                 return block(x)
             eager = seconds_per_call(call, sh.device, sh.timing_iters)
             replayed = replay_seconds_per_call(call, sh.device, sh.timing_iters)
+            # Beside it, the experts' GEMMs with the tiles of every batch before choose_block_n
+            # (64 outputs a program, at least 16, at most the outputs' power of two).
+            rule, triton_moe.choose_block_n = triton_moe.choose_block_n, lambda n, *_: min(64, max(16, _pow2(n)))
+            try:
+                wide = replay_seconds_per_call(call, sh.device, sh.timing_iters)
+            finally:
+                triton_moe.choose_block_n = rule
         t = replayed or eager
         block_bytes = elsize * arch.num_experts * h + distinct * expert_bytes
         rep.figures("moe", **{f"block_batch{b}_s": t, f"block_batch{b}_eager_s": eager,
-                              f"block_batch{b}_replayed_s": replayed, f"block_batch{b}_bytes": block_bytes})
+                              f"block_batch{b}_replayed_s": replayed, f"block_batch{b}_64_wide_tiles_s": wide,
+                              f"block_batch{b}_bytes": block_bytes})
         rep.row("moe", f"MoE block alone (router + {distinct} experts), batch {b}", block_bytes / t / 1e9, "GB/s",
                 copy_bw / 1e9, "copy bandwidth", None,
                 note=(f"{replayed * 1e6:.0f} us in a CUDA graph; an eager call {eager * 1e6:.0f} us" if replayed
-                      else f"{t * 1e6:.0f} us"))
+                      else f"{t * 1e6:.0f} us") + (f"; 64-wide tiles {wide * 1e6:.0f} us" if wide else ""))
 
 
 def section_pd(sh: Shapes, rep: Report, work: Path) -> None:

@@ -31,7 +31,8 @@ from types import SimpleNamespace
 import torch
 
 # Triton imported on first use, as there (HAS_TRITON says whether it is installed).
-from pdserve.engine.kernels.triton_paged import HAS_TRITON, _pow2  # noqa: F401 - HAS_TRITON: callers read it here
+from pdserve.engine.kernels.triton_paged import HAS_TRITON  # noqa: F401 - callers read it here
+from pdserve.engine.kernels.triton_paged import _num_sms, _pow2
 
 
 @functools.cache
@@ -187,13 +188,26 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
+def choose_block_n(n: int, num_pairs: int, num_experts: int, num_sms: int) -> int:
+    """Outputs per program: 64, or fewer (at least 16) while a launch would have under two programs
+    an SM. At decode batches each chosen expert gets one block of a row or two: with 64-wide tiles a
+    batch-1 step of Qwen3-30B-A3B's shapes launched 96 programs on an H200's 132 SMs, and the MoE
+    block read its 76 MB at 0.28 of the copy bandwidth (RESULTS.md, #47, 53rd session). A function
+    of shapes only: each CUDA graph's batch keeps its own."""
+    blocks = min(num_experts, num_pairs)  # at least one block for each expert a pair chose
+    block_n = min(64, max(16, _pow2(n)))
+    while block_n > 16 and -(-n // block_n) * blocks < 2 * num_sms:
+        block_n //= 2
+    return block_n
+
+
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, top_w: torch.Tensor,
                  alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_m: int, num_pairs: int,
-                 pairs_per_a_row: int, swiglu: bool) -> None:
+                 pairs_per_a_row: int, swiglu: bool, block_n: int | None) -> None:
     sorted_ids, block_expert, num_rows = alignment
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     k = w.shape[2]
-    block_n = min(64, max(16, _pow2(n)))
+    block_n = block_n or choose_block_n(n, num_pairs, w.shape[0], _num_sms(a.device))
     block_k = min(128 if a.element_size() <= 2 else 64, max(16, _pow2(k)))  # fp32: half, for shared memory
     grid = (-(-n // block_n), block_expert.numel())
     _kernels().expert_gemm[grid](
@@ -207,8 +221,9 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, top_w: tor
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
-              block_m: int | None = None) -> torch.Tensor:
-    """`[T, hidden]` (see the module docstring). `block_m` overrides the rows per block (tests)."""
+              block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """`[T, hidden]` (see the module docstring). `block_m` and `block_n` override the rows per block
+    and the outputs per program (tests, benchmarks)."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = top_i.shape[1]
@@ -221,6 +236,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch
     top_w = top_w.contiguous()
     h = x.new_empty(num_pairs, two_i // 2)
     y = x.new_empty(num_tokens, top_k, hidden)
-    _expert_gemm(x.contiguous(), w13, h, top_w, alignment, block_m, num_pairs, top_k, swiglu=True)
-    _expert_gemm(h, w2, y.view(num_pairs, hidden), top_w, alignment, block_m, num_pairs, 1, swiglu=False)
+    _expert_gemm(x.contiguous(), w13, h, top_w, alignment, block_m, num_pairs, top_k, True, block_n)
+    _expert_gemm(h, w2, y.view(num_pairs, hidden), top_w, alignment, block_m, num_pairs, 1, False, block_n)
     return y.sum(1)

@@ -79,6 +79,27 @@ def test_every_token_on_every_expert(block_m):
     torch.testing.assert_close(got, reference(x, w13, w2, top_w, top_i), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_narrower_output_tiles_give_the_same_result(block_n):
+    """The tiles a decode batch gets where 64-wide ones would leave SMs idle (`choose_block_n`)."""
+    num_tokens, num_experts, top_k = 3, 8, 2
+    top_w, top_i = routing(num_tokens, num_experts, top_k)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    w13, w2 = experts(num_experts, torch.float32)
+    got = tm.fused_moe(x, w13, w2, top_w, top_i, block_n=block_n)
+    torch.testing.assert_close(got, reference(x, w13, w2, top_w, top_i), atol=2e-5, rtol=2e-5)
+
+
+def test_block_n_fills_the_sms_at_decode_batches_only():
+    # Qwen3-30B-A3B on 132 SMs: batch 1 (8 pairs) takes narrower tiles, batch 64 (512 pairs) 64.
+    assert tm.choose_block_n(768, 8, 128, 132) == 16  # gate/up: 48 x 8 = 384 programs
+    assert tm.choose_block_n(2048, 8, 128, 132) == 32  # down: 64 x 8 = 512
+    assert tm.choose_block_n(768, 512, 128, 132) == 64
+    assert tm.choose_block_n(2048, 512, 128, 132) == 64
+    assert tm.choose_block_n(8, 1, 4, 132) == 16  # never under 16, nor over the outputs' power of two
+    assert tm.choose_block_n(32, 64, 8, 1) == 32
+
+
 @pytest.mark.parametrize("use_torch", [False, True])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (17, 8, 2, 16), (40, 4, 2, 16),
                                                                   (9, 5, 3, 32)])
