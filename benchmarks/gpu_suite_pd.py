@@ -369,10 +369,11 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
     """The default's local read taken apart, on the host's clock (a pull waits for all of it):
     `copy_blocks` alone (this cache's blocks into its other blocks, as many as a prompt has; both
     sides one run, a strided copy, and the same blocks in another order, the kernel over ids); the
-    block ids' upload, from pageable and from pinned memory; a local read's steps one by one (the
-    handle parsed, the exporter's cache and board looked up, the board's checks, the copy enqueued,
-    its wait); and the same prompt read again and again with nothing, a zeroing, an idle device
-    (20 ms) or a digest of its blocks between the reads (a phase read has the last two)."""
+    block ids' upload, by `torch.as_tensor` of the list and through numpy; a local read's steps one
+    by one (the handle parsed, the exporter's cache and board looked up, the board's checks, the
+    ids checked, the views made, the copy enqueued, its wait); and the same prompt read again and
+    again with nothing, a zeroing, an idle device (20 ms) or a digest of its blocks between the
+    reads (a phase read has the last two)."""
     from pdserve.engine.host_tensors import long_tensor
     from pdserve.kvtransfer.blocks import _check_ids, _wide, block_run, copy_blocks
     from pdserve.kvtransfer.lease_board import token_digest
@@ -438,6 +439,10 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
             return (wide_kv.narrow(2, d, len(dst)),
                     wide_source.narrow(2, s, len(ids)).narrow(4, heads[0], heads[1] - heads[0]))
         into, out_of = views(source)
+
+        def ends(blocks: list[int]) -> tuple[int, int] | None:  # as copy_blocks finds them
+            first = block_run(blocks)
+            return None if first is None else (first, first + len(blocks) - 1)
         lease = (one.lease_slot, one.lease_generation, token_digest(one.lease_token or ""))
         steps = {
             "the handle parsed": clocked(lambda: KVHandle.from_dict(handle)),
@@ -447,9 +452,8 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
                                                                          importer.mapped_board(one))),
             "the board's checks (lease live, exporter alive)": clocked(lambda: (board.is_live(*lease),
                                                                                 board.exporter_alive())),
-            "the ids checked (runs, in range)": clocked(lambda: (
-                _check_ids(ids, source.shape[2], (block_run(ids), block_run(ids) + len(ids) - 1)),
-                _check_ids(dst, kv.shape[2], (block_run(dst), block_run(dst) + len(dst) - 1)))),
+            "the ids checked (runs, in range)": clocked(lambda: (_check_ids(ids, source.shape[2], ends(ids)),
+                                                                _check_ids(dst, kv.shape[2], ends(dst)))),
             "the strided views made": clocked(lambda: views(source)),
             "an idle stream synchronized": clocked(importer.finish_copy if kv.is_cuda else lambda: None),
             "torch's copy_ enqueued, on views made before": clocked(lambda: into.copy_(out_of)),
@@ -459,10 +463,11 @@ def _time_local_parts(rep, engine, pulls, handle: dict | None, num_blocks: int, 
         }
         if board is None:  # no board mapped here: the READ decides (its round trip is in the one-block read)
             del steps["the board's checks (lease live, exporter alive)"]
-        whole = {}  # the same prompt's blocks read again and again, with what a phase has between reads
+
         def read():
             importer.pull(KVHandle.from_dict(handle), dst, PULL_TIMEOUT_S, None, 0, ack=False)
             _sync(kv)
+        whole = {}  # the same prompt's blocks read again and again, with what a phase has between reads
         dst_ids = torch.tensor(dst, device=kv.device)
         for label, before in (("nothing", None),
                               ("the blocks zeroed", lambda: kv.index_fill_(2, dst_ids, 0)),
