@@ -67,27 +67,26 @@ def test_fused_moe_matches_the_loop(dtype, num_tokens, num_experts, top_k):
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
+def assert_fp32_matches_the_loop(num_tokens: int, num_experts: int, top_k: int, **tiles) -> None:
+    """`fused_moe` at the given tiles (`block_m`, `block_n`) against the loop, in fp32."""
+    top_w, top_i = routing(num_tokens, num_experts, top_k)
+    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
+    w13, w2 = experts(num_experts, torch.float32)
+    got = tm.fused_moe(x, w13, w2, top_w, top_i, **tiles)
+    torch.testing.assert_close(got, reference(x, w13, w2, top_w, top_i), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_every_token_on_every_expert(block_m):
     """Top-4 of 4 experts: each expert gets all 17 tokens, a run over two blocks of 16 (or most
     of one block of 64)."""
-    num_tokens, num_experts, top_k = 17, 4, 4
-    top_w, top_i = routing(num_tokens, num_experts, top_k)
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
-    w13, w2 = experts(num_experts, torch.float32)
-    got = tm.fused_moe(x, w13, w2, top_w, top_i, block_m=block_m)
-    torch.testing.assert_close(got, reference(x, w13, w2, top_w, top_i), atol=2e-5, rtol=2e-5)
+    assert_fp32_matches_the_loop(17, 4, 4, block_m=block_m)
 
 
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_narrower_output_tiles_give_the_same_result(block_n):
     """The tiles a decode batch gets where 64-wide ones would leave SMs idle (`choose_block_n`)."""
-    num_tokens, num_experts, top_k = 3, 8, 2
-    top_w, top_i = routing(num_tokens, num_experts, top_k)
-    x = torch.randn(num_tokens, HIDDEN, device=DEVICE)
-    w13, w2 = experts(num_experts, torch.float32)
-    got = tm.fused_moe(x, w13, w2, top_w, top_i, block_n=block_n)
-    torch.testing.assert_close(got, reference(x, w13, w2, top_w, top_i), atol=2e-5, rtol=2e-5)
+    assert_fp32_matches_the_loop(3, 8, 2, block_n=block_n)
 
 
 def test_block_n_fills_the_sms_at_decode_batches_only():
