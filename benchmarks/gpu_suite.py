@@ -17,7 +17,8 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
 - attention: the Triton paged decode attention kernel at 8B shapes (batch 64, contexts 1k-8k, 32
   query / 8 KV heads of 128, bf16), K/V bytes read per second against the copy bandwidth, timed
   as a decode step runs it (replayed in a CUDA graph; the eager call beside it).
-- gemv: a layer's four weight GEMVs at batch 1, cuBLAS against a Triton GEMV at a few tilings
+- gemv: a layer's four weight GEMVs at batch 1, cuBLAS against a Triton GEMV at a few tilings,
+  and a whole batch-1 layer both ways (the norms, SwiGLU and residual adds read into the GEMVs)
   (gpu_suite_gemv.py): could GEMVs of our own, with the small kernels around them folded in,
   bring the batch-1 step to the roofline's 0.8?
 - dense: a Llama-3-8B-shaped model on pdserve's engine, CUDA graphs on: batch-1 decode against the

@@ -263,7 +263,7 @@ def section_gemv(sh: Shapes, rep: Report, work: Path) -> None:
 
     import gpu_suite_gemv  # beside this script
 
-    gpu_suite_gemv.run(rep, sh.dense, sh.device, getattr(torch, sh.dtype), sh.timing_iters)
+    gpu_suite_gemv.run(rep, sh.dense, sh.device, getattr(torch, sh.dtype), sh.timing_iters, sh.attn_contexts[0])
 
 
 def section_dense(sh: Shapes, rep: Report, work: Path) -> None:

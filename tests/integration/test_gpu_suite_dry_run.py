@@ -72,6 +72,10 @@ def test_every_section_reports_finite_figures(tmp_path):
         assert _row(report, "dense", f"8B-shaped output throughput, batch {b},")["limit_name"] == "transformers generate"
         assert dense[f"batch{b}_tokens_equal_transformers"] == 1.0  # fp32 on a CPU: the same weights, the same tokens
 
+    # The layer on Triton GEMVs (norms, SwiGLU and residual adds read in) is the engine's layer.
+    assert _row(report, "gemv", "batch-1 decoder layer at context")["value"] > 0
+    assert report["sections"]["gemv"]["figures"]["layer_relative_error"] < 1e-4  # fp32
+
     pd = report["sections"]["pd"]["figures"]
     assert pd["ucx"] is True and pd["decoded_from"] == ["local"] and not pd["pull_errors"]
     for path in ("UCX messages, blocks in one run", "UCX messages, scattered blocks", "torch.multiprocessing",
