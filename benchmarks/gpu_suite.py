@@ -17,12 +17,12 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
 - attention: the Triton paged decode attention kernel at 8B shapes (batch 64, contexts 1k-8k, 32
   query / 8 KV heads of 128, bf16), K/V bytes read per second against the copy bandwidth, timed
   as a decode step runs it (replayed in a CUDA graph; the eager call beside it).
-- gemv: a layer's four weight GEMVs at batch 1, cuBLAS against a Triton GEMV at a few tilings,
-  and a whole batch-1 layer both ways (the norms, SwiGLU and residual adds read into the GEMVs)
-  (gpu_suite_gemv.py): could GEMVs of our own, with the small kernels around them folded in,
-  bring the batch-1 step to the roofline's 0.8?
+- gemv: a layer's four weight GEMVs at batch 1, cuBLAS against the engine's Triton GEMV
+  (`triton_gemv`) at a few tilings, and a whole batch-1 layer both ways (op by op, and with the
+  norms, SwiGLU and residual adds read into the GEMVs) (gpu_suite_gemv.py).
 - dense: a Llama-3-8B-shaped model on pdserve's engine, CUDA graphs on: batch-1 decode against the
-  roofline (copy bandwidth / weight bytes: a decode step reads every weight once), output
+  roofline (copy bandwidth / weight bytes: a decode step reads every weight once), on the one-token
+  GEMV path and op by op (a second batch-1 graph of the same engine, the same prompt), output
   throughput at batch 64 and 256 against `transformers` `generate` on the same weights, prompts
   and lengths, and a 4,096-token prefill against the matmul peak (MFU).
 - moe: decode steps at Qwen3-30B-A3B's shapes with 4 of its 48 layers, on pdserve's Mixtral-style

@@ -267,9 +267,13 @@ def section_gemv(sh: Shapes, rep: Report, work: Path) -> None:
 
 
 def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
+    from unittest import mock
+
     import torch
 
     from pdserve.config import EngineConfig
+    from pdserve.engine.cuda_graphs import DecodeGraphs
+    from pdserve.engine.kernels import ops
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.models.arch import ModelArch
 
@@ -292,12 +296,34 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     prompts = {b: random_prompts(rng, b, sh.prompt_tokens, arch.vocab_size) for b in sh.throughput_batches}
     run_requests(engine, random_prompts(rng, 2, 16, arch.vocab_size), 4)  # warm-up: kernels, handles
 
-    _, step_s = run_requests(engine, random_prompts(rng, 1, sh.prompt_tokens, arch.vocab_size), sh.output_tokens + 1)
+    graphs_on = engine.runner.decode_graphs is not None
+    one_prompt = random_prompts(rng, 1, sh.prompt_tokens, arch.vocab_size)
+    tokens, step_s = run_requests(engine, one_prompt, sh.output_tokens + 1)
     tok_s = (len(step_s) - 1) / sum(step_s[1:])  # the first step is the prefill
     copy_bw = rep.limits.get("copy_bytes_per_s", 0)
     rep.figures("dense", batch1_tokens_per_s=tok_s, batch1_step_ms=[s * 1e3 for s in step_s[1:6]])
     rep.row("dense", "8B-shaped decode, batch 1", tok_s, "tokens/s", copy_bw / weight_bytes,
-            "roofline: copy bandwidth / weight bytes", 0.8, note=f"{1e3 / tok_s:.2f} ms a step")
+            "roofline: copy bandwidth / weight bytes", 0.8,
+            note=f"{1e3 / tok_s:.2f} ms a step" + (" (one-token steps on triton_gemv)" if graphs_on else ""))
+    # The same prompt with one-token steps op by op (cuBLAS's GEMVs: the engine before triton_gemv),
+    # its own batch-1 graph, in this engine: the GEMV path's gain, and its tokens against it.
+    with mock.patch.object(ops, "runs_gemvs", lambda *args: False):
+        op_by_op = DecodeGraphs(engine.model, engine.kv_cache, 1, -(-engine.max_model_len // engine.kv_cache.block_size),
+                                sh.device)
+        if graphs_on:
+            op_by_op.capture()
+        graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, op_by_op
+        try:
+            op_tokens, op_step_s = run_requests(engine, one_prompt, sh.output_tokens + 1)
+        finally:
+            engine.runner.decode_graphs = graphs
+    op_tok_s = (len(op_step_s) - 1) / sum(op_step_s[1:])
+    same = sum(a == b for a, b in zip(tokens[0], op_tokens[0])) / len(tokens[0])
+    rep.figures("dense", batch1_op_by_op_tokens_per_s=op_tok_s, batch1_tokens_equal_op_by_op=same)
+    rep.row("dense", "8B-shaped decode, batch 1, one-token steps op by op (cuBLAS's GEMVs)", op_tok_s, "tokens/s",
+            copy_bw / weight_bytes, "roofline: copy bandwidth / weight bytes", None,
+            note=f"{1e3 / op_tok_s:.2f} ms a step; greedy tokens equal to the GEMV path's on {same:.0%} of "
+                 f"{len(tokens[0])} (bf16 rounds in other places)")
 
     ours = {}
     for b in sh.throughput_batches:
@@ -322,14 +348,17 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     rep.figures("dense", prefill_s=prefill_s, prefill_flops=flops, prefill_tokens_per_s=n / t)
     rep.row("dense", f"8B-shaped prefill of {n} tokens (MFU)", flops / t / 1e12, "TFLOP/s", peak / 1e12,
             "matmul peak", 0.5, note=f"{n / t:,.0f} tokens/s, {t * 1e3:.0f} ms")
-    graphs = engine.runner.decode_graphs
     if graphs is not None and 1 in graphs._graphs:
         # The device's share of a batch-1 step: its graph replayed alone (the rest of a step is the
-        # host's: scheduling, inputs, sampling). Last: the replay writes a K/V slot no request owns.
+        # host's: scheduling, inputs, sampling), both ways. Last: a replay writes a K/V slot no
+        # request owns.
         replay_s = seconds_per_call(graphs._graphs[1].replay, sh.device, sh.timing_iters)
+        op_replay_s = seconds_per_call(op_by_op._graphs[1].replay, sh.device, sh.timing_iters)
+        rep.figures("dense", batch1_replay_s=replay_s, batch1_op_by_op_replay_s=op_replay_s)
         rep.row("dense", "8B-shaped decode step, batch 1, its CUDA graph replayed alone (weight bytes read)",
                 weight_bytes / replay_s / 1e9, "GB/s", copy_bw / 1e9, "copy bandwidth", 0.8,
-                note=f"{replay_s * 1e3:.2f} ms of the {1e3 / tok_s:.2f} ms step")
+                note=f"{replay_s * 1e3:.2f} ms of the {1e3 / tok_s:.2f} ms step; op by op "
+                     f"{op_replay_s * 1e3:.2f} ms ({weight_bytes / op_replay_s / copy_bw:.2f})")
     del engine
     free_device_memory(sh.device)
 

@@ -71,6 +71,8 @@ def test_every_section_reports_finite_figures(tmp_path):
     for b in report["shapes"]["throughput_batches"]:
         assert _row(report, "dense", f"8B-shaped output throughput, batch {b},")["limit_name"] == "transformers generate"
         assert dense[f"batch{b}_tokens_equal_transformers"] == 1.0  # fp32 on a CPU: the same weights, the same tokens
+    assert _row(report, "dense", "8B-shaped decode, batch 1, one-token steps op by op")["value"] > 0
+    assert dense["batch1_tokens_equal_op_by_op"] == 1.0
 
     # The layer on Triton GEMVs (norms, SwiGLU and residual adds read in) is the engine's layer.
     assert _row(report, "gemv", "batch-1 decoder layer at context")["value"] > 0

@@ -13,6 +13,9 @@ Elementwise (the model files'):
 - `silu_mul(gate_up)`: `silu(gate) * up` of `[tokens, 2 * inter]` holding gate and up side by side.
 
 Linear layers: `pack_linear(weight)` once at load, then `linear(x, ...)` on what it packed for.
+One-token steps on a GPU: where `runs_gemvs` says so, a layer's GEMVs take the ops around them in
+(`triton_gemv`): `norm_gemv` (the norm before a GEMV) and `gemv_add_` (SwiGLU before it, the
+residual add after it).
 Experts: `fuses_moe(w13, ...)` once at load (it fixes the weights' layout), then `moe(...)`.
 Paged attention: `write_kv`, `paged_decode_attention`, `paged_prefill_attention` (with a
 sliding window or without, on every kernel); `latent_decode_attention` (MLA's absorbed decode over
@@ -29,7 +32,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_kernels, paged_attention, triton_fused, triton_mla, triton_moe, triton_paged
+from pdserve.engine.kernels import (cpu_kernels, paged_attention, triton_fused, triton_gemv, triton_mla, triton_moe,
+                                    triton_paged)
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -135,6 +139,35 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
     except (RuntimeError, AttributeError):  # a torch build without this private op
         return None
+
+
+# -- one-token steps on a GPU: GEMVs with the ops around them read in --------------------------------
+# A batch-1 decode step reads every weight once through GEMVs. On a GPU the small kernels between
+# them (norms, SwiGLU, residual adds, cuBLAS's split-K reductions) and the gaps between launches
+# took ~0.75 ms of an 8B model's 4.7 ms step (RESULTS.md, #47). Steps of several tokens stay on
+# the ops above.
+
+def runs_gemvs(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
+    """Whether `norm_gemv` and `gemv_add_` run `triton_gemv`'s kernel for x `[1, in]` and these
+    `[out, in]` weights: one token, on a GPU, weights unpacked (rows contiguous) in x's dtype."""
+    return x.shape[0] == 1 and _on_gpu(x) and all(
+        w is not None and w.dtype == x.dtype and w.stride(1) == 1 for w in weights)
+
+
+def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """`rms_norm(x) W^T` of one token: x `[1, in]` -> `[1, out]`, the norm read into the GEMV."""
+    if _on_gpu(x):
+        return triton_gemv.gemv(x[0], weight, norm=(norm_weight, eps))[None]
+    return F.linear(rms_norm(x, norm_weight, eps), weight)
+
+
+def gemv_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """residual += x W^T for one token (x `[1, in]`, residual `[1, out]`); with `swiglu`, x holds
+    gate and up (`[1, 2 * in]`) and `silu_mul(x)` is multiplied. Returns residual."""
+    if _on_gpu(x):
+        triton_gemv.gemv(x[0], weight, swiglu=swiglu, out=residual[0], residual=True)
+        return residual
+    return residual.add_(F.linear(silu_mul(x) if swiglu else x, weight))
 
 
 # -- mixture of experts --------------------------------------------------------------------------

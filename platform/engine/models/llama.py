@@ -59,14 +59,20 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos_sin))
+
+    def attend(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """The projected q, k and v `[tokens, (heads + 2 * kv_heads) * head_dim]` -> the attention's
+        output `[tokens, heads * head_dim]` (q/k norms where the model has them, rotary, paged attention)."""
+        tokens = qkv.shape[0]
+        heads = qkv.view(tokens, -1, self.head_dim)
         nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
         if hasattr(self, "q_norm"):
-            heads[:, :nq] = self.q_norm(heads[:, :nq].reshape(-1, self.head_dim)).view(x.shape[0], nq, -1)
-            heads[:, nq:nqk] = self.k_norm(heads[:, nq:nqk].reshape(-1, self.head_dim)).view(x.shape[0], -1,
+            heads[:, :nq] = self.q_norm(heads[:, :nq].reshape(-1, self.head_dim)).view(tokens, nq, -1)
+            heads[:, nq:nqk] = self.k_norm(heads[:, nq:nqk].reshape(-1, self.head_dim)).view(tokens, -1,
                                                                                                self.head_dim)
         RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go, in place
-        return self.o_proj(self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:]))
+        return self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:])
 
 
 class LlamaMLP(nn.Module):
@@ -90,13 +96,36 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, h: torch.Tensor, cos_sin: torch.Tensor,
-                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(h, this layer's MLP output). In place: h is this forward pass's own residual stream.
         Each residual add happens inside the norm that follows it (one kernel, not two): the
         previous layer's MLP output (`pending`) in this layer's first norm, the attention output in
-        its second; this layer's MLP output is left to the next norm."""
+        its second; this layer's MLP output is left to the next norm. A one-token step on a GPU
+        adds both inside the GEMVs before them instead (`_forward_gemvs`) and leaves None."""
+        if pending is None and self._runs_gemvs(h):
+            return self._forward_gemvs(h, cos_sin), None
         x = self.post_attention_layernorm(h, add=self.self_attn(self.input_layernorm(h, add=pending), cos_sin))
         return h, self.mlp(x)
+
+    def _runs_gemvs(self, h: torch.Tensor) -> bool:
+        """A one-token step of a plain Llama layer (dense SwiGLU MLP, no biases, one rank; Qwen3's q/k
+        norms are `attend`'s) where `ops.runs_gemvs` takes its weights: on a GPU."""
+        a, mlp = self.self_attn, self.mlp
+        return (h.shape[0] == 1 and type(a) is LlamaAttention and type(mlp) is LlamaMLP
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                and a.o_proj.tp_size == 1 and a.qkv_proj.bias is None and a.o_proj.bias is None
+                and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+                and ops.runs_gemvs(h, a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight,
+                                   mlp.down_proj.weight))
+
+    def _forward_gemvs(self, h: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """`forward` on four GEMVs that take the norms, SwiGLU and both residual adds in: h gets
+        this layer's MLP output too (nothing is left pending)."""
+        a, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv = ops.norm_gemv(h, norm1.weight, norm1.eps, a.qkv_proj.weight)
+        ops.gemv_add_(a.attend(qkv, cos_sin), a.o_proj.weight, h)
+        gate_up = ops.norm_gemv(h, norm2.weight, norm2.eps, mlp.gate_up_proj.weight)
+        return ops.gemv_add_(gate_up, mlp.down_proj.weight, h, swiglu=True)
 
 
 class LlamaModel(nn.Module):
