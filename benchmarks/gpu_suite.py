@@ -19,7 +19,8 @@ Sections, in this order, each in its own try (one failure keeps the others' figu
   as a decode step runs it (replayed in a CUDA graph; the eager call beside it).
 - gemv: a layer's four weight GEMVs at batch 1, cuBLAS against the engine's Triton GEMV
   (`triton_gemv`) at a few tilings, and a whole batch-1 layer both ways (op by op, and with the
-  norms, SwiGLU and residual adds read into the GEMVs) (gpu_suite_gemv.py).
+  norms, rotary, the K/V write, SwiGLU and the residual adds read into the GEMVs)
+  (gpu_suite_gemv.py).
 - dense: a Llama-3-8B-shaped model on pdserve's engine, CUDA graphs on: batch-1 decode against the
   roofline (copy bandwidth / weight bytes: a decode step reads every weight once), on the one-token
   GEMV path and op by op (a second batch-1 graph of the same engine, the same prompt), output

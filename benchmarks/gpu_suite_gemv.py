@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kernels.triton_gemv import gemv, tiling
+from pdserve.engine.kernels.triton_gemv import gemv, qkv_gemv, tiling
 
 # (rows a program computes, weights' columns a loop step reads, warps, pipeline stages); the
 # engine's rule (`triton_gemv.tiling`) picks one of the first three.
@@ -96,8 +96,9 @@ def _layer(rep, arch: dict, device: str, dtype: torch.dtype, context: int, timed
       norm (with the residual add), cuBLAS's gate_up GEMV, silu_mul, cuBLAS's down GEMV (its
       output added in the next norm);
     - as the engine runs a one-token step on a GPU (`triton_gemv`): each norm read into the GEMV
-      after it, SwiGLU into the down GEMV, and the o and down GEMVs adding into the residual
-      stream: four kernels fewer, and none of cuBLAS's split-K reductions.
+      after it, rotary and the K/V write into the qkv GEMV, SwiGLU into the down GEMV, and the o
+      and down GEMVs adding into the residual stream: 6 kernels a layer against 11-15 (cuBLAS
+      splits some GEMVs in two: a reduction kernel after).
     Checked against each other (the residual stream after the layer), then each replayed in a
     CUDA graph: the difference, times the layers, is what a step gains."""
     import math
@@ -125,10 +126,11 @@ def _layer(rep, arch: dict, device: str, dtype: torch.dtype, context: int, timed
     cos_sin = torch.stack((angle.cos(), angle.sin()), dim=1)  # [1, 2, hd // 2], fp32
     scale = hd ** -0.5
 
-    def attention(qkv: torch.Tensor) -> torch.Tensor:
+    def attention(qkv: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
         heads = qkv.view(1, -1, hd)
-        ops.rotary_(heads[:, :nq + nkv], cos_sin)
-        ops.write_kv(heads[:, nq:nq + nkv], heads[:, nq + nkv:], k_cache, v_cache, slot)
+        if not kv_written:
+            ops.rotary_(heads[:, :nq + nkv], cos_sin)
+            ops.write_kv(heads[:, nq:nq + nkv], heads[:, nq + nkv:], k_cache, v_cache, slot)
         return triton_paged.paged_decode_attention(heads[:, :nq], k_cache, v_cache, tables, lens, scale).view(1, -1)
 
     def op_by_op_layer(stream: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
@@ -136,12 +138,11 @@ def _layer(rep, arch: dict, device: str, dtype: torch.dtype, context: int, timed
         x = ops.rms_norm(stream, ln2, eps, add=F.linear(attention(F.linear(x, w_qkv)), w_o))
         return F.linear(ops.silu_mul(F.linear(x, w_gate_up)), w_down)
 
-    qkv, gate_up = torch.empty((nq + 2 * nkv) * hd, dtype=dtype, device=device), torch.empty(2 * inter, dtype=dtype,
-                                                                                             device=device)
+    gate_up = torch.empty(2 * inter, dtype=dtype, device=device)
 
     def gemv_layer(stream: torch.Tensor) -> None:
-        gemv(stream[0], w_qkv, norm=(ln1, eps), out=qkv)
-        gemv(attention(qkv)[0], w_o, out=stream[0], residual=True)
+        qkv = qkv_gemv(stream[0], w_qkv, (ln1, eps), cos_sin[0], nq, k_cache, v_cache, slot)
+        gemv(attention(qkv, kv_written=True)[0], w_o, out=stream[0], residual=True)
         gemv(stream[0], w_gate_up, norm=(ln2, eps), out=gate_up)
         gemv(gate_up, w_down, swiglu=True, out=stream[0], residual=True)
 
@@ -159,6 +160,6 @@ def _layer(rep, arch: dict, device: str, dtype: torch.dtype, context: int, timed
     rep.figures("gemv", layer_relative_error=err, layer_context=context, layer_op_by_op_s=op_by_op_s,
                 layer_gemvs_s=gemv_s)
     rep.row("gemv", f"batch-1 decoder layer at context {context}, op by op (cuBLAS) / on Triton GEMVs with "
-            "the norms, SwiGLU and residual adds read in", op_by_op_s / gemv_s, "x", 1.0, "op by op", None,
+            "the norms, rotary, the K/V write, SwiGLU and residual adds read in", op_by_op_s / gemv_s, "x", 1.0, "op by op", None,
             note=f"{op_by_op_s * 1e6:.1f} against {gemv_s * 1e6:.1f} us {how}; times {layers} layers, "
                  f"{(op_by_op_s - gemv_s) * layers * 1e3:+.3f} ms a step; relative error {err:.1e}")

@@ -133,17 +133,17 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
         """q `[tokens, heads, head_dim]`, k/v `[tokens, kv_heads, head_dim]` (views are fine)
-        -> `[tokens, heads * head_dim]`."""
+        -> `[tokens, heads * head_dim]`. `kv_written`: k and v are in the cache already (a
+        projection wrote them there: `step_cache`)."""
         ctx = get_forward_context()
-        meta = ctx.attn
-        if meta.groups is not None:  # this layer's group's slots and block tables
-            meta = meta.groups[ctx.kv_cache.layer_groups[self.layer_idx]]
+        meta = self._metadata(ctx)
         num_tokens = q.shape[0]
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
         nd = meta.num_decode_tokens
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if nd == num_tokens:  # a pure decode step, the common case: the kernel's output, no staging copy
             return self._decode(q, k_cache, v_cache, meta, ctx.workspace).reshape(num_tokens,
                                                                                   self.num_heads * self.head_dim)
@@ -154,6 +154,19 @@ class Attention(nn.Module):
         ops.paged_prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, meta.prefill_batch, self.scale, out,
                                     self.sliding_window)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def step_cache(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's K and V caches and this step's slots in them, for a kernel that writes the
+        step's K and V itself (then `forward(..., kv_written=True)`)."""
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx).unbind(0)
+        return k_cache, v_cache, self._metadata(ctx).slot_mapping
+
+    def _metadata(self, ctx: ForwardContext) -> AttentionMetadata:
+        """The step's metadata for this layer: its group's slots and block tables, where the
+        model has several groups."""
+        meta = ctx.attn
+        return meta if meta.groups is None else meta.groups[ctx.kv_cache.layer_groups[self.layer_idx]]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 workspace: GatherWorkspace) -> torch.Tensor:

@@ -14,7 +14,8 @@ Elementwise (the model files'):
 
 Linear layers: `pack_linear(weight)` once at load, then `linear(x, ...)` on what it packed for.
 One-token steps on a GPU: where `runs_gemvs` says so, a layer's GEMVs take the ops around them in
-(`triton_gemv`): `norm_gemv` (the norm before a GEMV) and `gemv_add_` (SwiGLU before it, the
+(`triton_gemv`): `norm_gemv` (the norm before a GEMV), `norm_gemv_rotary_write_kv` (the qkv
+projection with the norm, rotary and the K/V write) and `gemv_add_` (SwiGLU before it, the
 residual add after it).
 Experts: `fuses_moe(w13, ...)` once at load (it fixes the weights' layout), then `moe(...)`.
 Paged attention: `write_kv`, `paged_decode_attention`, `paged_prefill_attention` (with a
@@ -159,6 +160,24 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
     if _on_gpu(x):
         return triton_gemv.gemv(x[0], weight, norm=(norm_weight, eps))[None]
     return F.linear(rms_norm(x, norm_weight, eps), weight)
+
+
+def norm_gemv_rotary_write_kv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                              cos_sin: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor) -> torch.Tensor:
+    """A one-token qkv projection with everything up to attention: `norm_gemv`, then `rotary_` of the
+    q and k heads, then `write_kv` of the k and v heads (`num_heads` q heads; the caches' shape
+    gives the rest): x `[1, hidden]`, cos_sin `[1, 2, head_dim // 2]` -> the rotated q, k and v
+    `[1, (heads + 2 * kv_heads) * head_dim]`. One launch on a GPU."""
+    if _on_gpu(x) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        return triton_gemv.qkv_gemv(x[0], weight, (norm_weight, eps), cos_sin[0], num_heads, k_cache, v_cache,
+                                    slot_mapping)[None]
+    qkv = norm_gemv(x, norm_weight, eps, weight)
+    head_dim = k_cache.shape[-1]
+    heads, nqk = qkv.view(1, -1, head_dim), num_heads + k_cache.shape[-2]
+    rotary_(heads[:, :nqk], cos_sin)
+    write_kv(heads[:, num_heads:nqk], heads[:, nqk:], k_cache, v_cache, slot_mapping)
+    return qkv
 
 
 def gemv_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, swiglu: bool = False) -> torch.Tensor:

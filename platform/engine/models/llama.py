@@ -74,6 +74,17 @@ class LlamaAttention(nn.Module):
         RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go, in place
         return self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:])
 
+    def attend_one_token(self, h: torch.Tensor, norm: RMSNorm, cos_sin: torch.Tensor) -> torch.Tensor:
+        """`attend` of one token's qkv projection of `norm(h)`, on GEMVs that take the norm in
+        (`ops.runs_gemvs`); without q/k norms, rotary and the K/V write too, in the same launch."""
+        if hasattr(self, "q_norm"):
+            return self.attend(ops.norm_gemv(h, norm.weight, norm.eps, self.qkv_proj.weight), cos_sin)
+        qkv = ops.norm_gemv_rotary_write_kv(h, norm.weight, norm.eps, self.qkv_proj.weight, cos_sin, self.num_heads,
+                                            *self.attn.step_cache())
+        heads = qkv.view(1, -1, self.head_dim)
+        nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
+        return self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:], kv_written=True)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp: ParallelState):
@@ -119,11 +130,10 @@ class DecoderLayer(nn.Module):
                                    mlp.down_proj.weight))
 
     def _forward_gemvs(self, h: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """`forward` on four GEMVs that take the norms, SwiGLU and both residual adds in: h gets
-        this layer's MLP output too (nothing is left pending)."""
-        a, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv = ops.norm_gemv(h, norm1.weight, norm1.eps, a.qkv_proj.weight)
-        ops.gemv_add_(a.attend(qkv, cos_sin), a.o_proj.weight, h)
+        """`forward` on four GEMVs that take the norms, rotary, the K/V write, SwiGLU and both
+        residual adds in: h gets this layer's MLP output too (nothing is left pending)."""
+        a, mlp, norm2 = self.self_attn, self.mlp, self.post_attention_layernorm
+        ops.gemv_add_(a.attend_one_token(h, self.input_layernorm, cos_sin), a.o_proj.weight, h)
         gate_up = ops.norm_gemv(h, norm2.weight, norm2.eps, mlp.gate_up_proj.weight)
         return ops.gemv_add_(gate_up, mlp.down_proj.weight, h, swiglu=True)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # as test_triton_fused.py: interpreted on a machine without a GPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pdserve.engine.kernels import cpu_decoder, ops  # noqa: E402
+from pdserve.engine.kernels import cpu_decoder, ops, paged_attention  # noqa: E402
 from pdserve.engine.kernels import triton_gemv as tg  # noqa: E402
 from pdserve.engine.llm import LLM  # noqa: E402
 from pdserve.engine.models.llama import DecoderLayer  # noqa: E402
@@ -67,6 +67,32 @@ def test_swiglu_is_read_in_and_the_product_added_to_the_residual(n, k, dtype):
     out = residual.clone()
     assert tg.gemv(gate_up, w, swiglu=True, out=out, residual=True) is out
     _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("heads,kv_heads,head_dim,hidden", [(4, 2, 16, 100), (8, 8, 64, 512), (6, 2, 128, 300)])
+def test_qkv_gemv_rotates_q_and_k_and_writes_k_and_v_to_their_slot(heads, kv_heads, head_dim, hidden, dtype):
+    rows = (heads + 2 * kv_heads) * head_dim
+    x, w = _rand(1, hidden, dtype=dtype, scale=2.0), _rand(rows, hidden, dtype=dtype, scale=hidden ** -0.5)
+    norm_w = 1 + _rand(hidden, dtype=dtype, scale=0.1)
+    angle = torch.rand(1, head_dim // 2, device=DEVICE) * 6.3
+    cos_sin = torch.stack((angle.cos(), angle.sin()), dim=1)  # [1, 2, head_dim // 2], fp32
+    caches = [_rand(5, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]  # ours K, V; the reference's K, V
+    caches[2].copy_(caches[0])
+    caches[3].copy_(caches[1])
+    slot = torch.tensor([37], device=DEVICE)  # block 2, position 5
+
+    got = tg.qkv_gemv(x[0], w, (norm_w, 1e-5), cos_sin[0], heads, caches[0], caches[1], slot)
+    # The reference in fp32 (the kernel rounds once, at its stores), then rounded.
+    ref = F.linear(ops._rms_norm_torch(x.float(), norm_w.float(), 1e-5), w.float()).view(1, -1, head_dim)
+    ops._rotary_torch(ref[:, :heads + kv_heads], cos_sin)
+    _close(got, ref.reshape(-1).to(dtype), dtype)
+    ref_k, ref_v = ref[:, heads:heads + kv_heads].to(dtype), ref[:, heads + kv_heads:].to(dtype)
+    paged_attention.write_kv(ref_k, ref_v, caches[2], caches[3], slot)
+    for ours, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        _close(ours, theirs, dtype)
+        flat_ours, flat_theirs = ours.view(-1, kv_heads, head_dim), theirs.view(-1, kv_heads, head_dim)
+        assert torch.equal(torch.cat((flat_ours[:37], flat_ours[38:])), torch.cat((flat_theirs[:37], flat_theirs[38:])))
 
 
 def test_every_tiling_of_the_benchmark_gives_the_same_product():
