@@ -282,8 +282,18 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     dtype = getattr(torch, sh.dtype)
     elsize = torch.empty((), dtype=dtype).element_size()
     t = time.perf_counter()
-    engine = LLMEngine(EngineConfig(**engine_options(sh, model_dir, max(sh.throughput_batches),
-                                                     sh.prefill_tokens + sh.prompt_tokens)))
+    config = EngineConfig(**engine_options(sh, model_dir, max(sh.throughput_batches), sh.prefill_tokens + sh.prompt_tokens))
+    on_gemvs = True
+    try:
+        engine = LLMEngine(config)
+    except Exception as e:  # noqa: BLE001 - the one-token GEMV path's first run on this GPU: the rest need not wait for it
+        traceback.print_exc()
+        rep.figures("dense", gemv_path_error=repr(e)[:500])
+        log("dense: the engine failed to start with one-token steps on triton_gemv; starting it op by op")
+        free_device_memory(sh.device)
+        on_gemvs = False
+        with mock.patch.object(ops, "runs_gemvs", lambda *args: False):
+            engine = LLMEngine(config)
     # Weights a decode step reads: every layer's, the final norm, the LM head, one embedding row a token.
     weight_bytes = elsize * (arch.num_layers * (linear_params_per_layer(arch) + 2 * arch.hidden_size)
                              + arch.hidden_size * (2 + arch.vocab_size))
@@ -304,7 +314,7 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     rep.figures("dense", batch1_tokens_per_s=tok_s, batch1_step_ms=[s * 1e3 for s in step_s[1:6]])
     rep.row("dense", "8B-shaped decode, batch 1", tok_s, "tokens/s", copy_bw / weight_bytes,
             "roofline: copy bandwidth / weight bytes", 0.8,
-            note=f"{1e3 / tok_s:.2f} ms a step" + (" (one-token steps on triton_gemv)" if graphs_on else ""))
+            note=f"{1e3 / tok_s:.2f} ms a step" + (" (one-token steps on triton_gemv)" if graphs_on and on_gemvs else ""))
     # The same prompt with one-token steps op by op (cuBLAS's GEMVs: the engine before triton_gemv),
     # its own batch-1 graph, in this engine: the GEMV path's gain, and its tokens against it.
     with mock.patch.object(ops, "runs_gemvs", lambda *args: False):
