@@ -149,8 +149,8 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 # the ops above.
 
 def runs_gemvs(x: torch.Tensor, *weights: torch.Tensor | None) -> bool:
-    """Whether `norm_gemv` and `gemv_add_` run `triton_gemv`'s kernel for x `[1, in]` and these
-    `[out, in]` weights: one token, on a GPU, weights unpacked (rows contiguous) in x's dtype."""
+    """Whether the ops below run `triton_gemv`'s kernels for x `[1, in]` and these `[out, in]`
+    weights: one token, on a GPU, weights unpacked (rows contiguous) in x's dtype."""
     return x.shape[0] == 1 and _on_gpu(x) and all(
         w is not None and w.dtype == x.dtype and w.stride(1) == 1 for w in weights)
 
