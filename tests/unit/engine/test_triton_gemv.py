@@ -133,6 +133,8 @@ def _generate_with(llm: LLM):
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton compiled for a GPU takes no CPU tensors: the GPU test "
+                                                     "below runs this path natively")
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
 def test_one_token_steps_on_the_gemvs_give_the_op_by_op_tokens(checkpoints, preset, monkeypatch):
     # On a CPU the layers take the GEMV path only when told to: `runs_gemvs` patched, and the
