@@ -43,6 +43,7 @@ def run(rep, arch: dict, device: str, dtype: torch.dtype, iters: int, context: i
     copy_bw = rep.limits.get("copy_bytes_per_s", 0) / 1e9
     g = torch.Generator(device=device).manual_seed(3)
     totals = {"cuBLAS": 0.0, "Triton, best tiling of each": 0.0, "Triton, the engine's tiling": 0.0}
+    fastest: dict[str, list[int]] = {}  # "NxK" -> the fastest tiling (the dense section runs a step on them)
 
     how = "in a CUDA graph" if device.startswith("cuda") else "eager (the dry run)"
 
@@ -69,7 +70,8 @@ def run(rep, arch: dict, device: str, dtype: torch.dtype, iters: int, context: i
             found[tile] = timed(lambda x=x, w=w, tile=tile, swiglu=swiglu, out=out:
                                 gemv(x, w, swiglu=swiglu, out=out, tile=tile))
             best = tile if best is None or found[tile] < found[best] else best
-        rule = tiling(n, w.device)
+        rule = tiling(n, k, w.device)
+        fastest[f"{n}x{k}"] = list(best)  # the SwiGLU down's, last, is the engine's down
         nbytes = n * k * w.element_size()
         rep.figures("gemv", **{f"{name}_shape": [n, k], f"{name}_cublas_s": cublas,
                                f"{name}_gemv_s": {str(t): s for t, s in found.items()}})
@@ -85,7 +87,7 @@ def run(rep, arch: dict, device: str, dtype: torch.dtype, iters: int, context: i
                     f"; cuBLAS {cublas * 1e6:.1f} us" if cublas else
                     "; against cuBLAS's down GEMV above and the silu_mul kernel before it"))
     log("gemv: a layer's four GEMVs, " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in totals.items()))
-    rep.figures("gemv", layer_s=totals)
+    rep.figures("gemv", layer_s=totals, fastest_tiling_by_shape=fastest)
     _layer(rep, arch, device, dtype, context, timed, how)
 
 

@@ -272,8 +272,7 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     import torch
 
     from pdserve.config import EngineConfig
-    from pdserve.engine.cuda_graphs import DecodeGraphs
-    from pdserve.engine.kernels import ops
+    from pdserve.engine.kernels import ops, triton_gemv
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.models.arch import ModelArch
 
@@ -317,16 +316,8 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
             note=f"{1e3 / tok_s:.2f} ms a step" + (" (one-token steps on triton_gemv)" if graphs_on and on_gemvs else ""))
     # The same prompt with one-token steps op by op (cuBLAS's GEMVs: the engine before triton_gemv),
     # its own batch-1 graph, in this engine: the GEMV path's gain, and its tokens against it.
-    with mock.patch.object(ops, "runs_gemvs", lambda *args: False):
-        op_by_op = DecodeGraphs(engine.model, engine.kv_cache, 1, -(-engine.max_model_len // engine.kv_cache.block_size),
-                                sh.device)
-        if graphs_on:
-            op_by_op.capture()
-        graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, op_by_op
-        try:
-            op_tokens, op_step_s = run_requests(engine, one_prompt, sh.output_tokens + 1)
-        finally:
-            engine.runner.decode_graphs = graphs
+    op_by_op, op_tokens, op_step_s = _batch1_run(engine, sh, one_prompt, graphs_on,
+                                                 mock.patch.object(ops, "runs_gemvs", lambda *args: False))
     op_tok_s = (len(op_step_s) - 1) / sum(op_step_s[1:])
     same = sum(a == b for a, b in zip(tokens[0], op_tokens[0])) / len(tokens[0])
     rep.figures("dense", batch1_op_by_op_tokens_per_s=op_tok_s, batch1_tokens_equal_op_by_op=same)
@@ -334,6 +325,22 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
             copy_bw / weight_bytes, "roofline: copy bandwidth / weight bytes", None,
             note=f"{1e3 / op_tok_s:.2f} ms a step; greedy tokens equal to the GEMV path's on {same:.0%} of "
                  f"{len(tokens[0])} (bf16 rounds in other places)")
+    # And on the GEMV path with the gemv section's fastest tiling of each shape, where it is not the
+    # engine's rule's: what a rule that picked them would give.
+    fastest = rep.data["sections"].get("gemv", {}).get("figures", {}).get("fastest_tiling_by_shape") or {}
+    rule, tuned = triton_gemv.tiling, None
+    if on_gemvs and any(tuple(t) != rule(*map(int, key.split("x")), torch.device(sh.device))
+                        for key, t in fastest.items()):
+        def fastest_tiling(n, k, device):
+            return tuple(fastest.get(f"{n}x{k}") or rule(n, k, device))
+
+        tuned, tuned_tokens, tuned_step_s = _batch1_run(engine, sh, one_prompt, graphs_on,
+                                                        mock.patch.object(triton_gemv, "tiling", fastest_tiling))
+        tuned_tok_s = (len(tuned_step_s) - 1) / sum(tuned_step_s[1:])
+        rep.figures("dense", batch1_fastest_tilings_tokens_per_s=tuned_tok_s, batch1_fastest_tilings=fastest)
+        rep.row("dense", "8B-shaped decode, batch 1, on triton_gemv at the gemv section's fastest tiling of each shape",
+                tuned_tok_s, "tokens/s", copy_bw / weight_bytes, "roofline: copy bandwidth / weight bytes", None,
+                note=f"{1e3 / tuned_tok_s:.2f} ms a step; tokens equal to the rule's tiling's: {tuned_tokens == tokens}")
 
     ours = {}
     for b in sh.throughput_batches:
@@ -358,12 +365,16 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     rep.figures("dense", prefill_s=prefill_s, prefill_flops=flops, prefill_tokens_per_s=n / t)
     rep.row("dense", f"8B-shaped prefill of {n} tokens (MFU)", flops / t / 1e12, "TFLOP/s", peak / 1e12,
             "matmul peak", 0.5, note=f"{n / t:,.0f} tokens/s, {t * 1e3:.0f} ms")
+    graphs = engine.runner.decode_graphs
     if graphs is not None and 1 in graphs._graphs:
         # The device's share of a batch-1 step: its graph replayed alone (the rest of a step is the
         # host's: scheduling, inputs, sampling), both ways. Last: a replay writes a K/V slot no
         # request owns.
         replay_s = seconds_per_call(graphs._graphs[1].replay, sh.device, sh.timing_iters)
         op_replay_s = seconds_per_call(op_by_op._graphs[1].replay, sh.device, sh.timing_iters)
+        if tuned is not None:
+            rep.figures("dense", batch1_fastest_tilings_replay_s=seconds_per_call(tuned._graphs[1].replay, sh.device,
+                                                                                 sh.timing_iters))
         rep.figures("dense", batch1_replay_s=replay_s, batch1_op_by_op_replay_s=op_replay_s)
         rep.row("dense", "8B-shaped decode step, batch 1, its CUDA graph replayed alone (weight bytes read)",
                 weight_bytes / replay_s / 1e9, "GB/s", copy_bw / 1e9, "copy bandwidth", 0.8,
@@ -390,6 +401,25 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
         rep.row("dense", f"8B-shaped output throughput, batch {b}, {sh.prompt_tokens}+{sh.output_tokens} tokens",
                 ours[b][0], "tokens/s", theirs[0] if theirs else None, "transformers generate",
                 3.0 if b == 64 else None, note)
+
+
+def _batch1_run(engine, sh: Shapes, prompt: list[list[int]], graphs_on: bool, patch):
+    """(graphs, tokens, step seconds): a batch-1 decode graph of the engine's model captured under
+    `patch` (a context manager changing what a step runs; eager on a CPU), and `prompt` run on it
+    with the engine's own graphs set aside."""
+    from pdserve.engine.cuda_graphs import DecodeGraphs
+
+    with patch:
+        graphs = DecodeGraphs(engine.model, engine.kv_cache, 1, -(-engine.max_model_len // engine.kv_cache.block_size),
+                              sh.device)
+        if graphs_on:
+            graphs.capture()
+        own, engine.runner.decode_graphs = engine.runner.decode_graphs, graphs
+        try:
+            tokens, step_s = run_requests(engine, prompt, sh.output_tokens + 1)
+        finally:
+            engine.runner.decode_graphs = own
+    return graphs, tokens, step_s
 
 
 def _transformers_throughput(sh: Shapes, rep: Report, model_dir: Path, arch, prompts: dict) -> dict:

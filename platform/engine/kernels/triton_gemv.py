@@ -40,11 +40,11 @@ _WIDE, _NARROW = (16, 512, 4, 3), (8, 512, 4, 3)
 _PROGRAMS_PER_SM = 2
 
 
-def tiling(n: int, device: torch.device) -> tuple[int, int, int, int]:
-    """16 rows a program, or 8 where 16 would leave fewer than `_PROGRAMS_PER_SM` programs an SM
-    (an 8B model's o and down projections, 4,096 rows, on 132 SMs). A function of the shape
-    only, so each CUDA graph keeps its launch. (gpu_suite.py's gemv section times these against
-    other tilings and cuBLAS.)"""
+def tiling(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """The tiling of an `[n, k]` weight's GEMV: 16 rows a program, or 8 where 16 would leave fewer
+    than `_PROGRAMS_PER_SM` programs an SM (an 8B model's o and down projections, 4,096 rows, on
+    132 SMs). A function of the shape only, so each CUDA graph keeps its launch. (gpu_suite.py's
+    gemv section times other tilings and cuBLAS; its dense section, the step on its fastest.)"""
     return _WIDE if n // _WIDE[0] >= _PROGRAMS_PER_SM * _num_sms(device) else _NARROW
 
 
@@ -135,7 +135,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, norm: tuple[torch.Tensor, float] |
         if residual:
             raise ValueError("residual=True adds into `out`: pass it")
         out = torch.empty(n, dtype=w.dtype, device=w.device)
-    block_n, block_k, warps, stages = tile or tiling(n, w.device)
+    block_n, block_k, warps, stages = tile or tiling(n, k, w.device)
     norm_w, eps = norm if norm is not None else (x, 0.0)  # x: a pointer the kernel never reads
     _kernels().gemv[(-(-n // block_n),)](x, w, out, norm_w, n, k, w.stride(0), eps, SWIGLU=swiglu,
                                          NORM=norm is not None, RESIDUAL=residual, BLOCK_N=block_n,
@@ -157,7 +157,7 @@ def qkv_gemv(x: torch.Tensor, w: torch.Tensor, norm: tuple[torch.Tensor, float],
         raise ValueError("qkv_gemv: cos_sin [2, head_dim // 2] with rows contiguous, dense caches, and "
                          "(heads + 2 * kv_heads) * head_dim rows")
     out = torch.empty(n, dtype=w.dtype, device=w.device)
-    block_n, block_k, warps, stages = tiling(n, w.device)
+    block_n, block_k, warps, stages = tiling(n, k, w.device)
     _kernels().qkv_gemv[(-(-n // block_n),)](
         x, w, out, norm[0], cos_sin, k_cache, v_cache, slot, n, k, w.stride(0), cos_sin.stride(0), norm[1],
         num_heads * head_dim, kv_heads * head_dim, HALF=head_dim // 2, BLOCK_P=block_n // 2, BLOCK_K=block_k,

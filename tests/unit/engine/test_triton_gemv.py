@@ -105,8 +105,8 @@ def test_every_tiling_of_the_benchmark_gives_the_same_product():
 def test_tiling_keeps_two_programs_an_sm():
     sms = tg._num_sms(torch.device(DEVICE))
     wide_rows = 2 * sms * 16
-    assert tg.tiling(wide_rows, torch.device(DEVICE))[0] == 16
-    assert tg.tiling(wide_rows - 16, torch.device(DEVICE))[0] == 8
+    assert tg.tiling(wide_rows, 4096, torch.device(DEVICE))[0] == 16
+    assert tg.tiling(wide_rows - 16, 4096, torch.device(DEVICE))[0] == 8
 
 
 def test_a_residual_needs_its_output():
