@@ -308,7 +308,7 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     graphs_on = engine.runner.decode_graphs is not None
     one_prompt = random_prompts(rng, 1, sh.prompt_tokens, arch.vocab_size)
     tokens, step_s = run_requests(engine, one_prompt, sh.output_tokens + 1)
-    tok_s = (len(step_s) - 1) / sum(step_s[1:])  # the first step is the prefill
+    tok_s = _decode_tokens_per_s(step_s)
     copy_bw = rep.limits.get("copy_bytes_per_s", 0)
     rep.figures("dense", batch1_tokens_per_s=tok_s, batch1_step_ms=[s * 1e3 for s in step_s[1:6]])
     rep.row("dense", "8B-shaped decode, batch 1", tok_s, "tokens/s", copy_bw / weight_bytes,
@@ -318,7 +318,7 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
     # its own batch-1 graph, in this engine: the GEMV path's gain, and its tokens against it.
     op_by_op, op_tokens, op_step_s = _batch1_run(engine, sh, one_prompt, graphs_on,
                                                  mock.patch.object(ops, "runs_gemvs", lambda *args: False))
-    op_tok_s = (len(op_step_s) - 1) / sum(op_step_s[1:])
+    op_tok_s = _decode_tokens_per_s(op_step_s)
     same = sum(a == b for a, b in zip(tokens[0], op_tokens[0])) / len(tokens[0])
     rep.figures("dense", batch1_op_by_op_tokens_per_s=op_tok_s, batch1_tokens_equal_op_by_op=same)
     rep.row("dense", "8B-shaped decode, batch 1, one-token steps op by op (cuBLAS's GEMVs)", op_tok_s, "tokens/s",
@@ -336,7 +336,7 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
 
         tuned, tuned_tokens, tuned_step_s = _batch1_run(engine, sh, one_prompt, graphs_on,
                                                         mock.patch.object(triton_gemv, "tiling", fastest_tiling))
-        tuned_tok_s = (len(tuned_step_s) - 1) / sum(tuned_step_s[1:])
+        tuned_tok_s = _decode_tokens_per_s(tuned_step_s)
         rep.figures("dense", batch1_fastest_tilings_tokens_per_s=tuned_tok_s, batch1_fastest_tilings=fastest)
         rep.row("dense", "8B-shaped decode, batch 1, on triton_gemv at the gemv section's fastest tiling of each shape",
                 tuned_tok_s, "tokens/s", copy_bw / weight_bytes, "roofline: copy bandwidth / weight bytes", None,
@@ -401,6 +401,11 @@ def section_dense(sh: Shapes, rep: Report, work: Path) -> None:
         rep.row("dense", f"8B-shaped output throughput, batch {b}, {sh.prompt_tokens}+{sh.output_tokens} tokens",
                 ours[b][0], "tokens/s", theirs[0] if theirs else None, "transformers generate",
                 3.0 if b == 64 else None, note)
+
+
+def _decode_tokens_per_s(step_s: list[float]) -> float:
+    """One sequence's decode steps a second: every step but the first (its prefill)."""
+    return (len(step_s) - 1) / sum(step_s[1:])
 
 
 def _batch1_run(engine, sh: Shapes, prompt: list[list[int]], graphs_on: bool, patch):
