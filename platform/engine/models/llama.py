@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
             heads[:, nq:nqk] = self.k_norm(heads[:, nq:nqk].reshape(-1, self.head_dim)).view(tokens, -1,
                                                                                                self.head_dim)
         RotaryEmbedding.apply(heads[:, :nqk], cos_sin)  # q and k heads rotated in one go, in place
-        return self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:])
+        return self._paged_attention(heads)
 
     def attend_one_token(self, h: torch.Tensor, norm: RMSNorm, cos_sin: torch.Tensor) -> torch.Tensor:
         """`attend` of one token's qkv projection of `norm(h)`, on GEMVs that take the norm in
@@ -81,9 +81,12 @@ class LlamaAttention(nn.Module):
             return self.attend(ops.norm_gemv(h, norm.weight, norm.eps, self.qkv_proj.weight), cos_sin)
         qkv = ops.norm_gemv_rotary_write_kv(h, norm.weight, norm.eps, self.qkv_proj.weight, cos_sin, self.num_heads,
                                             *self.attn.step_cache())
-        heads = qkv.view(1, -1, self.head_dim)
+        return self._paged_attention(qkv.view(1, -1, self.head_dim), kv_written=True)
+
+    def _paged_attention(self, heads: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+        """The attention of `[tokens, heads + 2 * kv_heads, head_dim]` (q, k, v heads, rotated)."""
         nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
-        return self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:], kv_written=True)
+        return self.attn(heads[:, :nq], heads[:, nq:nqk], heads[:, nqk:], kv_written=kv_written)
 
 
 class LlamaMLP(nn.Module):
